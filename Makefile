@@ -1,0 +1,37 @@
+# make demo : the whole job on a built-in tiny model, CPU, no downloads
+# make test : every test, including the real sglang server on CPU
+# Both create .venv and install what they need on a fresh machine.
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+BASE    := $(VENV)/.base-installed
+SGLANG  := $(VENV)/.sglang-installed
+
+.PHONY: demo test test-fast bench clean
+
+$(BASE): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# The CPU torch wheel first: a bare `torch` requirement could pull a CUDA build of several GB.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[hf,test]'
+	touch $@
+
+$(SGLANG): $(BASE) scripts/install-sglang-cpu.sh
+	scripts/install-sglang-cpu.sh $(BIN)/python
+	touch $@
+
+demo: $(BASE)
+	$(BIN)/python examples/demo.py
+
+test: $(BASE) $(SGLANG)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(BASE)
+	$(BIN)/python -m pytest -q -m "not sglang" tests
+
+bench: $(BASE)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) demo-out

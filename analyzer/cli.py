@@ -1,0 +1,145 @@
+"""The dumpdiff command line. Exit codes follow diff(1): 0 no divergence, 1 divergence, 2 trouble.
+
+Results go to stdout, logs and progress bars to stderr. Any trouble is one line on stderr
+starting with 'dumpdiff: error:' and exit code 2; set DUMPDIFF_DEBUG=1 for a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+import click
+
+from .errors import DumpError
+
+EXIT_SAME, EXIT_DIFFERENT, EXIT_TROUBLE = 0, 1, 2
+FORMATS = ("text", "md", "json", "html")
+
+
+def guarded(func):
+    """Turn every failure into one line and exit code 2: no traceback, no partial result."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except DumpError as exc:
+            _fail(str(exc))
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            _fail("interrupted")
+        except OSError as exc:
+            if os.environ.get("DUMPDIFF_DEBUG"):
+                raise
+            _fail(f"{exc.strerror or exc} ({exc.filename or 'i/o'}); check the path, permissions and free disk space")
+        except Exception as exc:  # noqa: BLE001 - the promise is one line, exit 2
+            if os.environ.get("DUMPDIFF_DEBUG"):
+                raise
+            _fail(f"internal error {type(exc).__name__}: {exc} (rerun with DUMPDIFF_DEBUG=1 and report it)")
+    return wrapper
+
+
+def _fail(message: str):
+    click.echo(f"dumpdiff: error: {message}", err=True)
+    sys.exit(EXIT_TROUBLE)
+
+
+def emit(text: str, output: str = None):
+    """Write the whole result at once (to a temp file then rename): never a partial file."""
+    if not output or output == "-":
+        click.echo(text, nl=False)
+        return
+    tmp = f"{output}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, output)
+    click.echo(f"dumpdiff: wrote {output}", err=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
+def main(verbose):
+    """dumpdiff - find the operator that makes prefill and decode disagree.
+
+    \b
+    Typical session:
+      DUMPER_ENABLE=1 DUMPER_EXP_NAME=ref  <run the reference prefill of prompt+output>
+      DUMPER_ENABLE=1 DUMPER_EXP_NAME=dec  <run prefill + decode of the same prompt>
+      dumpdiff first-divergence /tmp/dumper/ref /tmp/dumper/dec
+
+    \b
+    Exit status (as diff(1)):
+      0  no divergence    1  divergence found    2  trouble (bad input, unprovable alignment)
+    """
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="dumpdiff: %(message)s")
+
+
+def render(result: dict, fmt: str) -> str:
+    from . import report
+    if fmt == "json":
+        return report.to_json(result) + "\n"
+    if fmt == "md":
+        from .render_md import to_markdown
+        return to_markdown(result)
+    if fmt == "html":
+        from .render_html import to_html
+        return to_html(result)
+    return report.to_text(result)
+
+
+@main.command("first-divergence")
+@click.argument("reference", type=click.Path(path_type=str))
+@click.argument("test", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format.")
+@click.option("-o", "--output", default=None, help="Write the report to this file instead of stdout.")
+@click.option("--rank", type=int, default=None, help="Compare only this rank (default: every rank).")
+@click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
+@click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
+@click.option("--rebuild-index", is_flag=True, help="Rebuild the parquet indexes even when they are fresh.")
+@click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
+@guarded
+def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, allow_mismatch, rebuild_index, no_progress):
+    """Name the first operator whose inputs match and whose output does not.
+
+    REFERENCE is usually the dump of one prefill of prompt+output; TEST the dump of the prefill
+    and decode steps of the same prompt. Token rows are paired by their token ids from
+    position 0 (request ids never cross runs); the pairing is proved (ids, positions, and a
+    bit-identical embedding output) before any verdict, else the command stops with exit 2.
+
+    For each paired row the hooked calls are walked in completion order: the first call whose
+    token-aligned inputs are bit-identical and whose output is not is the culprit; calls after
+    it whose inputs differ are victims. Prints the module, the rows, the shapes on each side
+    (M = token rows in the pass), max abs / ulp / relative error and the victim count.
+    """
+    from .diverge import first_divergence
+    result = first_divergence(reference, test, trust_alignment=trust_alignment, allow_mismatch=allow_mismatch,
+                              progress=not no_progress, rebuild_index=rebuild_index, rank=rank)
+    emit(render(result, fmt), output)
+    sys.exit(EXIT_DIFFERENT if result["divergence"] else EXIT_SAME)
+
+
+@main.command("index")
+@click.argument("dump", type=click.Path(path_type=str))
+@click.option("--rebuild", is_flag=True, help="Rebuild even when the index is fresh.")
+@click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+@guarded
+def index_cmd(dump, rebuild, no_progress):
+    """Build the parquet index of DUMP (one row per tensor row, with its fingerprint).
+
+    The index is written to DUMP/index/ (or ~/.cache/dumpdiff/index/ when DUMP is read-only)
+    as tokens, seqs, calls, tensors and rows tables, readable by pandas and duckdb. Later
+    commands reuse it while the dump's manifest is unchanged.
+    """
+    from .index import load_index
+    from .load import open_dump
+    index = load_index(open_dump(dump), rebuild=rebuild, progress=not no_progress)
+    click.echo(f"{index.where}: {len(index.tokens)} token rows, {len(index.calls)} calls, "
+               f"{len(index.tensors)} tensors, {len(index.rows)} tensor rows")
+
+
+if __name__ == "__main__":
+    main()

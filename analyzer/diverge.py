@@ -1,0 +1,63 @@
+"""The first-divergence pipeline: open both dumps, check they are comparable, index, align, prove,
+and give the verdict rank by rank. Returns a plain dict that every report format renders."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .align import align, prove
+from .compare import strict_verdict
+from .errors import DumpError
+from .index import load_index
+from .load import Dump, open_dump, show
+
+# What must match for a comparison to mean anything. The model path may differ (a copy, an
+# engine's own cache), so it is only reported.
+IDENTITY_KEYS = ("model_type", "num_layers", "dtype", "tp_size")
+
+
+def check_same_model(a: Dump, b: Dump, allow: bool):
+    for key in IDENTITY_KEYS:
+        va, vb = a.run.get(key), b.run.get(key)
+        if va is not None and vb is not None and va != vb and not allow:
+            raise DumpError(f"the dumps differ in {key} ({va!r} vs {vb!r}); compare dumps of the same model and "
+                            "settings, or pass --allow-mismatch if that is intended")
+    if set(a.ranks) != set(b.ranks) and not allow:
+        raise DumpError(f"the dumps have different ranks ({sorted(a.ranks)} vs {sorted(b.ranks)}); dump both runs with the "
+                        "same tensor-parallel size")
+
+
+def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, allow_mismatch: bool = False,
+                     progress: bool = True, rebuild_index: bool = False, rank: Optional[int] = None) -> dict:
+    dump_a, dump_b = open_dump(path_a), open_dump(path_b)
+    check_same_model(dump_a, dump_b, allow_mismatch)
+    index_a = load_index(dump_a, rebuild=rebuild_index, progress=progress)
+    index_b = load_index(dump_b, rebuild=rebuild_index, progress=progress)
+    ranks = sorted(set(dump_a.ranks) & set(dump_b.ranks))
+    if rank is not None:
+        if rank not in ranks:
+            raise DumpError(f"rank {rank} is not in both dumps (ranks {ranks})")
+        ranks = [rank]
+    result = {"a": describe(dump_a), "b": describe(dump_b), "ranks": {}, "warnings": dump_a.warnings() + dump_b.warnings()}
+    for r in ranks:
+        ia, ib = index_a.rank(r), index_b.rank(r)
+        alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
+        verdict = strict_verdict(alignment, ia, ib)
+        verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
+                                "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,
+                                "embedding": alignment.embedding}
+        result["ranks"][str(r)] = verdict
+    result["diverged_ranks"] = [int(r) for r, v in result["ranks"].items() if v["rows_differing"]]
+    result["divergence"] = bool(result["diverged_ranks"])
+    first = next((v for v in result["ranks"].values() if v["culprit"]), None)
+    result["culprit"] = first["culprit"] if first else None
+    return result
+
+
+def describe(dump: Dump) -> dict:
+    run = dump.run
+    return {"path": show(dump.path), "label": show(dump.label), "engine": run.get("engine"), "model": run.get("model"),
+            "dtype": run.get("dtype"), "device": run.get("device"), "tp_size": run.get("tp_size"),
+            "versions": run.get("versions", {}), "flags": run.get("flags", {}),
+            "passes": sum(len(r.passes) for r in dump.ranks.values()), "ranks": sorted(dump.ranks),
+            "incomplete": dump.incomplete}

@@ -1,0 +1,188 @@
+"""Open a dump folder and read its passes, trusting only what the manifest committed.
+
+Every problem with the files becomes a ``DumpError`` whose message names the file, says what
+is wrong and what to do. Nothing here unpickles: tensors come from safetensors, metadata from
+JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Dict, List, Optional
+
+from safetensors import SafetensorError, safe_open
+
+from dumper import format as fmt
+
+from .errors import DumpError
+
+
+@dataclasses.dataclass
+class PassRef:
+    rank: int
+    pass_id: int
+    path: str
+    nbytes: int
+    mode: Optional[str] = None
+
+
+@dataclasses.dataclass
+class RankDump:
+    rank: int
+    dir: str
+    passes: List[PassRef]
+    torn_lines: int = 0  # manifest lines cut short by a crash (ignored)
+    orphans: List[str] = dataclasses.field(default_factory=list)  # files never committed
+
+
+@dataclasses.dataclass
+class Dump:
+    path: str
+    run: dict
+    ranks: Dict[int, RankDump]
+    incomplete: Optional[str] = None  # why dumping stopped early, if it did
+
+    @property
+    def label(self) -> str:
+        return os.path.basename(os.path.normpath(self.path)) or self.path
+
+    def warnings(self) -> List[str]:
+        notes = []
+        if self.incomplete:
+            notes.append(f"{self.label}: dump marked INCOMPLETE ({self.incomplete}); passes after that were not written")
+        for rank in self.ranks.values():
+            if rank.torn_lines:
+                notes.append(f"{self.label} rank{rank.rank}: {rank.torn_lines} torn manifest line(s) ignored (writer was killed)")
+            if rank.orphans:
+                notes.append(f"{self.label} rank{rank.rank}: {len(rank.orphans)} uncommitted pass file(s) ignored "
+                             f"(writer was killed mid-write): {', '.join(rank.orphans[:3])}")
+        return notes
+
+
+def show(path: str) -> str:
+    """A path printable on any terminal, even with undecodable bytes in it."""
+    return os.fsdecode(path).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def open_dump(path: str) -> Dump:
+    if not os.path.exists(path):
+        raise DumpError(f"{show(path)}: no such directory; give the experiment folder <DUMPER_DIR>/<exp_name>")
+    if not os.path.isdir(path):
+        raise DumpError(f"{show(path)}: not a directory; give the experiment folder <DUMPER_DIR>/<exp_name>")
+    run_path = os.path.join(path, fmt.RUN_FILE)
+    if not os.path.exists(run_path):
+        raise DumpError(_not_a_dump_message(path))
+    run = _read_run(run_path)
+    ranks = {}
+    for entry in sorted(os.listdir(path)):
+        match = fmt.RANK_DIR_RE.match(entry)
+        if match and os.path.isdir(os.path.join(path, entry)):
+            ranks[int(match.group(1))] = _read_rank(int(match.group(1)), os.path.join(path, entry))
+    ranks = {r: d for r, d in ranks.items() if d.passes}
+    if not ranks:
+        raise DumpError(f"{show(path)}: the dump holds no committed pass; was dumping enabled while the model ran?")
+    incomplete = None
+    marker = os.path.join(path, fmt.INCOMPLETE_FILE)
+    if os.path.exists(marker):
+        with open(marker, "rb") as handle:
+            incomplete = handle.read(2000).decode("utf-8", "replace").strip().splitlines()[0:1] or ["reason unknown"]
+            incomplete = incomplete[0]
+    return Dump(path=path, run=run, ranks=ranks, incomplete=incomplete)
+
+
+def _not_a_dump_message(path: str) -> str:
+    entries = os.listdir(path)
+    if not entries:
+        return f"{show(path)}: empty directory, not a dump; give the experiment folder <DUMPER_DIR>/<exp_name>"
+    inner = [e for e in entries if os.path.exists(os.path.join(path, e, fmt.RUN_FILE))]
+    if inner:
+        return (f"{show(path)}: this is a DUMPER_DIR holding experiments ({', '.join(sorted(inner)[:5])}); "
+                f"give one of them, e.g. {show(os.path.join(path, sorted(inner)[0]))}")
+    if any(e.endswith(".pt") for e in entries):
+        return f"{show(path)}: holds .pt files but no run.json; for sglang's built-in dumper output use 'dumpdiff import-sglang'"
+    return f"{show(path)}: not a dumpdiff dump (no {fmt.RUN_FILE}); give the experiment folder <DUMPER_DIR>/<exp_name>"
+
+
+def _read_run(run_path: str) -> dict:
+    try:
+        with open(run_path, "rb") as handle:
+            run = json.loads(handle.read().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DumpError(f"{show(run_path)}: not valid JSON ({exc}); the dump is damaged, dump again") from None
+    if not isinstance(run, dict) or run.get("format") != fmt.FORMAT_NAME:
+        raise DumpError(f"{show(run_path)}: not a dumpdiff run file; give the experiment folder <DUMPER_DIR>/<exp_name>")
+    version = run.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise DumpError(f"{show(run_path)}: format version {version!r} is not valid; the dump is damaged")
+    if version > fmt.FORMAT_VERSION:
+        raise DumpError(f"{show(run_path)}: written in dump format {version}, newer than this dumpdiff reads "
+                        f"({fmt.FORMAT_VERSION}); upgrade dumpdiff (pip install -U dumpdiff)")
+    return run
+
+
+def _read_rank(rank: int, rank_dir: str) -> RankDump:
+    manifest = os.path.join(rank_dir, fmt.MANIFEST_FILE)
+    passes: List[PassRef] = []
+    torn = 0
+    committed = set()
+    if os.path.exists(manifest):
+        with open(manifest, "rb") as handle:
+            lines = handle.read().split(b"\n")
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line.decode("utf-8"))
+                pass_id, name, nbytes = int(entry["pass"]), str(entry["file"]), int(entry["bytes"])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                if number >= len(lines) - 1:  # only the last line can be torn by a crash
+                    torn += 1
+                    continue
+                raise DumpError(f"{show(manifest)}: line {number} is not a manifest entry; the dump is damaged, dump again") from None
+            if os.path.basename(name) != name or not name.endswith(".safetensors"):
+                raise DumpError(f"{show(manifest)}: line {number} names {name!r}, not a pass file in this folder; the dump is damaged")
+            path = os.path.join(rank_dir, name)
+            if not os.path.exists(path):
+                raise DumpError(f"{show(manifest)}: names {name} but that file is missing; copy the whole dump folder again")
+            size = os.path.getsize(path)
+            if size != nbytes:
+                raise DumpError(f"{show(path)}: truncated or changed ({size} bytes, manifest says {nbytes}); copy the dump again")
+            committed.add(name)
+            passes.append(PassRef(rank, pass_id, path, nbytes, entry.get("mode")))
+    orphans = sorted(n for n in os.listdir(rank_dir) if n.endswith(".safetensors") or n.endswith(".tmp"))
+    orphans = [n for n in orphans if n not in committed]
+    passes.sort(key=lambda p: p.pass_id)
+    return RankDump(rank, rank_dir, passes, torn, orphans)
+
+
+class PassFile:
+    """One committed pass: its metadata and lazy access to its tensors."""
+
+    def __init__(self, ref: PassRef):
+        self.ref = ref
+        try:
+            self._file = safe_open(ref.path, framework="pt")
+            header = self._file.metadata() or {}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise DumpError(f"{show(ref.path)}: corrupt pass file ({exc}); re-copy or re-dump it") from None
+        raw = header.get(fmt.PASS_META_KEY)
+        if raw is None:
+            raise DumpError(f"{show(ref.path)}: no dumpdiff metadata in the safetensors header; not a dumpdiff pass file")
+        try:
+            self.meta = json.loads(raw)
+        except ValueError:
+            raise DumpError(f"{show(ref.path)}: pass metadata is not valid JSON; the file is damaged") from None
+        missing = [k for k in ("tokens", "calls", "token_shape") if k not in self.meta]
+        if missing:
+            raise DumpError(f"{show(ref.path)}: pass metadata lacks {missing}; the file is damaged or from another tool")
+        self.names = set(self._file.keys())
+
+    def tensor(self, name: str):
+        if name not in self.names:
+            raise DumpError(f"{show(self.ref.path)}: tensor {name!r} listed in metadata is not in the file; the file is damaged")
+        try:
+            return self._file.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise DumpError(f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged") from None

@@ -1,0 +1,85 @@
+"""Render a first-divergence result as text or JSON (the dict is the single source of truth)."""
+
+from __future__ import annotations
+
+import json
+from typing import List
+
+
+def to_json(result: dict) -> str:
+    return json.dumps(result, indent=2, default=str, ensure_ascii=True)
+
+
+def fmt_num(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def describe_side(side: dict) -> str:
+    bits = [side.get("engine") or "?", side.get("model") or "?", side.get("dtype") or "?", side.get("device") or ""]
+    return f"{side['label']} ({' '.join(b for b in bits if b)}; {side['passes']} passes, ranks {side['ranks']})"
+
+
+def shapes_line(culprit: dict, labels) -> str:
+    parts = []
+    for side, label in zip(("a", "b"), labels):
+        info = culprit["shapes"][side]
+        tensors = ", ".join(f"{slot} {shape}" for slot, shape in info["tensors"].items())
+        parts.append(f"{label} pass {info['pass']} M={info['M']}: {tensors}")
+    return "\n    ".join(parts)
+
+
+def culprit_lines(culprit: dict, labels, rows_compared: int) -> List[str]:
+    rows = ", ".join(f"{r['seq']}@{r['pos']} ({r['kind']})" for r in culprit["rows"][:6])
+    more = "" if culprit["n_rows"] <= 6 else f", ... {culprit['n_rows'] - 6} more"
+    lines = [
+        f"culprit: {culprit['call']}  [{culprit['cls']}]",
+        f"  module: {culprit['module']}",
+        f"  token rows: {culprit['n_rows']} of {rows_compared} compared rows: {rows}{more}",
+        f"  shapes (M = token rows in the pass):\n    {shapes_line(culprit, labels)}",
+        f"  error on {culprit['tensor']}: max abs {fmt_num(culprit['max_abs'])}, max ulp {fmt_num(culprit['max_ulp'])}, "
+        f"rel {fmt_num(culprit['rel'])}, {culprit['elements_differ']} of {culprit.get('elements', '?')} elements differ",
+        f"  victims: {culprit['victims']} later calls differ because of it",
+    ]
+    if culprit.get("note"):
+        lines.append(f"  note: {culprit['note']}")
+    return lines
+
+
+def to_text(result: dict) -> str:
+    labels = (result["a"]["label"], result["b"]["label"])
+    head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
+    out = [f"dumpdiff first-divergence: {head}",
+           f"  A (reference):  {describe_side(result['a'])}",
+           f"  B (under test): {describe_side(result['b'])}"]
+    out += [f"  warning: {w}" for w in result.get("warnings", [])]
+    for rank, verdict in result["ranks"].items():
+        out.append("")
+        if len(result["ranks"]) > 1:
+            out.append(f"== rank {rank}: {'diverges' if verdict['rows_differing'] else 'identical'}")
+        align = verdict["alignment"]
+        out.append("alignment proof: OK")
+        out += [f"  - {line}" for line in align["proof"]]
+        if align["unaligned_b"] or align["unkeyed_b"]:
+            out.append(f"  - {align['unaligned_b']} rows of {labels[1]} have no partner in {labels[0]}, "
+                       f"{align['unkeyed_b']} have an unknown prefix; they are not compared")
+        out.append(f"rows differing: {verdict['rows_differing']} of {verdict['rows_compared']}")
+        if verdict["culprit"]:
+            out += culprit_lines(verdict["culprit"], labels, verdict["rows_compared"])
+        elif verdict.get("note"):
+            out.append(f"note: {verdict['note']}")
+        if len(verdict["groups"]) > 1 or (verdict["groups"] and verdict["groups"][0]["rows"] < verdict["rows_differing"]):
+            out.append("per-row culprits (rows can meet different culprits):")
+            out += [f"  {g['rows']:6d} rows  {g['call']}  [{g['cls']}]" for g in verdict["groups"]]
+        if verdict["not_comparable"]:
+            out.append(f"not comparable ({len(verdict['not_comparable'])} calls, skipped by the walk):")
+            out += [f"  {n['call']}: {n['why']}" for n in verdict["not_comparable"][:8]]
+        if verdict["nonfinite"]:
+            out.append("non-finite values (NaN/Inf), compared bit by bit:")
+            out += [f"  {n['tensor']}: {n['nonfinite_a']} in A, {n['nonfinite_b']} in B" for n in verdict["nonfinite"][:8]]
+    if result["diverged_ranks"] and len(result["ranks"]) > 1:
+        out.append(f"\nranks that diverge: {result['diverged_ranks']}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,15 @@
+"""dumpdiff's dumper: hooks that write every selected module's inputs and outputs, per pass.
+
+    import dumper
+    handle = dumper.install(model)          # DUMPER_* variables decide; or pass a DumperConfig
+    handle.configure(enable=True, exp_name="decode")
+    model.generate(...)                     # every forward pass becomes one safetensors file
+    handle.remove()
+
+The dumper never imports the analyzer; both share only ``dumper.format``.
+"""
+
+from .config import ConfigError, DumperConfig
+from .hooks import Dumper, install
+
+__all__ = ["ConfigError", "Dumper", "DumperConfig", "install"]

@@ -1,0 +1,99 @@
+"""Turn a hooked call's args, kwargs and outputs into named tensors and JSON metadata.
+
+Nested tuples, lists, dicts, dataclasses and HF ``ModelOutput`` become slots such as ``0``,
+``hidden_states``, ``position_embeddings.1`` or ``logits``. Scalars are kept as JSON values;
+any other object is counted as skipped with its type name, so nothing disappears silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional, Sequence, Tuple
+
+import torch
+
+MAX_DEPTH = 4
+JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def flatten(value: Any, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, Any]]:
+    """Yield (slot, leaf) pairs; a leaf is a tensor, a JSON scalar or any other object."""
+    if isinstance(value, torch.Tensor) or isinstance(value, JSON_SCALARS) or depth >= MAX_DEPTH:
+        yield prefix, value
+    elif isinstance(value, dict):  # includes HF ModelOutput (an OrderedDict)
+        for key, item in value.items():
+            yield from flatten(item, _join(prefix, str(key)), depth + 1)
+    elif isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            yield from flatten(item, _join(prefix, str(index)), depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type) and _is_small_dataclass(value):
+        for field in dataclasses.fields(value):
+            yield from flatten(getattr(value, field.name), _join(prefix, field.name), depth + 1)
+    else:
+        yield prefix, value
+
+
+def _is_small_dataclass(value) -> bool:
+    # Engine state objects (sglang's ForwardBatch) are dataclasses with dozens of fields and
+    # pools of the whole KV cache; they are pass metadata, not an operator's input.
+    return len(dataclasses.fields(value)) <= 16
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def find_token_dims(shape: Sequence[int], token_shape: Sequence[int], n_seqs: int) -> Tuple[Optional[list], Optional[str], str]:
+    """Which dims of a tensor index token rows.
+
+    Returns (token_dims, rows, why): token_dims moved to the front and flattened give one row
+    per token row (rows "all"), or one row per sequence's last token (rows "last"). Leading
+    dims are preferred; a later dim is taken only for the [B, heads, S, D] attention layout.
+    """
+    shape = tuple(shape)
+    n_tokens = 1
+    for size in token_shape:
+        n_tokens *= size
+    k = len(token_shape)
+    if n_tokens == 0 or not shape:
+        return None, None, "scalar or empty"
+    if shape[:k] == tuple(token_shape) and len(shape) > k - 1:
+        return list(range(k)), "all", ""
+    if shape[0] == n_tokens and k > 1:
+        return [0], "all", ""
+    if k == 2:
+        batch, seq = token_shape
+        if shape[0] == batch and seq > 1:
+            if len(shape) > 1 and shape[1] == 1:
+                return [0, 1], "last", ""
+            later = [d for d in range(2, len(shape)) if shape[d] == seq]
+            if len(later) == 1:
+                return [0, later[0]], "all", ""
+    if k == 1 and n_seqs and shape[0] == n_seqs and n_seqs != n_tokens:
+        return [0], "last", ""
+    return None, None, f"no dim matches the pass's token layout {list(token_shape)}"
+
+
+def storage_key(tensor: torch.Tensor):
+    """Identity of a tensor's current contents: equal keys mean equal bytes."""
+    return (
+        tensor.device.type,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+        tensor._version,
+    )
+
+
+def snapshot(tensor: torch.Tensor) -> torch.Tensor:
+    """A private copy taken at hook time: later in-place kernels must not rewrite it."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def select_rows(tensor: torch.Tensor, token_dims: list, rows: torch.Tensor) -> torch.Tensor:
+    """Move token dims to the front, flatten them, keep the given rows."""
+    moved = tensor.movedim(token_dims, list(range(len(token_dims))))
+    flat = moved.reshape((-1,) + tuple(moved.shape[len(token_dims):]))
+    return flat.index_select(0, rows.to(flat.device))

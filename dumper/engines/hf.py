@@ -1,0 +1,101 @@
+"""HF transformers adapter: pass metadata inferred from the model's own forward arguments.
+
+Positions come from the attention mask when there is one (real token count before each token,
+so left padding does not shift them), else from position_ids, cache_position or the cache
+length. Sequences are keyed by the KV-cache object they live in: every decode step of one
+``generate`` call passes the same cache, so its rows join the sequence its prefill started.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import weakref
+
+import torch
+
+from ..passinfo import PassInfo, mode_of
+from .generic import _param_device, _param_dtype, dense_pass
+
+
+def is_hf_model(model) -> bool:
+    return any(cls.__module__.startswith("transformers.") and cls.__name__ == "PreTrainedModel"
+               for cls in type(model).__mro__)
+
+
+class HFAdapter:
+    engine = "hf"
+
+    def __init__(self, model):
+        self._signature = inspect.signature(model.forward)
+        self._groups = weakref.WeakKeyDictionary()  # cache object -> sequence group
+        self._counter = itertools.count(1)
+
+    def pass_info(self, model, args, kwargs) -> PassInfo:
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        ids = bound.get("input_ids")
+        mask = bound.get("attention_mask")
+        cache = bound.get("past_key_values")
+        if ids is None:
+            embeds = bound.get("inputs_embeds")
+            if embeds is None:
+                raise ValueError("dumper: HF forward called without input_ids or inputs_embeds")
+            ids = torch.full(embeds.shape[:2], -1, dtype=torch.long)  # unknown ids: not alignable
+        ids = ids.detach().cpu()
+        batch, seq_len = ids.shape
+        past = _cache_length(cache)
+        group = self._group_of(cache)
+        pos, valid = self._positions(bound, mask, past, batch, seq_len)
+        info = dense_pass(ids, group, mode_of(past, past, seq_len), pos=pos, valid=valid)
+        info.extra = {"past_len": past}
+        return info
+
+    def _positions(self, bound, mask, past, batch, seq_len):
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= seq_len:
+            mask = mask.detach().cpu().to(torch.long)
+            real_before = mask.cumsum(-1) - 1
+            return real_before[:, -seq_len:].clamp(min=0), mask[:, -seq_len:].bool()
+        for key in ("position_ids", "cache_position"):
+            value = bound.get(key)
+            if isinstance(value, torch.Tensor):
+                value = value.detach().cpu().to(torch.long)
+                return value.reshape(-1, seq_len).expand(batch, seq_len), None
+        return (torch.arange(seq_len) + past).expand(batch, seq_len), None
+
+    def _group_of(self, cache) -> str:
+        if cache is None:
+            return f"g{next(self._counter)}"
+        try:
+            group = self._groups.get(cache)
+            if group is None:
+                group = self._groups[cache] = f"g{next(self._counter)}"
+            return group
+        except TypeError:  # not weak-referenceable: every pass is its own group
+            return f"g{next(self._counter)}"
+
+    def after_pass(self, model, info: PassInfo, output):
+        # A forward called without a cache creates one; the next call may pass it back in.
+        cache = getattr(output, "past_key_values", None) if not isinstance(output, tuple) else None
+        if cache is not None and info.seq:
+            group = next((s.split(".")[0] for s in info.seq if s), None)
+            try:
+                if group and cache not in self._groups:
+                    self._groups[cache] = group
+            except TypeError:
+                pass
+
+    def run_info(self, model) -> dict:
+        config = getattr(model, "config", None)
+        return {"model": getattr(config, "_name_or_path", "") or type(model).__name__,
+                "model_type": getattr(config, "model_type", None),
+                "num_layers": getattr(config, "num_hidden_layers", None),
+                "dtype": _param_dtype(model), "device": _param_device(model), "tp_size": 1}
+
+
+def _cache_length(cache) -> int:
+    if cache is None:
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except (AttributeError, TypeError):
+        return 0

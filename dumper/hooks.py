@@ -1,0 +1,354 @@
+"""Install dump hooks on any torch.nn.Module; one forward of the root module is one pass.
+
+The root's ``forward`` is wrapped (engines such as sglang call ``model.forward`` directly, so
+root hooks would never fire); the wrapper marks pass boundaries and asks the engine adapter for
+the pass's token rows. Per-module pre/post hooks are attached only while dumping is enabled:
+disabled, a forward pass costs one flag check.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import threading
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import capture
+from . import format as fmt
+from .config import ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
+from .passinfo import PassInfo
+from .writer import PassRecord, PassWriter
+
+log = logging.getLogger("dumper")
+
+
+class _Call:
+    __slots__ = ("name", "module", "cls", "pre", "post", "tensors", "values", "skipped")
+
+    def __init__(self, name, module, cls, pre):
+        self.name, self.module, self.cls, self.pre = name, module, cls, pre
+        self.post = None
+        self.tensors: Dict[str, dict] = {}
+        self.values: Dict[str, Any] = {}
+        self.skipped: Dict[str, str] = {}
+
+    def to_meta(self) -> dict:
+        meta = {"call": self.name, "module": self.module, "cls": self.cls, "pre": self.pre,
+                "post": self.post, "tensors": self.tensors}
+        if self.values:
+            meta["values"] = self.values
+        if self.skipped:
+            meta["skipped"] = self.skipped
+        return meta
+
+
+class _Pass:
+    """Everything captured during one forward pass of the root module."""
+
+    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], device_copy: bool):
+        self.info = info
+        self.kept_rows = kept_rows
+        self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
+        self.device_copy = device_copy
+        self.calls: List[_Call] = []
+        self.open: Dict[str, List[_Call]] = {}
+        self.counts: Dict[str, int] = {}
+        self.order = 0
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.seen: Dict[tuple, tuple] = {}  # storage key -> (tensor name, weakref), for aliases
+        self.n_seqs = len(info.last_rows)
+        self.cuda_used = False
+
+
+class Dumper:
+    """Handle returned by ``install``: ``configure``, ``flush``, ``remove``, ``state``."""
+
+    def __init__(self, model: torch.nn.Module, config: DumperConfig, adapter):
+        self.model = model
+        self.config = config
+        self.adapter = adapter
+        self.rank = _rank()
+        self.step = 0
+        self.passes_dumped = 0
+        self._lock = threading.RLock()
+        self._pass: Optional[_Pass] = None
+        self._hook_handles: list = []
+        self._hooked_filter: Optional[str] = None
+        self._paths = {module: path for path, module in model.named_modules()}
+        self._cleaned: set = set()
+        self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
+        self._original_forward = model.forward
+        self._wrap_root()
+        self._announce()
+
+    # --- public API -----------------------------------------------------------------------
+    def configure(self, **changes) -> dict:
+        """Change settings at run time (e.g. enable=True, exp_name="decode"); next pass on."""
+        if "exp_name" in changes and changes["exp_name"] is not None:
+            check_exp_name(changes["exp_name"])
+        with self._lock:
+            new = self.config.replace(**{k: v for k, v in changes.items() if v is not None})
+            if new.queue_bytes != self.config.queue_bytes or new.max_bytes != self.config.max_bytes or \
+                    new.min_free_bytes != self.config.min_free_bytes:
+                self._writer.queue_bytes = max(new.queue_bytes, 1)
+                self._writer.max_bytes = new.max_bytes
+                self._writer.min_free_bytes = new.min_free_bytes
+            if new.exp_name != self.config.exp_name or (new.enable and not self.config.enable):
+                # A new experiment may be written even after an earlier one hit a limit.
+                self._writer.stopped_reason = None
+            self.config = new
+        self._announce()
+        return self.state()
+
+    def reset(self) -> dict:
+        """Flush, disable, and forget the pass counters (sglang's /dumper/reset)."""
+        self.flush()
+        with self._lock:
+            self.config = self.config.replace(enable=False)
+            self.step = 0
+            self.passes_dumped = 0
+            self._cleaned.clear()
+        return self.state()
+
+    def state(self) -> dict:
+        cfg = self.config
+        return {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "rank": self.rank,
+                "step": self.step, "passes_dumped": self.passes_dumped,
+                "bytes_written": self._writer.bytes_written, "passes_written": self._writer.passes_written,
+                "stopped": self._writer.stopped_reason, "engine": self.adapter.engine}
+
+    def flush(self):
+        """Wait until every dumped pass is on disk."""
+        self._writer.flush()
+
+    def remove(self):
+        """Detach every hook, restore the root forward, and finish writing."""
+        self._detach_hooks()
+        if self.model.__dict__.get("forward") is not None:
+            del self.model.forward
+        self._writer.close()
+        self._report_sizes()
+
+    # --- root wrapper: pass boundaries ----------------------------------------------------
+    def _wrap_root(self):
+        original = self._original_forward
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            if not self._active() or self._pass is not None:
+                return original(*args, **kwargs)
+            self._begin_pass(args, kwargs)
+            try:
+                output = original(*args, **kwargs)
+            except BaseException:
+                self._pass = None
+                raise
+            self._end_pass(output)
+            return output
+
+        self.model.forward = forward
+
+    def _active(self) -> bool:
+        cfg = self.config
+        return cfg.enable and cfg.non_intrusive_mode != "off" and not self._writer.stopped_reason
+
+    def _begin_pass(self, args, kwargs):
+        cfg = self.config
+        info = self.adapter.pass_info(self.model, args, kwargs)
+        self.step += 1
+        kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
+        device_copy = any(isinstance(a, torch.Tensor) and a.is_cuda for a in list(args) + list(kwargs.values()))
+        self._pass = _Pass(info, kept, device_copy)
+        if cfg.non_intrusive_mode == "all":
+            if self._hooked_filter != cfg.filter:
+                self._detach_hooks()
+                self._attach_hooks(cfg.filter)
+            if compile_filter(cfg.filter)(fmt.ROOT_PATH, type(self.model).__name__):
+                self._pre(self.model, args, kwargs)
+        else:
+            self._detach_hooks()
+
+    def _end_pass(self, output):
+        current = self._pass
+        if self.config.non_intrusive_mode == "all" and current.open.get(""):
+            self._post(self.model, (), {}, output)
+        self.adapter.after_pass(self.model, current.info, output)
+        self._pass = None
+        exp_dir = self._exp_dir()
+        meta = current.info.to_meta()
+        meta.update(step=self.step, rank=self.rank, calls=[c.to_meta() for c in current.calls],
+                    kept_rows=current.kept_rows, dump_mode=self.config.non_intrusive_mode)
+        ready = None
+        if current.cuda_used:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._writer.write_run_info(exp_dir, self._run_info())
+        if self._writer.submit(PassRecord(exp_dir, self.rank, meta, current.tensors, ready)):
+            self.passes_dumped += 1
+        if not self.config.non_intrusive_mode == "all" and self.passes_dumped == 1:
+            log.warning("dumper: DUMPER_NON_INTRUSIVE_MODE=core writes pass metadata only (token ids, positions, "
+                        "sequences), no module tensors; set it to 'all' to localize a divergence")
+
+    def _exp_dir(self) -> str:
+        cfg = self.config
+        if not cfg.exp_name:
+            self.config = cfg = cfg.replace(exp_name=cfg.resolved_exp_name())
+        exp_dir = os.path.join(cfg.dir, cfg.exp_name)
+        if cfg.cleanup_previous and exp_dir not in self._cleaned:
+            self._cleaned.add(exp_dir)
+            self._writer.flush()
+            shutil.rmtree(os.path.join(exp_dir, fmt.rank_dir_name(self.rank)), ignore_errors=True)
+            if self.rank == 0:
+                for name in (fmt.RUN_FILE, fmt.INCOMPLETE_FILE):
+                    if os.path.exists(os.path.join(exp_dir, name)):
+                        os.unlink(os.path.join(exp_dir, name))
+            self._writer._run_written.discard(exp_dir)
+        return exp_dir
+
+    def _run_info(self) -> dict:
+        info = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "engine": self.adapter.engine,
+                "model_class": type(self.model).__name__,
+                "config": {k: getattr(self.config, k) for k in ("filter", "non_intrusive_mode", "positions", "last_rows")},
+                "versions": _versions()}
+        info.update(self.adapter.run_info(self.model))
+        return info
+
+    # --- module hooks ---------------------------------------------------------------------
+    def _attach_hooks(self, filter_text: str):
+        selected = compile_filter(filter_text)
+        for module, path in self._paths.items():
+            if module is self.model or not selected(path, type(module).__name__):
+                continue
+            self._hook_handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._hook_handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        self._hooked_filter = filter_text
+
+    def _detach_hooks(self):
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._hooked_filter = None
+
+    def _pre(self, module, args, kwargs):
+        current = self._pass
+        if current is None:
+            return
+        path = self._paths.get(module, "")
+        index = current.counts.get(path, 0)
+        current.counts[path] = index + 1
+        call = _Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
+        current.order += 1
+        current.calls.append(call)
+        current.open.setdefault(path, []).append(call)
+        self._capture(current, call, "in", list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))
+
+    def _post(self, module, args, kwargs, output):
+        current = self._pass
+        if current is None:
+            return
+        stack = current.open.get(self._paths.get(module, ""))
+        if not stack:
+            return
+        call = stack.pop()
+        call.post = current.order
+        current.order += 1
+        self._capture(current, call, "out", list(capture.flatten(output)))
+
+    def _capture(self, current: _Pass, call: _Call, io: str, leaves):
+        for slot, value in leaves:
+            slot = slot or "0"
+            if isinstance(value, torch.Tensor):
+                self._capture_tensor(current, call, fmt.tensor_name(call.name, io, slot), value)
+            elif isinstance(value, capture.JSON_SCALARS):
+                call.values[f"{io}.{slot}"] = value if not isinstance(value, float) or value == value else str(value)
+            else:
+                call.skipped[f"{io}.{slot}"] = type(value).__name__
+
+    def _capture_tensor(self, current: _Pass, call: _Call, name: str, tensor: torch.Tensor):
+        if tensor.layout != torch.strided or tensor.is_complex() or tensor.device.type == "meta":
+            call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
+            return
+        info = current.info
+        dims, rows, why = capture.find_token_dims(tensor.shape, info.token_shape, current.n_seqs)
+        meta = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
+                "token_dims": dims, "rows": rows}
+        if dims is None:
+            meta["why"] = why
+        key = capture.storage_key(tensor)
+        alias, ref = current.seen.get(key, (None, None))
+        if alias is not None and ref() is not None:
+            meta["alias"] = alias
+            call.tensors[name] = meta
+            return
+        # The weak reference proves the first tensor is still alive: a freed tensor's memory can
+        # be handed to a new tensor of the same shape, which must not pass for the old one.
+        current.seen[key] = (name, weakref.ref(tensor))
+        data = tensor
+        if current.kept_index is not None and dims is not None and rows == "all":
+            data = capture.select_rows(tensor, dims, current.kept_index)
+            meta["selected"] = True
+        elif current.kept_index is not None and dims is not None:
+            meta["selected"] = False  # one row per sequence: small, kept whole
+        current.tensors[name] = self._copy_off(current, data)
+        call.tensors[name] = meta
+
+    @staticmethod
+    def _copy_off(current: _Pass, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_cuda:
+            # An async copy into pinned host memory on the producing stream: ordered after the
+            # kernel that wrote it and before any in-place kernel that runs later.
+            current.cuda_used = True
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            return host
+        return capture.snapshot(tensor)
+
+    # --- logging --------------------------------------------------------------------------
+    def _announce(self):
+        cfg = self.config
+        where = os.path.join(cfg.dir, cfg.exp_name or "<dump_date_time>")
+        log.info("dumper: %s, mode=%s, filter=%r -> %s", "ENABLED" if cfg.enable else "installed, idle",
+                 cfg.non_intrusive_mode, cfg.filter or "(all modules)", where)
+
+    def _report_sizes(self):
+        if self._writer.passes_written:
+            log.info("dumper: wrote %d passes, %.1f MB", self._writer.passes_written, self._writer.bytes_written / 1e6)
+
+
+def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapter=None) -> Dumper:
+    """Install dump hooks on ``model``; with no config, DUMPER_* variables decide everything."""
+    if config is None:
+        config = DumperConfig.from_env()
+    if not isinstance(config, DumperConfig):
+        raise ConfigError(f"config must be a dumper.DumperConfig, not {type(config).__name__}")
+    if getattr(model, "_dumpdiff_dumper", None) is not None:
+        raise RuntimeError("dumper already installed on this model; call .remove() on the first handle")
+    if adapter is None:
+        from .engines import pick_adapter
+        adapter = pick_adapter(model)
+    dumper = Dumper(model, config, adapter)
+    model._dumpdiff_dumper = dumper
+    return dumper
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict:
+    import importlib.metadata as md
+    found = {}
+    for name in ("torch", "transformers", "sglang", "dumpdiff"):
+        try:
+            found[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return found
