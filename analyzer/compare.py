@@ -65,6 +65,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index) -> dict:
     verdict = {"rows_compared": int(len(pairs)), "rows_differing": int(dirty["pair"].nunique()),
                "not_comparable": not_comparable(table, a, b), "nonfinite": nonfinite(table),
                "culprit": None, "per_row": [], "groups": []}
+    verdict.update(calls_timeline(per_call))
     if row_culprit.empty:
         if len(dirty):
             verdict["note"] = "rows differ but no hooked call has clean inputs and a dirty output; widen DUMPER_FILTER"
@@ -87,6 +88,23 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index) -> dict:
     culprit.update(_error_figures(first, mine, table, a, b))
     verdict["culprit"] = culprit
     return verdict
+
+
+MAX_TIMELINE = 5000  # calls kept in the timeline; an MoE with hooked experts can have tens of thousands
+
+
+def calls_timeline(per_call: pd.DataFrame) -> dict:
+    """Per hooked call, in execution order: rows compared, rows whose inputs / outputs differ, and
+    rows where a difference arises in it (clean inputs, dirty output). Only fingerprints are used,
+    no tensor bytes, so it stays cheap on huge dumps; the reports plot it."""
+    flags = per_call.assign(origin=per_call["out_differ"] & ~per_call["in_differ"])
+    calls = flags.groupby("call").agg(cls=("cls", "first"), order=("order", "min"), rows=("pair", "size"),
+                                      rows_in_differ=("in_differ", "sum"), rows_out_differ=("out_differ", "sum"),
+                                      rows_origin=("origin", "sum")).sort_values("order")
+    timeline = [{"call": call, "cls": c.cls, "order": int(c.order), "rows": int(c.rows),
+                 "rows_in_differ": int(c.rows_in_differ), "rows_out_differ": int(c.rows_out_differ),
+                 "rows_origin": int(c.rows_origin)} for call, c in calls.head(MAX_TIMELINE).iterrows()]
+    return {"calls_timeline": timeline, "calls_timeline_total": int(len(calls))}
 
 
 def _own_code_note(mine: pd.DataFrame, first_dirty: pd.DataFrame, per_call: pd.DataFrame):

@@ -129,6 +129,7 @@ def index_pass(pf: PassFile) -> Dict[str, pd.DataFrame]:
     call_rows, tensor_rows, row_frames = [], [], []
     stored_rows: Dict[str, tuple] = {}  # stored tensor name -> (rows frame, why, is_ids)
     valid = np.asarray(tokens["valid"], dtype=bool)
+    tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()}
     for call in meta["calls"]:
         call_rows.append({"call": call["call"], "module": call["module"], "cls": call["cls"], "pre": call["pre"],
                           "post": call["post"] if call["post"] is not None else -1,
@@ -138,13 +139,16 @@ def index_pass(pf: PassFile) -> Dict[str, pd.DataFrame]:
             io, slot = (parsed.group("io"), parsed.group("slot") or "") if parsed else ("?", name)
             stored = tmeta.get("alias") or name
             if stored not in stored_rows:
-                stored_rows[stored] = _tensor_rows(pf, stored, tmeta, meta, n_rows, valid)
+                if stored not in tensor_metas:
+                    raise DumpError(f"{show(ref.path)}: {name!r} is an alias of {stored!r}, which the pass does not hold; "
+                                    "the file is damaged")
+                stored_rows[stored] = _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid)
             frame, row_why, is_ids = stored_rows[stored]
             why = tmeta.get("why") or row_why
             tensor_rows.append({"tensor": name, "call": call["call"], "io": io, "slot": slot,
                                 "dtype": tmeta["dtype"], "shape": json.dumps(tmeta["shape"]),
                                 "token_dims": json.dumps(tmeta.get("token_dims")), "rows": tmeta.get("rows"),
-                                "stored": stored, "selected": bool(tmeta.get("selected", False)),
+                                "stored": stored, "selected": bool(tensor_metas[stored].get("selected", False)),
                                 "is_ids": is_ids,
                                 "why": why})
             row_frames.append(frame.assign(tensor=name))

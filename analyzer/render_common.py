@@ -1,0 +1,146 @@
+"""What the Markdown and HTML reports say, as plain strings; each renderer escapes for its syntax.
+
+Keeping the wording here means a ticket pasted as Markdown and one attached as HTML never tell
+different stories. Nothing in this module escapes: strings from a dump stay raw until the
+renderer that writes them out escapes them.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Dict, List, Optional, Tuple
+
+from .report import fmt_num
+
+MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
+
+# Bytes that no terminal, Markdown or HTML viewer should get raw (escape, bell, NUL, DEL...), and
+# line breaks, which would end a Markdown table row or list item in the middle of a name.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# First numbered component of a module path: "model.layers.12.mlp" -> 12.
+_LAYER = re.compile(r"\.(\d+)(?=[.#]|$)")
+
+
+def clean(value) -> str:
+    """Any value as printable text: control bytes and unpaired surrogates (from hostile or broken
+    dump metadata) become backslash escapes, so writing the report as UTF-8 cannot fail."""
+    text = "" if value is None else str(value)
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def layer_of(call: str) -> Optional[int]:
+    found = _LAYER.search(call.split("#")[0])
+    return int(found.group(1)) if found else None
+
+
+def rank_label(result: dict, rank: str) -> str:
+    """Suffix naming the rank, only when there is more than one (single-GPU tickets stay terse)."""
+    return f" (rank {rank})" if len(result["ranks"]) > 1 else ""
+
+
+def culprit_rank(result: dict) -> Optional[Tuple[str, dict]]:
+    for rank, verdict in result["ranks"].items():
+        if verdict.get("culprit"):
+            return rank, verdict
+    return None
+
+
+def verdict_parts(result: dict) -> List[Tuple[str, bool]]:
+    """The answer in one sentence, as (text, is_name) pieces: renderers show names as code."""
+    found = culprit_rank(result)
+    if found:
+        rank, verdict = found
+        c = verdict["culprit"]
+        return [("DIVERGENCE: first divergent operator ", False), (c["call"], True),
+                (f" [{c['cls']}]{rank_label(result, rank)}, {c['n_rows']} of {verdict['rows_compared']} compared "
+                 f"token rows; {verdict['rows_differing']} rows differ in all; max abs error {fmt_num(c.get('max_abs'))}",
+                 False)]
+    compared = sum(v["rows_compared"] for v in result["ranks"].values())
+    differing = sum(v["rows_differing"] for v in result["ranks"].values())
+    if result["divergence"]:
+        return [(f"DIVERGENCE: {differing} of {compared} compared token rows differ, but no hooked call has clean "
+                 "inputs and a differing output; widen DUMPER_FILTER", False)]
+    return [(f"NO DIVERGENCE: all {compared} compared token rows are bit-identical in every compared tensor", False)]
+
+
+def verdict_line(result: dict) -> str:
+    return clean("".join(piece for piece, _ in verdict_parts(result)))
+
+
+def environment_rows(result: dict) -> List[Tuple[str, str, str]]:
+    """(field, reference value, test value) for the environment table of both runs."""
+    a, b = result["a"], result["b"]
+
+    def versions(side):
+        return ", ".join(f"{k} {v}" for k, v in sorted((side.get("versions") or {}).items())) or "n/a"
+
+    def flags(side):
+        return ", ".join(f"{k}={v}" for k, v in sorted((side.get("flags") or {}).items(), key=str)) or "none"
+
+    def plain(key):
+        return lambda side: "n/a" if side.get(key) is None else str(side.get(key))
+
+    fields = [("label", plain("label")), ("path", plain("path")), ("engine", plain("engine")), ("versions", versions),
+              ("model", plain("model")), ("dtype", plain("dtype")), ("device", plain("device")),
+              ("tp size", plain("tp_size")), ("flags", flags), ("passes", plain("passes")),
+              ("ranks", lambda s: ", ".join(str(r) for r in s.get("ranks") or [])),
+              ("incomplete", lambda s: s.get("incomplete") or "no")]
+    return [(name, clean(get(a)), clean(get(b))) for name, get in fields]
+
+
+def row_name(row: dict) -> str:
+    return f"{row['seq']}@{row['pos']}"
+
+
+def shell_quote(path: str) -> str:
+    """shlex.quote, except that a path with control bytes gets bash's $'...' form: still the exact
+    path, but printable, so no raw escape sequence reaches a terminal or a ticket."""
+    if not _CONTROL.search(path):
+        return shlex.quote(path)
+    body = "".join(f"\\x{ord(ch):02x}" if _CONTROL.match(ch) or ch in "'\\" else ch for ch in path)
+    return f"$'{body}'"
+
+
+def reproduce_command(result: dict) -> str:
+    """The exact command, with the paths quoted for a POSIX shell (bash for odd paths)."""
+    paths = (clean(shell_quote(result[side]["path"])) for side in ("a", "b"))
+    return "dumpdiff first-divergence " + " ".join(paths)
+
+
+def error_items(culprit: dict) -> List[Tuple[str, str]]:
+    """(figure, value) pairs of the culprit's output error."""
+    items = [("max abs", fmt_num(culprit.get("max_abs"))), ("max ulp", fmt_num(culprit.get("max_ulp"))),
+             ("relative", fmt_num(culprit.get("rel"))),
+             ("elements differing", f"{culprit.get('elements_differ', '?')} of {culprit.get('elements', '?')}"),
+             ("dtype", clean(culprit.get("dtype") or "?"))]
+    if culprit.get("ref_absmax") is not None:
+        items.append(("reference max |x|", fmt_num(culprit["ref_absmax"])))
+    return items
+
+
+def shape_sides(result: dict, culprit: dict) -> List[Dict[str, str]]:
+    """Per side: label, pass, M and 'slot shape' strings of the culprit call."""
+    sides = []
+    for key in ("a", "b"):
+        info = culprit["shapes"][key]
+        sides.append({"label": clean(result[key]["label"]), "pass": str(info["pass"]), "M": str(info["M"]),
+                      "tensors": [(clean(slot), clean(shape)) for slot, shape in info["tensors"].items()]})
+    return sides
+
+
+def alignment_items(result: dict, verdict: dict) -> List[Tuple[bool, str]]:
+    """(checked, text) items of the alignment proof; unchecked ones are caveats, not failures
+    (a failed proof never reaches a report: the command stops with exit 2)."""
+    align = verdict["alignment"]
+    items = [(True, clean(line)) for line in align["proof"]]
+    if align.get("unaligned_b") or align.get("unkeyed_b"):
+        items.append((False, f"{align['unaligned_b']} rows of {clean(result['b']['label'])} have no partner in "
+                             f"{clean(result['a']['label'])} and {align['unkeyed_b']} have an unknown prefix: "
+                             "not compared"))
+    return items
+
+
+def left_out(total: int, shown: int, what: str) -> Optional[str]:
+    return f"{total - shown} more {what} not shown (first {shown} of {total})" if total > shown else None

@@ -1,0 +1,126 @@
+"""Render a first-divergence result as GitHub-flavoured Markdown, to paste into a bug ticket.
+
+Names from the dump (modules, calls, tensors, sequence keys, paths) go into code spans: there
+`_`, `#`, `<root>`, `@user` and `#123` stay literal, where in prose GitHub would turn them into
+emphasis, headings, HTML, mentions and issue links. Prose that embeds names (proof lines, notes,
+warnings) is backslash-escaped instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List
+
+from . import render_common as rc
+
+_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]<>()#+!|~&])")
+_LINE_START_MARKER = re.compile(r"^(\s*)(\d+)([.)])|^(\s*)([-+=])")
+
+
+def text(value, line_start: bool = False) -> str:
+    """Prose with Markdown syntax neutralised; at the start of a list item also a leading list
+    marker ("1." or "-"), which would otherwise open a nested list."""
+    escaped = _MD_SPECIAL.sub(r"\\\1", rc.clean(value))
+    if not line_start:
+        return escaped
+    return _LINE_START_MARKER.sub(lambda m: (f"{m.group(1)}{m.group(2)}\\{m.group(3)}" if m.group(2)
+                                             else f"{m.group(4)}\\{m.group(5)}"), escaped)
+
+
+def code(value, table: bool = False) -> str:
+    """A code span that holds any string: the fence is longer than any backtick run inside."""
+    raw = rc.clean(value)
+    if not raw:
+        return "*(empty)*"
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", raw)), default=0) + 1)
+    if raw[0] in "` " or raw[-1] in "` ":
+        raw = f" {raw} "  # a leading/trailing backtick would merge with the fence
+    if table:
+        raw = raw.replace("|", "\\|")  # GFM splits table cells on | even inside code spans
+    return f"{fence}{raw}{fence}"
+
+
+def verdict_md(result: dict) -> str:
+    return "".join(code(piece) if is_name else text(piece) for piece, is_name in rc.verdict_parts(result))
+
+
+def table(header: List[str], rows: List[List[str]]) -> List[str]:
+    """Cells must already be escaped (with table=True for code spans)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def capped(items: list, what: str) -> tuple:
+    shown = items[: rc.MAX_TABLE_ROWS]
+    note = rc.left_out(len(items), len(shown), what)
+    return shown, ([f"", f"*{note}*"] if note else [])
+
+
+def culprit_section(result: dict, rank: str, verdict: dict) -> List[str]:
+    c = verdict["culprit"]
+    rows = ", ".join(f"{code(rc.row_name(r))} ({text(r['kind'])})" for r in c["rows"])
+    if c["n_rows"] > len(c["rows"]):
+        rows += f", ... {c['n_rows'] - len(c['rows'])} more"
+    out = [f"### Culprit{rc.rank_label(result, rank)}", "",
+           f"- **Call:** {code(c['call'])}",
+           f"- **Module:** {code(c['module'])}, class {code(c['cls'])}",
+           f"- **Token rows:** {c['n_rows']} of {verdict['rows_compared']} compared rows: {rows}",
+           "- **Shapes** (M = token rows in the pass):"]
+    for side in rc.shape_sides(result, c):
+        tensors = ", ".join(f"{code(slot)} {text(shape)}" for slot, shape in side["tensors"])
+        out.append(f"  - {text(side['label'], line_start=True)}: pass {side['pass']}, **M={side['M']}**: {tensors}")
+    figures = " · ".join(f"{name} **{text(value)}**" for name, value in rc.error_items(c))
+    out.append(f"- **Error** on {code(c['tensor'])}: {figures}")
+    out.append(f"- **Victims:** {c['victims']} later calls differ because of it")
+    if c.get("note"):
+        out.append(f"- **Note:** {text(c['note'])}")
+    return out + [""]
+
+
+def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
+    suffix = rc.rank_label(result, rank)
+    out = []
+    if verdict.get("culprit"):
+        out += culprit_section(result, rank, verdict)
+    elif verdict.get("note"):
+        out += [f"**Note{suffix}:** {text(verdict['note'])}", ""]
+    out += [f"### Alignment proof{suffix}", ""]
+    out += [f"- [{'x' if ok else ' '}] {text(line, line_start=True)}" for ok, line in rc.alignment_items(result, verdict)]
+    out += ["", f"Rows differing: **{verdict['rows_differing']} of {verdict['rows_compared']}** compared token rows.", ""]
+    if verdict["groups"]:
+        groups, more = capped(verdict["groups"], "culprit groups")
+        out += [f"### Per-row culprits{suffix}", "", "Each differing token row has its own first culprit; "
+                "rows of different kinds (prompt, decode) often meet different ones.", ""]
+        out += table(["rows", "call", "class"],
+                     [[str(g["rows"]), code(g["call"], True), code(g["cls"], True)] for g in groups]) + more + [""]
+    if verdict["not_comparable"]:
+        items, more = capped(verdict["not_comparable"], "calls")
+        out += [f"### Not comparable{suffix} ({len(verdict['not_comparable'])} calls, skipped by the walk)", ""]
+        out += table(["call", "why"], [[code(n["call"], True), code(n["why"], True)] for n in items]) + more + [""]
+    if verdict["nonfinite"]:
+        items, more = capped(verdict["nonfinite"], "tensors")
+        out += [f"### Non-finite values{suffix} (NaN/Inf, compared bit by bit)", ""]
+        out += table(["tensor", "rows", "in A", "in B"],
+                     [[code(n["tensor"], True), str(n["rows"]), str(n["nonfinite_a"]), str(n["nonfinite_b"])]
+                      for n in items]) + more + [""]
+    return out
+
+
+def to_markdown(result: dict) -> str:
+    found = rc.culprit_rank(result)
+    title = f"in {code(found[1]['culprit']['call'])}" if found else ""
+    head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
+    out = [f"## dumpdiff first-divergence: {head} {title}".rstrip(), "", f"**Verdict:** {verdict_md(result)}", ""]
+    out += [f"> **Warning:** {text(w)}" for w in result.get("warnings", [])]
+    out += [""] if result.get("warnings") else []
+    for rank, verdict in result["ranks"].items():
+        out += rank_sections(result, rank, verdict)
+    if len(result["ranks"]) > 1:
+        out += [f"Ranks that diverge: {', '.join(str(r) for r in result['diverged_ranks']) or 'none'}", ""]
+    out += ["### Environment", ""]
+    out += table(["", f"A (reference): {code(result['a']['label'], True)}", f"B (under test): {code(result['b']['label'], True)}"],
+                 [[name, code(a, True), code(b, True)] for name, a, b in rc.environment_rows(result)])
+    command = rc.reproduce_command(result)
+    fence = "`" * max(3, max((len(run) + 1 for run in re.findall(r"`+", command)), default=0))
+    out += ["", "### Reproduce", "", f"{fence}sh", command, fence, ""]
+    return "\n".join(out)

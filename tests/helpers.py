@@ -1,0 +1,53 @@
+"""Shared test helpers: real tiny HF models, real dumps, the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import dumper  # noqa: E402
+from tiny_models import make_tiny_llama, make_tiny_qwen3_moe  # noqa: E402,F401
+
+
+def load_model(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def prompt_ids(length: int, seed: int = 0, vocab: int = 1024) -> torch.Tensor:
+    return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def dump_pair(model, root, prompt, new_tokens: int = 6, setup=None, **config):
+    """Dump 'dec' (generate: prefill + decode) and 'ref' (one prefill of prompt+output)."""
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(root), cleanup_previous=True, **config))
+    try:
+        with torch.no_grad():
+            handle.configure(enable=True, exp_name="dec")
+            output = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+            handle.configure(exp_name="ref")
+            model(output)
+    finally:
+        handle.remove()
+    return os.path.join(root, "ref"), os.path.join(root, "dec"), output
+
+
+def dumpdiff(*args, env: Optional[dict] = None, timeout: int = 300):
+    """Run the real CLI; returns (exit code, stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "analyzer.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def first_divergence_json(a, b, *extra):
+    code, out, err = dumpdiff("first-divergence", a, b, "--format", "json", "--no-progress", *extra)
+    assert code in (0, 1), f"exit {code}: {err}"
+    return code, json.loads(out)

@@ -1,0 +1,186 @@
+"""The dumper's promises, one at a time: config errors, capture naming, clones, aliases, no pickle."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import dumper
+from dumper import format as fmt
+from dumper.config import VARIABLES, ConfigError, DumperConfig
+from helpers import ROOT, dumpdiff
+
+
+def test_env_example_documents_every_variable_with_its_default():
+    text = open(os.path.join(ROOT, "env.example")).read()
+    documented = dict(re.findall(r"^(DUMPER_[A-Z_]+)=(.*)$", text, re.M))
+    assert documented == {name: default for name, (default, _) in VARIABLES.items()}
+    defaults = DumperConfig()
+    for name, (default, _) in VARIABLES.items():
+        parsed = DumperConfig.from_env({name: default})  # the documented default parses to the real one
+        field = name[len("DUMPER_"):].lower()
+        assert getattr(parsed, field) == getattr(defaults, field), name
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("DUMPER_ENABLE", "maybe", "DUMPER_ENABLE='maybe' is not valid: expected 1 or 0"),
+    ("DUMPER_NON_INTRUSIVE_MODE", "everything", "expected one of off|core|all"),
+    ("DUMPER_MAX_BYTES", "lots", "DUMPER_MAX_BYTES='lots' is not valid"),
+    ("DUMPER_EXP_NAME", "../escape", "DUMPER_EXP_NAME='../escape' is not valid"),
+    ("DUMPER_FILTER", "layers.(", "DUMPER_FILTER='layers.(' is not valid"),
+    ("DUMPER_SERVER_PORT", "http", "-1, reuse, or a port number"),
+    ("DUMPER_POSITIONS", "a:b", "DUMPER_POSITIONS='a:b' is not valid"),
+])
+def test_bad_values_are_one_line_errors_naming_the_variable(name, value, needle):
+    with pytest.raises(ConfigError) as err:
+        DumperConfig.from_env({name: value})
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sglang_compatible_values_parse():
+    cfg = DumperConfig.from_env({"DUMPER_ENABLE": "true", "DUMPER_SERVER_PORT": "reuse", "DUMPER_FILTER": "layer_id=[0-3]",
+                                 "DUMPER_NON_INTRUSIVE_MODE": "core", "DUMPER_CLEANUP_PREVIOUS": "1"})
+    assert cfg.enable and cfg.server_port_parsed == "reuse" and cfg.cleanup_previous and cfg.non_intrusive_mode == "core"
+
+
+@dataclasses.dataclass
+class Pair:
+    main: torch.Tensor
+    extra: torch.Tensor
+    label: str
+
+
+class Toy(torch.nn.Module):
+    """Token ids in, a dataclass and a tuple through the middle, an in-place op at the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.split = Splitter()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        pair = self.split(hidden, scale=2.0, tag="x", cache=object())
+        out = self.proj(pair.main)
+        out.add_(1.0)  # in place after the hook: the dump must hold the value at hook time
+        return out, pair.extra
+
+
+class Splitter(torch.nn.Module):
+    def forward(self, hidden, scale=1.0, tag="", cache=None):
+        return Pair(hidden * scale, hidden[..., :2], tag)
+
+
+def read_pass(path):
+    with safe_open(path, "pt") as handle:
+        meta = json.loads(handle.metadata()[fmt.PASS_META_KEY])
+        return meta, {k: handle.get_tensor(k) for k in handle.keys()}
+
+
+def test_capture_names_values_skips_and_clones(tmp_path):
+    torch.manual_seed(0)
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="toy"))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        out, _ = model(ids)
+    handle.remove()
+    meta, tensors = read_pass(tmp_path / "toy" / "rank0" / fmt.pass_file_name(0))
+    calls = {c["call"]: c for c in meta["calls"]}
+    split = calls["split#0"]
+    assert split["values"] == {"in.scale": 2.0, "in.tag": "x", "out.label": "x"}
+    assert split["skipped"] == {"in.cache": "object"}
+    assert set(split["tensors"]) == {"split#0.in.0", "split#0.out.main", "split#0.out.extra"}
+    assert split["tensors"]["split#0.in.0"]["alias"] == "embed#0.out.0"  # stored once
+    assert meta["tokens"]["ids"] == [3, 4, 5, 6] and meta["tokens"]["pos"] == [0, 1, 2, 3]
+    # the hook-time copy, not the tensor after the in-place add
+    assert torch.equal(tensors["proj#0.out.0"] + 1.0, out)
+    assert calls["proj#0"]["pre"] < calls["proj#0"]["post"] < calls["<root>#0"]["post"]
+
+
+def test_files_are_safetensors_and_json_only(tmp_path):
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="toy"))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+        model(torch.tensor([[1, 2]]))
+    handle.remove()
+    exp = tmp_path / "toy"
+    assert json.load(open(exp / fmt.RUN_FILE))["version"] == fmt.FORMAT_VERSION
+    lines = [json.loads(line) for line in open(exp / "rank0" / fmt.MANIFEST_FILE)]
+    assert [e["pass"] for e in lines] == [0, 1]
+    names = sorted(os.listdir(exp / "rank0"))
+    assert names == [".lock", "manifest.jsonl", "pass-000000.safetensors", "pass-000001.safetensors"]
+    for entry in lines:
+        assert os.path.getsize(exp / "rank0" / entry["file"]) == entry["bytes"]
+
+
+def test_disabled_hooks_cost_nothing_and_enable_later(tmp_path):
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), exp_name="late"))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]))
+    assert not any(m._forward_pre_hooks for m in model.modules())  # no per-module hooks while idle
+    handle.configure(enable=True)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]))
+    handle.remove()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert "forward" not in model.__dict__
+    lines = open(tmp_path / "late" / "rank0" / fmt.MANIFEST_FILE).read().splitlines()
+    assert len(lines) == 1  # the pass run before enabling was not dumped
+
+
+def test_core_mode_writes_metadata_only(tmp_path, caplog):
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="c", non_intrusive_mode="core"))
+    with caplog.at_level("WARNING", logger="dumper"), torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    handle.remove()
+    meta, tensors = read_pass(tmp_path / "c" / "rank0" / fmt.pass_file_name(0))
+    assert tensors == {} and meta["calls"] == [] and meta["tokens"]["ids"] == [1, 2, 3]
+    assert "metadata only" in caplog.text
+
+
+def test_filter_selects_modules(tmp_path):
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="f", filter="^(embed|proj)$"))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    handle.remove()
+    meta, _ = read_pass(tmp_path / "f" / "rank0" / fmt.pass_file_name(0))
+    assert [c["call"] for c in meta["calls"]] == ["embed#0", "proj#0"]
+
+
+def test_positions_keep_only_selected_rows(tmp_path):
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="p", positions="2:"))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]))
+    handle.remove()
+    meta, tensors = read_pass(tmp_path / "p" / "rank0" / fmt.pass_file_name(0))
+    assert meta["kept_rows"] == [2, 3, 4] and len(meta["tokens"]["ids"]) == 5  # metadata stays complete
+    assert tensors["embed#0.out.0"].shape == (3, 8)
+    code, out, err = dumpdiff("index", tmp_path / "p", "--no-progress")
+    assert code == 0, err
+
+
+def test_fingerprint_is_order_sensitive():
+    from analyzer.fingerprint import fingerprints
+    rows = torch.randn(3, 16)
+    swapped = rows.clone()
+    swapped[0, [3, 7]] = swapped[0, [7, 3]]
+    flipped = rows.clone()
+    flipped.view(torch.int32)[1, 5] ^= 1  # one bit
+    fp = fingerprints(rows)
+    assert (fingerprints(rows.clone()) == fp).all()
+    assert fingerprints(swapped)[0] != fp[0] and (fingerprints(swapped)[1:] == fp[1:]).all()
+    assert fingerprints(flipped)[1] != fp[1]
+    assert fingerprints(torch.zeros(2, 3, dtype=torch.bfloat16))[0] != fingerprints(torch.zeros(2, 6, dtype=torch.bfloat16))[0]
