@@ -79,10 +79,20 @@ class DumperConfig:
         return self.exp_name or time.strftime("dump_%Y%m%d_%H%M%S")
 
     def replace(self, **changes) -> "DumperConfig":
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        """A validated copy; strings are parsed as their DUMPER_* variable would be."""
+        fields = {f.name: f.default for f in dataclasses.fields(self)}
+        unknown = set(changes) - set(fields)
         if unknown:
-            raise ConfigError(f"unknown dumper setting(s) {sorted(unknown)}; known: {sorted(f.name for f in dataclasses.fields(self))}")
-        return dataclasses.replace(self, **changes)
+            raise ConfigError(f"unknown dumper setting(s) {sorted(unknown)}; known: {sorted(fields)}")
+        typed = {}
+        for name, value in changes.items():
+            default = fields[name]
+            if isinstance(value, str) and not isinstance(default, str):
+                value = parse_value(env_name(name), value, default)
+            elif isinstance(default, bool) != isinstance(value, bool) or not isinstance(value, type(default)):
+                raise ConfigError(_bad(env_name(name), value, f"a {type(default).__name__}"))
+            typed[name] = value
+        return dataclasses.replace(self, **typed)
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "DumperConfig":

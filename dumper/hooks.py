@@ -82,9 +82,18 @@ class Dumper:
         self._paths = {module: path for path, module in model.named_modules()}
         self._cleaned: set = set()
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
+        self._seq_next: Dict[tuple, int] = {}  # (exp dir, seq) -> next position the dump lacks
+        self._endpoint = None
         self._original_forward = model.forward
         self._wrap_root()
         self._announce()
+
+    def start_endpoint(self, world_size: int = 1):
+        """Serve run-time control on 127.0.0.1 for a numeric DUMPER_SERVER_PORT."""
+        port = self.config.server_port_parsed
+        if isinstance(port, int) and self._endpoint is None:
+            from .control import start_endpoint
+            self._endpoint = start_endpoint(self, port, self.rank, world_size)
 
     # --- public API -----------------------------------------------------------------------
     def configure(self, **changes) -> dict:
@@ -113,6 +122,7 @@ class Dumper:
             self.step = 0
             self.passes_dumped = 0
             self._cleaned.clear()
+            self._seq_next.clear()
         return self.state()
 
     def state(self) -> dict:
@@ -128,7 +138,12 @@ class Dumper:
 
     def remove(self):
         """Detach every hook, restore the root forward, and finish writing."""
+        if self._endpoint is not None:
+            self._endpoint.shutdown()
+            self._endpoint.server_close()
+            self._endpoint = None
         self._detach_hooks()
+        self.model.__dict__.pop("_dumpdiff_dumper", None)
         if self.model.__dict__.get("forward") is not None:
             del self.model.forward
         self._writer.close()
@@ -140,6 +155,8 @@ class Dumper:
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
+            if self._pass is None:
+                self.step += 1  # the engine step, counted even while idle
             if not self._active() or self._pass is not None:
                 return original(*args, **kwargs)
             self._begin_pass(args, kwargs)
@@ -160,7 +177,7 @@ class Dumper:
     def _begin_pass(self, args, kwargs):
         cfg = self.config
         info = self.adapter.pass_info(self.model, args, kwargs)
-        self.step += 1
+        self._fill_prefixes(info, self._exp_dir())
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
         device_copy = any(isinstance(a, torch.Tensor) and a.is_cuda for a in list(args) + list(kwargs.values()))
         self._pass = _Pass(info, kept, device_copy)
@@ -172,6 +189,17 @@ class Dumper:
                 self._pre(self.model, args, kwargs)
         else:
             self._detach_hooks()
+
+    def _fill_prefixes(self, info: PassInfo, exp_dir: str):
+        """Record a sequence's earlier token ids when this dump does not hold them already
+        (a prefix-cache hit, or dumping enabled mid-request), so rows stay alignable."""
+        for seq, (first, end) in info.first_positions().items():
+            key = (exp_dir, seq)
+            if first > 0 and self._seq_next.get(key) != first and seq in info.history:
+                ids = list(info.history[seq]())[:first]
+                if len(ids) == first:
+                    info.prefix_ids[seq] = ids
+            self._seq_next[key] = end
 
     def _end_pass(self, output):
         current = self._pass
@@ -333,6 +361,7 @@ def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapt
         adapter = pick_adapter(model)
     dumper = Dumper(model, config, adapter)
     model._dumpdiff_dumper = dumper
+    dumper.start_endpoint(_world_size())
     return dumper
 
 
@@ -340,6 +369,12 @@ def _rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     return int(os.environ.get("RANK", "0") or 0)
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 @functools.lru_cache(maxsize=1)

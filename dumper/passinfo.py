@@ -21,6 +21,9 @@ class PassInfo:
     last_rows: List[int]  # per sequence, the row whose logits predict its next token
     prefix_ids: dict = dataclasses.field(default_factory=dict)  # seq -> ids before its first row
     extra: dict = dataclasses.field(default_factory=dict)  # engine fields (seq_lens, rids, ...)
+    # seq -> callable returning the sequence's token ids before this pass, for engines that
+    # know them (sglang's requests); asked only when the dump lacks that part of the sequence.
+    history: dict = dataclasses.field(default_factory=dict)
 
     def seqs(self) -> list:
         """Per sequence in the pass: key, first and last+1 row, known prefix ids."""
@@ -36,6 +39,15 @@ class PassInfo:
                 entry["prefix_ids"] = list(self.prefix_ids[key])
             out.append(entry)
         return out
+
+    def first_positions(self) -> dict:
+        """seq -> (position of its first row in this pass, position after its last row)."""
+        spans: dict = {}
+        for key, pos, ok in zip(self.seq, self.pos, self.valid):
+            if ok:
+                lo, hi = spans.get(key, (pos, pos + 1))
+                spans[key] = (min(lo, pos), max(hi, pos + 1))
+        return spans
 
     def to_meta(self) -> dict:
         return {

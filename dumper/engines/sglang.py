@@ -1,0 +1,133 @@
+"""sglang adapter: pass metadata from the ForwardBatch that sglang hands every model forward.
+
+Token rows are sglang's flat layout [T]: each request's extend (or single decode) tokens,
+request after request. Sequences are keyed by request id, stable across a request's passes.
+For a prefix-cache hit (an extend that starts at the cached prefix length) the request's own
+token ids say what the skipped prefix was; the plugin attaches the requests to the batch.
+This module imports nothing from sglang: it reads ForwardBatch fields by name.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ..passinfo import PassInfo
+
+REQS_ATTR = "_dumpdiff_reqs"  # set on a ForwardBatch by the plugin: the batch's Req objects
+
+
+def find_forward_batch(args, kwargs):
+    for value in list(args) + list(kwargs.values()):
+        if type(value).__name__ == "ForwardBatch":
+            return value
+    return None
+
+
+def _as_list(value) -> List[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().reshape(-1).tolist()
+    return [int(v) for v in value]
+
+
+def _mode_name(forward_mode) -> str:
+    for name in ("decode", "mixed", "extend", "idle"):
+        check = getattr(forward_mode, f"is_{name}", None)
+        if check is not None and check():
+            return {"extend": "extend", "idle": "unknown"}.get(name, name)
+    return "unknown"
+
+
+class SglangAdapter:
+    engine = "sglang"
+
+    def __init__(self, model_runner=None):
+        self.model_runner = model_runner
+
+    def pass_info(self, model, args, kwargs) -> PassInfo:
+        batch = find_forward_batch(args, kwargs)
+        if batch is None:
+            raise ValueError("dumper: sglang model forward called without a ForwardBatch")
+        ids = _as_list(batch.input_ids)
+        pos = _as_list(batch.positions)
+        n_seqs = int(batch.batch_size)
+        rids = list(batch.rids) if getattr(batch, "rids", None) is not None else [f"req{i}" for i in range(n_seqs)]
+        mode = _mode_name(batch.forward_mode)
+        if mode == "decode":
+            lengths, prefix = [1] * n_seqs, _as_list(batch.seq_lens)
+            prefix = [p - 1 for p in prefix]
+        else:
+            lengths = _as_list(getattr(batch, "extend_seq_lens_cpu", None) or batch.extend_seq_lens)
+            prefix = _as_list(getattr(batch, "extend_prefix_lens_cpu", None) or batch.extend_prefix_lens)
+        if mode == "extend" and not any(prefix):
+            mode = "prefill"
+        seq, last_rows = [], []
+        for rid, length in zip(rids, lengths):
+            seq += [rid] * length
+            last_rows.append(len(seq) - 1)
+        if len(seq) != len(ids):  # padded buffers (graphs, DP) carry rows no request owns
+            seq += [""] * (len(ids) - len(seq))
+        info = PassInfo(mode=mode, token_shape=[len(ids)], ids=ids, pos=pos, seq=seq[:len(ids)],
+                        valid=[bool(s) for s in seq[:len(ids)]], last_rows=last_rows)
+        info.extra = {"seq_lens": _as_list(batch.seq_lens), "prefix_lens": prefix, "extend_lens": lengths,
+                      "rids": rids, "forward_mode": str(getattr(batch.forward_mode, "name", batch.forward_mode))}
+        reqs = getattr(batch, REQS_ATTR, None)
+        if reqs is not None:
+            for rid, req in zip(rids, reqs):
+                info.history[rid] = (lambda r=req: list(r.origin_input_ids) + list(r.output_ids))
+        return info
+
+    def after_pass(self, model, info, output):
+        pass
+
+    def run_info(self, model) -> dict:
+        runner = self.model_runner
+        info = {"model": type(model).__name__}
+        if runner is None:
+            return info
+        args = getattr(runner, "server_args", None)
+        config = getattr(getattr(runner, "model_config", None), "hf_config", None)
+        info.update({
+            "model": getattr(args, "model_path", None) or type(model).__name__,
+            "model_type": getattr(config, "model_type", None),
+            "num_layers": getattr(config, "num_hidden_layers", None),
+            "dtype": str(getattr(getattr(runner, "model_config", None), "dtype", "")).replace("torch.", "") or None,
+            "device": str(getattr(runner, "device", "")),
+            "tp_size": getattr(runner, "tp_size", None),
+            "tp_rank": getattr(runner, "tp_rank", None),
+            "flags": {k: str(getattr(args, k, None)) for k in FLAGS_OF_INTEREST if hasattr(args, k)},
+        })
+        return info
+
+
+FLAGS_OF_INTEREST = ("attention_backend", "sampling_backend", "chunked_prefill_size", "disable_radix_cache",
+                     "enable_deterministic_inference", "cuda_graph_config", "kv_cache_dtype", "quantization",
+                     "random_seed")
+
+
+def cuda_graph_problem(server_args, device: str):
+    """None when hooks will see every pass; else the message naming the flags to add."""
+    if not str(device).startswith("cuda"):
+        return None
+    on = []
+    config = getattr(server_args, "cuda_graph_config", None)
+    for phase in ("decode", "prefill"):
+        backend = getattr(getattr(config, phase, None), "backend", None)
+        backend = str(getattr(backend, "value", backend)) if backend is not None else None
+        if backend is None:  # older sglang: legacy booleans
+            legacy = "disable_cuda_graph" if phase == "decode" else "disable_prefill_cuda_graph"
+            backend = "disabled" if getattr(server_args, legacy, False) or getattr(server_args, "disable_cuda_graph", False) else "on"
+        if backend != "disabled":
+            on.append(phase)
+    if getattr(server_args, "enable_piecewise_cuda_graph", False) and not getattr(server_args, "disable_piecewise_cuda_graph", False):
+        on.append("piecewise")
+    if not on:
+        return None
+    return ("dumpdiff: dumping needs every forward pass to run eagerly, but CUDA graphs are on for "
+            f"{', '.join(on)} (Python hooks do not run inside graph replay, the dump would hold only "
+            "the embedding); restart the server with --cuda-graph-backend-decode disabled "
+            "--cuda-graph-backend-prefill disabled (older sglang: --disable-cuda-graph "
+            "--disable-prefill-cuda-graph --disable-piecewise-cuda-graph), or unset DUMPER_*")
