@@ -100,9 +100,15 @@ def render(result: dict, fmt: str) -> str:
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
 @click.option("--rebuild-index", is_flag=True, help="Rebuild the parquet indexes even when they are fresh.")
+@click.option("--atol", type=float, default=None, help="Noise-aware rule: absolute tolerance instead of the derived threshold.")
+@click.option("--rtol", type=float, default=None, help="Noise-aware rule: relative tolerance instead of the derived threshold.")
+@click.option("--noise", "noise_repeat", default=None, metavar="REFERENCE2",
+              help="A second dump of the reference run: its differences are the noise floor.")
+@click.option("--strict-only", is_flag=True, help="Only the bit-level verdict; read no tensor bytes but the culprit's.")
 @click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
 @guarded
-def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, allow_mismatch, rebuild_index, no_progress):
+def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, allow_mismatch, rebuild_index, atol, rtol,
+                         noise_repeat, strict_only, no_progress):
     """Name the first operator whose inputs match and whose output does not.
 
     REFERENCE is usually the dump of one prefill of prompt+output; TEST the dump of the prefill
@@ -114,10 +120,18 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
     token-aligned inputs are bit-identical and whose output is not is the culprit; calls after
     it whose inputs differ are victims. Prints the module, the rows, the shapes on each side
     (M = token rows in the pass), max abs / ulp / relative error and the victim count.
+
+    \b
+    Two verdicts, because engines are rarely batch-invariant:
+      strict       where the first bit flips: the batch-variance kernel to fix
+      noise-aware  where a real error is introduced: output error far beyond the input error
+                   (amplification over a threshold derived from the run, or --atol/--rtol,
+                   or the differences of a repeat run given with --noise): the state bug
     """
     from .diverge import first_divergence
     result = first_divergence(reference, test, trust_alignment=trust_alignment, allow_mismatch=allow_mismatch,
-                              progress=not no_progress, rebuild_index=rebuild_index, rank=rank)
+                              progress=not no_progress, rebuild_index=rebuild_index, rank=rank, atol=atol, rtol=rtol,
+                              noise_repeat=noise_repeat, noise_aware=not strict_only)
     emit(render(result, fmt), output)
     sys.exit(EXIT_DIFFERENT if result["divergence"] else EXIT_SAME)
 

@@ -19,7 +19,8 @@ import pandas as pd
 import torch
 
 from .align import Alignment
-from .index import Index, read_rows
+from .index import Index
+from .rowread import RowReader
 
 MAX_LISTED = 20
 
@@ -47,8 +48,8 @@ def call_order(index: Index) -> Dict[str, int]:
     return calls.groupby("call")["rank_in_pass"].min().sort_values().rank(method="first").astype(int).to_dict()
 
 
-def strict_verdict(alignment: Alignment, a: Index, b: Index) -> dict:
-    table = row_table(alignment, a, b)
+def strict_verdict(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame = None) -> dict:
+    table = row_table(alignment, a, b) if table is None else table
     pairs = alignment.pairs.set_index("pair")
     calls_b = b.calls[["pass", "call", "module", "cls", "pre", "post"]]
     flags = table.assign(in_differ=table["differ"] & (table["io"] == "in"),
@@ -122,8 +123,9 @@ def _error_figures(call: str, mine: pd.DataFrame, table: pd.DataFrame, a: Index,
     tensor = outs["tensor"].iloc[0]
     chosen = outs[outs["tensor"] == tensor].merge(mine[["pair", "pass_a", "row_a"]], on="pair", suffixes=("", "_m"))
     chosen = chosen.iloc[: 512]  # bounded read: enough rows for the figures
-    ref = torch.cat([read_rows(a, int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_a"], chosen["row_a"])])
-    test = torch.cat([read_rows(b, int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_b"], chosen["row_b"])])
+    reader_a, reader_b = RowReader(a), RowReader(b)
+    ref = torch.cat([reader_a.rows(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_a"], chosen["row_a"])])
+    test = torch.cat([reader_b.rows(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_b"], chosen["row_b"])])
     figures = error_stats(ref, test)
     figures["tensor"] = tensor
     figures["shapes"] = _shapes(call, chosen, a, b)

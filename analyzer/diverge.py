@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Optional
 
 from .align import align, prove
-from .compare import strict_verdict
+from .compare import row_table, strict_verdict
 from .errors import DumpError
 from .index import load_index
 from .load import Dump, open_dump, show
+from .noise import noise_floor_by_call, noise_verdict, row_errors
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
 # engine's own cache), so it is only reported.
@@ -28,8 +29,11 @@ def check_same_model(a: Dump, b: Dump, allow: bool):
 
 
 def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, allow_mismatch: bool = False,
-                     progress: bool = True, rebuild_index: bool = False, rank: Optional[int] = None) -> dict:
+                     progress: bool = True, rebuild_index: bool = False, rank: Optional[int] = None,
+                     atol: Optional[float] = None, rtol: Optional[float] = None, noise_repeat: Optional[str] = None,
+                     noise_aware: bool = True) -> dict:
     dump_a, dump_b = open_dump(path_a), open_dump(path_b)
+    floors = _repeat_floors(dump_a, noise_repeat, progress) if noise_repeat else {}
     check_same_model(dump_a, dump_b, allow_mismatch)
     index_a = load_index(dump_a, rebuild=rebuild_index, progress=progress)
     index_b = load_index(dump_b, rebuild=rebuild_index, progress=progress)
@@ -42,7 +46,11 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     for r in ranks:
         ia, ib = index_a.rank(r), index_b.rank(r)
         alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
-        verdict = strict_verdict(alignment, ia, ib)
+        table = row_table(alignment, ia, ib)
+        verdict = strict_verdict(alignment, ia, ib, table)
+        if noise_aware and verdict["rows_differing"]:
+            verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r))
+            verdict["summary"] = summarize(verdict)
         verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
                                 "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,
                                 "embedding": alignment.embedding}
@@ -52,6 +60,41 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     first = next((v for v in result["ranks"].values() if v["culprit"]), None)
     result["culprit"] = first["culprit"] if first else None
     return result
+
+
+def _repeat_floors(dump_a: Dump, repeat_path: str, progress: bool) -> dict:
+    """Per rank, per call: the output error two runs of the same reference show anyway."""
+    repeat = open_dump(repeat_path)
+    check_same_model(dump_a, repeat, allow=False)
+    index_a, index_r = load_index(dump_a, progress=progress), load_index(repeat, progress=progress)
+    floors = {}
+    for r in sorted(set(dump_a.ranks) & set(repeat.ranks)):
+        ia, ir = index_a.rank(r), index_r.rank(r)
+        alignment = prove(align(ia, ir), ia, ir, dump_a.label, repeat.label)
+        table = row_table(alignment, ia, ir)
+        floors[r] = noise_floor_by_call(row_errors(table, ia, ir, alignment.pairs))
+    return floors
+
+
+def summarize(verdict: dict) -> str:
+    """Say in words which verdict is which."""
+    strict, noise = verdict.get("culprit"), verdict.get("noise", {})
+    found = noise.get("culprits", [])
+    parts = []
+    if strict:
+        parts.append(f"The first bit flips at {strict['call']} ({strict['cls']}): inputs identical, output not. "
+                     "That is where batch-variance starts: the kernel to make batch-invariant.")
+    if found:
+        top = found[0]
+        kinds = ", ".join(f"{n} {k}" for k, n in top["kinds"].items())
+        parts.append(f"A real error is introduced at {top['call']} ({top['cls']}) on {top['rows']} rows ({kinds}): "
+                     f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}, "
+                     f"{top['amplification']:.3g}x amplification, far beyond float noise. "
+                     "Look there for a state or cache bug.")
+    elif strict:
+        parts.append("No call introduces an error beyond float noise: the divergence is float noise carried "
+                     "along (batch-variance), not a state bug.")
+    return " ".join(parts)
 
 
 def describe(dump: Dump) -> dict:

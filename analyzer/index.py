@@ -216,15 +216,3 @@ def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int
         and np.array_equal(view.reshape(-1).to(torch.int64).numpy(), np.asarray(meta["tokens"]["ids"])[kept_rows]))
     return frame, why, is_ids
 
-
-def read_rows(index: Index, pass_id: int, tensor: str, token_rows) -> torch.Tensor:
-    """The stored bytes of some token rows of one tensor, as [len(token_rows), ...]."""
-    rank = int(index.tokens["rank"].iloc[0])
-    meta = index.tensors[(index.tensors["pass"] == pass_id) & (index.tensors["tensor"] == tensor)].iloc[0]
-    rows = index.rows[(index.rows["pass"] == pass_id) & (index.rows["tensor"] == tensor)].set_index("row")
-    ref = next(p for p in index.dump.ranks[rank].passes if p.pass_id == pass_id)
-    stored = PassFile(ref).tensor(meta["stored"])
-    tmeta = {"token_dims": json.loads(meta["token_dims"]), "selected": bool(meta["selected"])}
-    view = stored_row_view(stored, tmeta) if tmeta["token_dims"] is not None else stored.reshape((1,) + tuple(stored.shape))
-    picks = [int(rows.loc[r, "srow"]) for r in token_rows]
-    return view[torch.tensor(picks, dtype=torch.long)]

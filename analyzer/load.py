@@ -157,13 +157,27 @@ def _read_rank(rank: int, rank_dir: str) -> RankDump:
     return RankDump(rank, rank_dir, passes, torn, orphans)
 
 
+def _safe_open(path: str):
+    """safe_open, also for a path with bytes that are not UTF-8 (safetensors accepts only UTF-8
+    paths): such a file is opened by us and handed over as /dev/fd/N, which needs no name."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return safe_open(f"/dev/fd/{fd}", framework="pt")  # safetensors opens and maps its own copy
+        finally:
+            os.close(fd)
+    return safe_open(path, framework="pt")
+
+
 class PassFile:
     """One committed pass: its metadata and lazy access to its tensors."""
 
     def __init__(self, ref: PassRef):
         self.ref = ref
         try:
-            self._file = safe_open(ref.path, framework="pt")
+            self._file = _safe_open(ref.path)
             header = self._file.metadata() or {}
         except (SafetensorError, OSError, ValueError) as exc:
             raise DumpError(f"{show(ref.path)}: corrupt pass file ({exc}); re-copy or re-dump it") from None
@@ -172,8 +186,14 @@ class PassFile:
             raise DumpError(f"{show(ref.path)}: no dumpdiff metadata in the safetensors header; not a dumpdiff pass file")
         try:
             self.meta = json.loads(raw)
+            # JSON escapes can smuggle in lone surrogates ("\udcff") that no later stage (parquet, the
+            # report) can encode; refuse them here, with the file's name, instead of failing later.
+            json.dumps(self.meta, ensure_ascii=False).encode("utf-8")
         except ValueError:
-            raise DumpError(f"{show(ref.path)}: pass metadata is not valid JSON; the file is damaged") from None
+            raise DumpError(f"{show(ref.path)}: pass metadata is not valid JSON or holds invalid text; "
+                            "the file is damaged") from None
+        if not isinstance(self.meta, dict):
+            raise DumpError(f"{show(ref.path)}: pass metadata is not a JSON object; the file is damaged")
         missing = [k for k in ("tokens", "calls", "token_shape") if k not in self.meta]
         if missing:
             raise DumpError(f"{show(ref.path)}: pass metadata lacks {missing}; the file is damaged or from another tool")

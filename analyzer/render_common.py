@@ -53,8 +53,8 @@ def verdict_parts(result: dict) -> List[Tuple[str, bool]]:
     if found:
         rank, verdict = found
         c = verdict["culprit"]
-        return [("DIVERGENCE: first divergent operator ", False), (c["call"], True),
-                (f" [{c['cls']}]{rank_label(result, rank)}, {c['n_rows']} of {verdict['rows_compared']} compared "
+        return [("DIVERGENCE: first divergent operator ", False), (c["call"], True), (" [", False), (c["cls"], True),
+                (f"]{rank_label(result, rank)}, {c['n_rows']} of {verdict['rows_compared']} compared "
                  f"token rows; {verdict['rows_differing']} rows differ in all; max abs error {fmt_num(c.get('max_abs'))}",
                  False)]
     compared = sum(v["rows_compared"] for v in result["ranks"].values())

@@ -3,7 +3,8 @@
 Names from the dump (modules, calls, tensors, sequence keys, paths) go into code spans: there
 `_`, `#`, `<root>`, `@user` and `#123` stay literal, where in prose GitHub would turn them into
 emphasis, headings, HTML, mentions and issue links. Prose that embeds names (proof lines, notes,
-warnings) is backslash-escaped instead.
+warnings) is backslash-escaped, except that a word holding `@` or `#` (a call name, or a
+hostile `@someone`) becomes a code span too: backslashes do not stop mentions or issue links.
 """
 
 from __future__ import annotations
@@ -15,12 +16,24 @@ from . import render_common as rc
 
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]<>()#+!|~&])")
 _LINE_START_MARKER = re.compile(r"^(\s*)(\d+)([.)])|^(\s*)([-+=])")
+_REFERENCE_WORD = re.compile(r"[^\s()]*[@#][^\s(),;]*")
+
+
+def _escape(prose: str) -> str:
+    return _MD_SPECIAL.sub(r"\\\1", prose)
 
 
 def text(value, line_start: bool = False) -> str:
     """Prose with Markdown syntax neutralised; at the start of a list item also a leading list
     marker ("1." or "-"), which would otherwise open a nested list."""
-    escaped = _MD_SPECIAL.sub(r"\\\1", rc.clean(value))
+    raw, pieces, last = rc.clean(value), [], 0
+    for word in _REFERENCE_WORD.finditer(raw):
+        name = word.group().rstrip(".:")  # sentence punctuation stays prose
+        if name:
+            pieces += [_escape(raw[last:word.start()]), code(name)]
+            last = word.start() + len(name)
+    pieces.append(_escape(raw[last:]))
+    escaped = "".join(pieces)
     if not line_start:
         return escaped
     return _LINE_START_MARKER.sub(lambda m: (f"{m.group(1)}{m.group(2)}\\{m.group(3)}" if m.group(2)
@@ -53,7 +66,7 @@ def table(header: List[str], rows: List[List[str]]) -> List[str]:
 def capped(items: list, what: str) -> tuple:
     shown = items[: rc.MAX_TABLE_ROWS]
     note = rc.left_out(len(items), len(shown), what)
-    return shown, ([f"", f"*{note}*"] if note else [])
+    return shown, (["", f"*{note}*"] if note else [])
 
 
 def culprit_section(result: dict, rank: str, verdict: dict) -> List[str]:
@@ -118,8 +131,9 @@ def to_markdown(result: dict) -> str:
     if len(result["ranks"]) > 1:
         out += [f"Ranks that diverge: {', '.join(str(r) for r in result['diverged_ranks']) or 'none'}", ""]
     out += ["### Environment", ""]
-    out += table(["", f"A (reference): {code(result['a']['label'], True)}", f"B (under test): {code(result['b']['label'], True)}"],
-                 [[name, code(a, True), code(b, True)] for name, a, b in rc.environment_rows(result)])
+    header = ["", f"A (reference): {code(result['a']['label'], True)}",
+              f"B (under test): {code(result['b']['label'], True)}"]
+    out += table(header, [[name, code(a, True), code(b, True)] for name, a, b in rc.environment_rows(result)])
     command = rc.reproduce_command(result)
     fence = "`" * max(3, max((len(run) + 1 for run in re.findall(r"`+", command)), default=0))
     out += ["", "### Reproduce", "", f"{fence}sh", command, fence, ""]

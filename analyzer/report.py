@@ -49,6 +49,27 @@ def culprit_lines(culprit: dict, labels, rows_compared: int) -> List[str]:
     return lines
 
 
+def noise_lines(noise: dict) -> List[str]:
+    rule = noise["rule"]
+    if "atol" in rule:
+        how = f"tolerance atol={rule['atol']} rtol={rule['rtol']}"
+    else:
+        how = f"amplification > {rule['amplification']:.3g}x (derived from {rule['samples']} call errors of this run" + \
+              (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")"
+    sampled = "" if noise["rows_examined"] == noise["rows_total"] else f", {noise['rows_examined']} of {noise['rows_total']} rows sampled"
+    lines = [f"noise-aware verdict ({how}{sampled}):"]
+    if not noise["culprits"]:
+        lines.append("  no call introduces an error beyond float noise")
+    for c in noise["culprits"]:
+        kinds = ", ".join(f"{n} {k}" for k, n in c["kinds"].items())
+        lines.append(f"  introduced at {c['call']}  [{c['cls']}]: {c['rows']} rows ({kinds}); input error {fmt_num(c['in_err'])}, "
+                     f"output error {fmt_num(c['out_err'])}, amplification >= {fmt_num(c['amplification'])}x")
+    if noise.get("top_jumps"):
+        jumps = ", ".join(f"{j['call']} {fmt_num(j['amplification'])}x" for j in noise["top_jumps"][:4])
+        lines.append(f"  largest amplifications seen: {jumps}")
+    return lines
+
+
 def to_text(result: dict) -> str:
     labels = (result["a"]["label"], result["b"]["label"])
     head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
@@ -74,6 +95,10 @@ def to_text(result: dict) -> str:
         if len(verdict["groups"]) > 1 or (verdict["groups"] and verdict["groups"][0]["rows"] < verdict["rows_differing"]):
             out.append("per-row culprits (rows can meet different culprits):")
             out += [f"  {g['rows']:6d} rows  {g['call']}  [{g['cls']}]" for g in verdict["groups"]]
+        if verdict.get("noise"):
+            out += noise_lines(verdict["noise"])
+        if verdict.get("summary"):
+            out.append(f"summary: {verdict['summary']}")
         if verdict["not_comparable"]:
             out.append(f"not comparable ({len(verdict['not_comparable'])} calls, skipped by the walk):")
             out += [f"  {n['call']}: {n['why']}" for n in verdict["not_comparable"][:8]]

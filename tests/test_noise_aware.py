@@ -1,0 +1,61 @@
+"""A state bug behind natural float32 batch-variance noise still gets named; noise alone never does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dumper
+from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
+from test_core_loop import plant_stale_kv
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model", num_hidden_layers=4)
+
+
+def test_stale_kv_behind_layer0_noise(llama_dir, tmp_path):
+    model = load_model(llama_dir, torch.float32)
+    plant_stale_kv(model, layer=2, position=3)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=8)
+    code, result = first_divergence_json(ref, dec)
+    assert code == 1
+    verdict = result["ranks"]["0"]
+    assert result["culprit"]["module"].startswith("model.layers.0.")  # strict: where the first bit flips
+    noise = verdict["noise"]
+    assert [c["call"] for c in noise["culprits"]] == ["model.layers.2.self_attn#0"]
+    planted = noise["culprits"][0]
+    decode_rows = [r for r in verdict["per_row"] if r["kind"] == "decode"]
+    assert planted["rows"] == len(decode_rows) == 7 and planted["kinds"] == {"decode": 7}  # every affected row
+    assert planted["in_err"] < 1e-5 < planted["out_err"] and planted["amplification"] > 100
+    assert "state or cache bug" in verdict["summary"] and "batch-invariant" in verdict["summary"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clean_float32_run_has_no_noise_aware_culprit(llama_dir, tmp_path, seed):
+    model = load_model(llama_dir, torch.float32)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24, seed=seed), new_tokens=8)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert code == 1 and verdict["rows_differing"] > 0  # natural divergence exists...
+    assert verdict["noise"]["culprits"] == []  # ...and is recognised as noise
+    assert "not a state bug" in verdict["summary"]
+
+
+def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
+    model = load_model(llama_dir, torch.float32)
+    plant_stale_kv(model, layer=1, position=2)
+    ref, dec, output = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=5)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="ref2"))
+    with torch.no_grad():
+        model(output)  # a repeat of the reference run: its differences (none on CPU) are the floor
+    handle.remove()
+    code, result = first_divergence_json(ref, dec, "--atol", "1e-5", "--rtol", "1e-4")
+    noise = result["ranks"]["0"]["noise"]
+    assert noise["rule"]["atol"] == 1e-5 and [c["call"] for c in noise["culprits"]] == ["model.layers.1.self_attn#0"]
+    code, result = first_divergence_json(ref, dec, "--noise", tmp_path / "ref2")
+    noise = result["ranks"]["0"]["noise"]
+    assert noise["rule"]["floor_from_repeat"] and [c["call"] for c in noise["culprits"]] == ["model.layers.1.self_attn#0"]
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
+    assert "noise-aware verdict" in out and "introduced at model.layers.1.self_attn#0" in out
