@@ -7,6 +7,7 @@ starting with 'dumpdiff: error:' and exit code 2; set DUMPDIFF_DEBUG=1 for a tra
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -153,6 +154,40 @@ def index_cmd(dump, rebuild, no_progress):
     index = load_index(open_dump(dump), rebuild=rebuild, progress=not no_progress)
     click.echo(f"{index.where}: {len(index.tokens)} token rows, {len(index.calls)} calls, "
                f"{len(index.tensors)} tensors, {len(index.rows)} tensor rows")
+
+
+def _parse_setting(text: str):
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"{text!r}: settings are KEY=VALUE, e.g. enable=true exp_name=dec")
+    try:
+        return key, json.loads(raw)
+    except ValueError:
+        return key, raw  # a bare word is a string: exp_name=dec
+
+
+@main.command("ctl")
+@click.argument("method", type=click.Choice(["configure", "reset", "get_state"]))
+@click.argument("settings", nargs=-1)
+@click.option("--url", default="http://127.0.0.1:30000", show_default=True,
+              help="The server (DUMPER_SERVER_PORT=reuse) or the dumper's own endpoint (numeric DUMPER_SERVER_PORT).")
+@guarded
+def ctl_cmd(method, settings, url):
+    """Control a running dumper: the same calls as `curl -X POST URL/dumper/METHOD -d JSON`.
+
+    \b
+    Examples:
+      dumpdiff ctl configure enable=true exp_name=dec
+      dumpdiff ctl configure enable=false
+      dumpdiff ctl get_state
+      dumpdiff ctl reset
+    Values are JSON when they parse as JSON (true, 3, "x"), else strings. Prints the JSON reply,
+    one entry per rank.
+    """
+    from .http import post_json
+    body = dict(_parse_setting(s) for s in settings)
+    reply = post_json(url.rstrip("/") + f"/dumper/{method}", body, timeout=120)
+    click.echo(json.dumps(reply, indent=2, default=str))
 
 
 if __name__ == "__main__":

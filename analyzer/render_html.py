@@ -87,7 +87,8 @@ def charts(result: dict, rank: str, verdict: dict) -> str:
 
 def rank_sections(result: dict, rank: str, verdict: dict) -> str:
     suffix = esc(rc.rank_label(result, rank))
-    out = [culprit_section(result, rank, verdict) if verdict.get("culprit") else
+    out = [f"<p><b>Summary{suffix}:</b> {esc(verdict['summary'])}</p>" if verdict.get("summary") else ""]
+    out += [culprit_section(result, rank, verdict) if verdict.get("culprit") else
            (f"<p><b>Note{suffix}:</b> {esc(verdict['note'])}</p>" if verdict.get("note") else "")]
     proof = "".join(f'<li><span class="{"ok-mark" if ok else "caveat"}">{"&#x2611;" if ok else "&#x2610;"}</span> '
                     f"{esc(line)}</li>" for ok, line in rc.alignment_items(result, verdict))

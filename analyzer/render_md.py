@@ -92,7 +92,8 @@ def culprit_section(result: dict, rank: str, verdict: dict) -> List[str]:
 
 def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
     suffix = rc.rank_label(result, rank)
-    out = []
+    # The analyzer's own reading of the verdict (strict vs noise-aware), when it gives one.
+    out = [f"**Summary{suffix}:** {text(verdict['summary'])}", ""] if verdict.get("summary") else []
     if verdict.get("culprit"):
         out += culprit_section(result, rank, verdict)
     elif verdict.get("note"):

@@ -1,0 +1,39 @@
+"""Small JSON-over-HTTP client for a running server (sglang's API, the dumper control route).
+
+Plain urllib: the analyzer talks to engines over their public HTTP API and imports none.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from .errors import DumpError
+
+
+def post_json(url: str, body=None, timeout: float = 600.0):
+    data = json.dumps(body if body is not None else {}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    return _send(request, url, timeout)
+
+
+def get_json(url: str, timeout: float = 60.0):
+    return _send(urllib.request.Request(url, method="GET"), url, timeout)
+
+
+def _send(request, url: str, timeout: float):
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:500].decode("utf-8", "replace").strip()
+        hint = " (is the server started with DUMPER_SERVER_PORT=reuse?)" if exc.code == 404 and "/dumper/" in url else ""
+        raise DumpError(f"{url}: HTTP {exc.code} {detail}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise DumpError(f"{url}: cannot connect ({reason}); is the server running at that address?") from None
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError:
+        return raw.decode("utf-8", "replace")

@@ -1,0 +1,64 @@
+"""Test-only sglang plugin: plant a known bug in a real sglang server (never ship this).
+
+DUMPDIFF_PLANT=prefix_kv:L       a cache-restore bug: when an extend pass restores a request's
+                                 prefix from the radix cache, one cached key of layer L is
+                                 corrupted (+0.5) before attention reads it.
+DUMPDIFF_PLANT=batch_variant:L   a batch-variant kernel: layer L's mlp.down_proj output is
+                                 computed differently (scaled by 1 + 2**-9) when the pass has
+                                 exactly one token row, as a GEMM kernel chosen by M would.
+
+Without DUMPDIFF_PLANT the plugin does nothing.
+"""
+
+import os
+
+_runner = {}
+
+
+def load():
+    spec = os.environ.get("DUMPDIFF_PLANT")
+    if not spec:
+        return
+    kind, _, layer = spec.partition(":")
+    if kind not in ("prefix_kv", "batch_variant") or not layer.isdigit():
+        raise ValueError(f"DUMPDIFF_PLANT={spec!r}: expected prefix_kv:<layer> or batch_variant:<layer>")
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after_load(result, model_runner, *args, **kwargs):
+        model_layer = model_runner.model.model.layers[int(layer)]
+        if kind == "prefix_kv":
+            model_layer.self_attn.attn.register_forward_pre_hook(_corrupt_restored_prefix(model_runner, int(layer)),
+                                                                 with_kwargs=True)
+        else:
+            model_layer.mlp.down_proj.register_forward_hook(_batch_variant)
+        return result
+
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", after_load, HookType.AFTER)
+
+
+def _corrupt_restored_prefix(model_runner, layer):
+    corrupted = set()  # cache slots already corrupted: the bug bites once per cached entry
+
+    def hook(module, args, kwargs):
+        batch = args[3] if len(args) > 3 else kwargs.get("forward_batch")
+        prefix_lens = getattr(batch, "extend_prefix_lens_cpu", None)
+        if batch is None or not batch.forward_mode.is_extend() or not prefix_lens:
+            return
+        keys = model_runner.token_to_kv_pool.get_key_buffer(module.layer_id)
+        table = model_runner.req_to_token_pool.req_to_token
+        for row, prefix in enumerate(prefix_lens):
+            if prefix > 0:
+                slot = int(table[batch.req_pool_indices[row], min(3, prefix - 1)])
+                if slot not in corrupted:
+                    keys[slot] += 0.5
+                    corrupted.add(slot)
+
+    return hook
+
+
+def _batch_variant(module, args, output):
+    out = output[0] if isinstance(output, tuple) else output
+    if out.shape[0] == 1:
+        scaled = out * (1 + 2 ** -9)
+        return (scaled,) + tuple(output[1:]) if isinstance(output, tuple) else scaled
+    return None

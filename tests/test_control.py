@@ -1,0 +1,48 @@
+"""Run-time control over HTTP (numeric DUMPER_SERVER_PORT) and `dumpdiff ctl`, on a real HF model."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import torch
+
+import dumper
+from dumper import format as fmt
+from helpers import dumpdiff, load_model, make_tiny_llama, prompt_ids
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ctl_enables_dumping_and_rejects_bad_requests(tmp_path):
+    model = load_model(make_tiny_llama(tmp_path / "model"))
+    port = free_port()
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path / "dumps"), server_port=str(port)))
+    url = f"--url=http://127.0.0.1:{port}"
+    try:
+        assert handle._endpoint.server_address[0] == "127.0.0.1"  # never on all interfaces
+        with torch.no_grad():
+            model(prompt_ids(8))  # idle: not dumped
+        code, out, err = dumpdiff("ctl", "configure", "enable=true", "exp_name=dec", url)
+        assert code == 0, err
+        assert json.loads(out)[0]["config"]["exp_name"] == "dec"
+        with torch.no_grad():
+            model(prompt_ids(8))
+        handle.flush()
+        state = json.loads(dumpdiff("ctl", "get_state", url)[1])[0]
+        assert state["passes_written"] == 1 and state["config"]["enable"] is True
+        for bad, needle in ((["exp_name=../../etc"], "exp_name='../../etc' is not valid"),
+                            (["colour=red"], "unknown setting(s) ['colour']"),
+                            (["enable=maybe"], "DUMPER_ENABLE='maybe' is not valid")):
+            code, out, err = dumpdiff("ctl", "configure", *bad, url)
+            assert code == 2 and needle in err and err.count("\n") == 1, err
+        code, out, err = dumpdiff("ctl", "reset", url)
+        assert code == 0 and json.loads(out)[0]["config"]["enable"] is False
+    finally:
+        handle.remove()
+    lines = open(tmp_path / "dumps" / "dec" / "rank0" / fmt.MANIFEST_FILE).read().splitlines()
+    assert len(lines) == 1
