@@ -50,11 +50,11 @@ class _Call:
 class _Pass:
     """Everything captured during one forward pass of the root module."""
 
-    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], device_copy: bool):
+    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], exp_dir: str):
         self.info = info
         self.kept_rows = kept_rows
         self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
-        self.device_copy = device_copy
+        self.exp_dir = exp_dir
         self.calls: List[_Call] = []
         self.open: Dict[str, List[_Call]] = {}
         self.counts: Dict[str, int] = {}
@@ -177,10 +177,10 @@ class Dumper:
     def _begin_pass(self, args, kwargs):
         cfg = self.config
         info = self.adapter.pass_info(self.model, args, kwargs)
-        self._fill_prefixes(info, self._exp_dir())
+        exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
+        self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
-        device_copy = any(isinstance(a, torch.Tensor) and a.is_cuda for a in list(args) + list(kwargs.values()))
-        self._pass = _Pass(info, kept, device_copy)
+        self._pass = _Pass(info, kept, exp_dir)
         if cfg.non_intrusive_mode == "all":
             if self._hooked_filter != cfg.filter:
                 self._detach_hooks()
@@ -207,7 +207,7 @@ class Dumper:
             self._post(self.model, (), {}, output)
         self.adapter.after_pass(self.model, current.info, output)
         self._pass = None
-        exp_dir = self._exp_dir()
+        exp_dir = current.exp_dir
         meta = current.info.to_meta()
         meta.update(step=self.step, rank=self.rank, calls=[c.to_meta() for c in current.calls],
                     kept_rows=current.kept_rows, dump_mode=self.config.non_intrusive_mode)
