@@ -17,8 +17,10 @@ $(BASE): pyproject.toml
 	$(BIN)/pip install -q -e '.[hf,test]'
 	touch $@
 
-$(SGLANG): $(BASE) scripts/install-sglang-cpu.sh
+$(SGLANG): $(BASE) scripts/install-sglang-cpu.sh tests/sglang_rig/planted/pyproject.toml
 	scripts/install-sglang-cpu.sh $(BIN)/python
+	# test-only plugin that plants known bugs (inert unless DUMPDIFF_PLANT is set)
+	$(BIN)/pip install -q -e tests/sglang_rig/planted
 	touch $@
 
 demo: $(BASE)
