@@ -47,10 +47,11 @@ def row_keys(index: Index) -> pd.DataFrame:
         if known.setdefault(int(pos), int(tok)) != int(tok):
             conflicts.append(f"sequence {seq} has two token ids at position {pos}")
     firsts = tokens.groupby(["pass", "seq"])["pos"].min()
-    for entry in index.seqs.dropna(subset=["prefix_ids"]).itertuples():
-        prefix = json.loads(entry.prefix_ids)
-        start = int(firsts.get((entry._asdict()["pass"], entry.seq), len(prefix))) - len(prefix)
-        known = history.setdefault(entry.seq, {})
+    with_prefix = index.seqs.dropna(subset=["prefix_ids"])
+    for pass_id, seq, raw in zip(with_prefix["pass"], with_prefix["seq"], with_prefix["prefix_ids"]):
+        prefix = json.loads(raw)
+        start = int(firsts.get((pass_id, seq), len(prefix))) - len(prefix)
+        known = history.setdefault(seq, {})
         for offset, tok in enumerate(prefix):
             known.setdefault(start + offset, int(tok))
     keys_by_seq = {seq: _prefix_keys(known) for seq, known in history.items()}

@@ -3,7 +3,7 @@
 Token rows are sglang's flat layout [T]: each request's extend (or single decode) tokens,
 request after request. Sequences are keyed by request id, stable across a request's passes.
 For a prefix-cache hit (an extend that starts at the cached prefix length) the request's own
-token ids say what the skipped prefix was; the plugin attaches the requests to the batch.
+token ids say what the skipped prefix was; the plugin remembers the batch's requests.
 This module imports nothing from sglang: it reads ForwardBatch fields by name.
 """
 
@@ -15,7 +15,12 @@ import torch
 
 from ..passinfo import PassInfo
 
-REQS_ATTR = "_dumpdiff_reqs"  # set on a ForwardBatch by the plugin: the batch's Req objects
+_latest_requests: dict = {}  # rid -> sglang Req of the batch being built (set by the plugin)
+
+
+def remember_requests(reqs):
+    _latest_requests.clear()
+    _latest_requests.update({req.rid: req for req in reqs})
 
 
 def find_forward_batch(args, kwargs):
@@ -74,9 +79,9 @@ class SglangAdapter:
                         valid=[bool(s) for s in seq[:len(ids)]], last_rows=last_rows)
         info.extra = {"seq_lens": _as_list(batch.seq_lens), "prefix_lens": prefix, "extend_lens": lengths,
                       "rids": rids, "forward_mode": str(getattr(batch.forward_mode, "name", batch.forward_mode))}
-        reqs = getattr(batch, REQS_ATTR, None)
-        if reqs is not None:
-            for rid, req in zip(rids, reqs):
+        for rid in rids:
+            req = _latest_requests.get(rid)
+            if req is not None:
                 info.history[rid] = (lambda r=req: list(r.origin_input_ids) + list(r.output_ids))
         return info
 

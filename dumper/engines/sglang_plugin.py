@@ -6,8 +6,8 @@ sglang's HookRegistry:
 
 - after ``ModelRunner.load_model``: install our dumper on the loaded model (refusing to start on
   CUDA while CUDA graphs would hide the forward passes from Python hooks);
-- after ``ForwardBatch.init_new``: attach the batch's requests, so prefix-cache hits can record
-  the token ids of the prefix they skipped;
+- after ``ForwardBatch.init_new``: remember the batch's requests, so prefix-cache hits can
+  record the token ids of the prefix they skipped;
 - instead of ``Scheduler.handle_dumper_control``: route sglang's own ``/dumper/{method}`` HTTP
   route (DUMPER_SERVER_PORT=reuse) to our dumper, on every rank.
 
@@ -68,8 +68,10 @@ def _after_init_new(result, *args, **kwargs):
     batch = args[1] if len(args) > 1 else kwargs.get("batch")  # (cls, batch, model_runner)
     reqs = getattr(batch, "reqs", None)
     if reqs is not None and _dumpers and _dumpers[0].config.enable:
-        from .sglang import REQS_ATTR
-        setattr(result, REQS_ATTR, list(reqs))
+        # The model may see a copy of this ForwardBatch, so the requests are kept by request
+        # id (only the latest batch's: no request outlives its batch here).
+        from .sglang import remember_requests
+        remember_requests(reqs)
     return result
 
 
