@@ -53,3 +53,5 @@ def test_sglang_greedy_matches_hf(sglang, tmp_path):
     server.stop()
     assert not _group_alive(pgid), "sglang processes left behind"
     assert "fired up and ready" in server.log_text()
+    # no DUMPER_* variable: our plugin loaded and installed nothing
+    assert "dumpdiff: dumper installed" not in server.log_text()
