@@ -108,6 +108,18 @@ class SglangAdapter:
         return info
 
 
+def _graph_backend(server_args, phase: str) -> str:
+    """The resolved backend if sglang resolved one, else what the flags say (newest first)."""
+    config = getattr(server_args, "cuda_graph_config", None)
+    backend = getattr(getattr(config, phase, None), "backend", None)
+    if backend is None:
+        backend = getattr(server_args, f"cuda_graph_backend_{phase}", None)
+    if backend is None:
+        off = getattr(server_args, "disable_cuda_graph", False) or getattr(server_args, f"disable_{phase}_cuda_graph", False)
+        backend = "disabled" if off else "default (on)"
+    return str(getattr(backend, "value", backend))
+
+
 FLAGS_OF_INTEREST = ("attention_backend", "sampling_backend", "chunked_prefill_size", "disable_radix_cache",
                      "enable_deterministic_inference", "cuda_graph_config", "kv_cache_dtype", "quantization",
                      "random_seed")
@@ -117,16 +129,7 @@ def cuda_graph_problem(server_args, device: str):
     """None when hooks will see every pass; else the message naming the flags to add."""
     if not str(device).startswith("cuda"):
         return None
-    on = []
-    config = getattr(server_args, "cuda_graph_config", None)
-    for phase in ("decode", "prefill"):
-        backend = getattr(getattr(config, phase, None), "backend", None)
-        backend = str(getattr(backend, "value", backend)) if backend is not None else None
-        if backend is None:  # older sglang: legacy booleans
-            legacy = "disable_cuda_graph" if phase == "decode" else "disable_prefill_cuda_graph"
-            backend = "disabled" if getattr(server_args, legacy, False) or getattr(server_args, "disable_cuda_graph", False) else "on"
-        if backend != "disabled":
-            on.append(phase)
+    on = [phase for phase in ("decode", "prefill") if _graph_backend(server_args, phase) != "disabled"]
     if getattr(server_args, "enable_piecewise_cuda_graph", False) and not getattr(server_args, "disable_piecewise_cuda_graph", False):
         on.append("piecewise")
     if not on:
