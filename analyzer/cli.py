@@ -43,8 +43,11 @@ def guarded(func):
     return wrapper
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32)}  # a newline in a folder name must not split the line
+
+
 def _fail(message: str):
-    click.echo(f"dumpdiff: error: {message}", err=True)
+    click.echo(f"dumpdiff: error: {message.translate(_CONTROL)}", err=True)
     sys.exit(EXIT_TROUBLE)
 
 
@@ -189,6 +192,44 @@ def ctl_cmd(method, settings, url):
     reply = post_json(url.rstrip("/") + f"/dumper/{method}", body, timeout=120)
     click.echo(json.dumps(reply, indent=2, default=str))
 
+
+@main.command("repro")
+@click.argument("reference", type=click.Path(path_type=str))
+@click.argument("test", type=click.Path(path_type=str))
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=str),
+              help="Folder for the inputs, the weights and repro.py (created if missing).")
+@click.option("--model", "model_path", default=None, type=click.Path(path_type=str),
+              help="HF model dir (AutoModelForCausalLM) the dump was made from: the culprit's parameters come from it.")
+@click.option("--call", default=None, help="Replay this call (module#index, or a module path) instead of the strict culprit.")
+@click.option("--rank", type=int, default=None, help="Look at this rank only (default: the first rank that diverges).")
+@click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
+@click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
+@click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
+@guarded
+def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment, allow_mismatch, no_progress):
+    """Write the culprit call's inputs at both shapes and a standalone script that replays it.
+
+    \b
+    OUT/inputs_a.safetensors   the call's inputs in REFERENCE's pass (the full batch, M=N)
+    OUT/inputs_b.safetensors   its inputs in TEST's pass (e.g. a decode step, M=1)
+    OUT/outputs_*.safetensors  the outputs the engine dumped, to check the replay against
+    OUT/weights.safetensors    the module's parameters, copied from --model
+    OUT/repro.py               python OUT/repro.py: replays the op at both shapes (and each
+                               reference row alone, M=1), prints max abs / ulp differences,
+                               exit 1 when the outputs differ; needs torch and safetensors only
+
+    Known leaf ops (nn.Linear, nn.Embedding, RMSNorm, LayerNorm, activations, torch SDPA) replay
+    standalone; any other class is rebuilt through --model and called. Exit 0 when the bundle is
+    complete, 2 when no replay can be written (the error says what is missing; inputs are kept).
+    """
+    from .repro import describe, make_repro
+    result = make_repro(reference, test, out_dir, model=model_path, call=call, rank=rank,
+                        trust_alignment=trust_alignment, allow_mismatch=allow_mismatch, progress=not no_progress)
+    click.echo(describe(result), nl=False)
+
+
+from .cli_kl import add_kl_commands  # noqa: E402  (dumpdiff kl, kl calibrate, localize)
+add_kl_commands(main)
 
 if __name__ == "__main__":
     main()

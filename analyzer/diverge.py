@@ -10,6 +10,7 @@ from .compare import row_table, strict_verdict
 from .errors import DumpError
 from .index import load_index
 from .load import Dump, open_dump, show
+from .moe import routing_flips
 from .noise import noise_floor_by_call, noise_verdict, row_errors
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
@@ -51,6 +52,10 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         if noise_aware and verdict["rows_differing"]:
             verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r))
             verdict["summary"] = summarize(verdict)
+        if noise_aware and verdict["rows_differing"]:  # reads router rows: not under --strict-only
+            flips = routing_flips(alignment, ia, ib, table, dump_a.run)
+            if flips:
+                verdict["routing_flips"] = flips
         verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
                                 "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,
                                 "embedding": alignment.embedding}

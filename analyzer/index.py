@@ -15,10 +15,14 @@ a parquet file readable by pandas or duckdb:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import queue
 import sys
+import threading
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -28,7 +32,7 @@ import torch
 from dumper import format as fmt
 
 from .errors import DumpError
-from .fingerprint import as_signed, fingerprints
+from .fingerprint import as_signed, row_stats
 from .load import Dump, PassFile, show
 
 INDEX_VERSION = 1
@@ -57,39 +61,96 @@ def index_location(dump: Dump) -> str:
 
 
 def _stamp(dump: Dump) -> dict:
-    return {"index_version": INDEX_VERSION,
-            "ranks": {str(r): [[p.pass_id, p.nbytes] for p in d.passes] for r, d in dump.ranks.items()}}
+    """What the index was built from. Size alone is not enough: a re-dump into the same folder
+    (DUMPER_CLEANUP_PREVIOUS) writes new files of the same pass ids and sizes, so each file's
+    inode and mtime are part of it too, and a stale index is never reused."""
+    files = {}
+    for r, d in dump.ranks.items():
+        files[str(r)] = []
+        for p in d.passes:
+            st = os.stat(p.path)
+            files[str(r)].append([p.pass_id, p.nbytes, st.st_ino, st.st_mtime_ns])
+    return {"index_version": INDEX_VERSION, "ranks": files}
 
 
 def load_index(dump: Dump, rebuild: bool = False, progress: bool = True) -> Index:
+    _warn(dump)
     where = index_location(dump)
-    stamp_path = os.path.join(where, "stamp.json")
-    if not rebuild and os.path.exists(stamp_path):
+    stamp = _stamp(dump)
+    try:
+        os.makedirs(where, exist_ok=True)
+        lock = open(os.path.join(where, ".lock"), "a")
+    except OSError as exc:  # a full or read-only disk: the comparison needs no saved index
+        _unsaved(where, exc)
+        return Index(dump, build_tables(dump, progress=progress), where)
+    with lock:
+        # One process at a time reads or builds an index folder: two commands on the same dump at
+        # once never see each other's half-replaced tables (the second waits, then reuses the index).
+        # Closing the file releases the lock, also when the process dies.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not rebuild:
+            tables = _read_fresh(where, stamp)
+            if tables is not None:
+                return Index(dump, tables, where)
+        tables = build_tables(dump, progress=progress)
         try:
-            with open(stamp_path) as handle:
-                fresh = json.load(handle) == _stamp(dump)
-            if fresh:
-                return Index(dump, {n: pd.read_parquet(os.path.join(where, f"{n}.parquet")) for n in TABLES}, where)
-        except (OSError, ValueError):
-            pass  # a stale or damaged index is rebuilt below
-    tables = build_tables(dump, progress=progress)
-    _write_tables(where, tables, _stamp(dump))
+            _write_tables(where, tables, stamp)
+        except OSError as exc:
+            _unsaved(where, exc)
     return Index(dump, tables, where)
 
 
+def _read_fresh(where: str, stamp: dict) -> Optional[Dict[str, pd.DataFrame]]:
+    try:
+        with open(os.path.join(where, "stamp.json")) as handle:
+            if json.load(handle) != stamp:
+                return None
+        # Python's open, not pyarrow's: pyarrow cannot open a path with non-UTF-8 bytes.
+        return {n: _read_table(os.path.join(where, f"{n}.parquet")) for n in TABLES}
+    except (OSError, ValueError):
+        return None  # absent, stale or damaged: rebuilt
+
+
+def _unsaved(where: str, exc: OSError):
+    logging.getLogger("dumpdiff").warning(
+        "warning: could not save the index in %s (%s); it is used from memory and rebuilt next time",
+        show(where), exc.strerror or exc)
+
+
+def _warn(dump: Dump):
+    """What the dump lacks (killed writer, disk limit) goes to stderr for every command."""
+    for note in dump.warnings():
+        logging.getLogger("dumpdiff").warning("warning: %s", note)
+
+
+def _read_table(path: str) -> pd.DataFrame:
+    with open(path, "rb") as handle:
+        return pd.read_parquet(handle)
+
+
 def _write_tables(where: str, tables: Dict[str, pd.DataFrame], stamp: dict):
-    os.makedirs(where, exist_ok=True)
+    """Called under the index lock. The stamp goes first and comes back last, so a build killed
+    half-way leaves no stamp and is redone, never trusted; each file is renamed into place whole."""
     tag = f".tmp.{os.getpid()}"
     stamp_path = os.path.join(where, "stamp.json")
     if os.path.exists(stamp_path):
-        os.unlink(stamp_path)  # readers never pair a new stamp with old tables
-    for name, frame in tables.items():
-        path = os.path.join(where, f"{name}.parquet")
-        frame.to_parquet(path + tag, index=False)
-        os.replace(path + tag, path)
-    with open(stamp_path + tag, "w") as handle:
-        json.dump(stamp, handle)
-    os.replace(stamp_path + tag, stamp_path)
+        os.unlink(stamp_path)
+    written = []
+    try:
+        for name, frame in tables.items():
+            path = os.path.join(where, f"{name}.parquet")
+            written.append(path + tag)
+            with open(path + tag, "wb") as handle:
+                frame.to_parquet(handle, index=False)
+            os.replace(path + tag, path)
+        written.append(stamp_path + tag)
+        with open(stamp_path + tag, "w") as handle:
+            json.dump(stamp, handle)
+        os.replace(stamp_path + tag, stamp_path)
+    finally:
+        for tmp in written:  # a full disk must not leave half-written temp files behind
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def build_tables(dump: Dump, progress: bool = True) -> Dict[str, pd.DataFrame]:
@@ -98,9 +159,15 @@ def build_tables(dump: Dump, progress: bool = True) -> Dict[str, pd.DataFrame]:
     total = sum(ref.nbytes for ref in refs)
     bar = _progress(total, f"indexing {show(dump.label)}", progress)
     for ref in refs:
-        for name, frame in index_pass(PassFile(ref)).items():
+        counted = [0]
+
+        def advance(nbytes: int, counted=counted):
+            counted[0] += nbytes
+            bar.update(nbytes)
+
+        for name, frame in index_pass(PassFile(ref), on_bytes=advance).items():
             parts[name].append(frame)
-        bar.update(ref.nbytes)
+        bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
     bar.close()
     return {n: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame() for n, frames in parts.items()}
 
@@ -111,7 +178,8 @@ def _progress(total: int, desc: str, enabled: bool):
                 disable=(not enabled) or None, leave=False)
 
 
-def index_pass(pf: PassFile) -> Dict[str, pd.DataFrame]:
+def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
+    """The five tables' rows for one pass file; ``on_bytes(n)`` reports tensor bytes as they are done."""
     meta, ref = pf.meta, pf.ref
     tokens = meta["tokens"]
     n_rows = len(tokens["ids"])
@@ -126,10 +194,23 @@ def index_pass(pf: PassFile) -> Dict[str, pd.DataFrame]:
     seq_frame = pd.DataFrame([{"seq": s["seq"], "first": s["rows"][0], "end": s["rows"][1],
                                "prefix_ids": json.dumps(s["prefix_ids"]) if "prefix_ids" in s else None}
                               for s in meta.get("seqs", [])], columns=["seq", "first", "end", "prefix_ids"]).assign(**base)
-    call_rows, tensor_rows, row_frames = [], [], []
-    stored_rows: Dict[str, tuple] = {}  # stored tensor name -> (rows frame, why, is_ids)
+    call_rows, tensor_rows, row_parts = [], [], []
+    stored_rows: Dict[str, tuple] = {}  # stored tensor name -> (row columns, why, is_ids)
     valid = np.asarray(tokens["valid"], dtype=bool)
     tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()}
+    needed: Dict[str, None] = {}  # stored tensors, in call order
+    for call in meta["calls"]:
+        for name, tmeta in call["tensors"].items():
+            stored = tmeta.get("alias") or name
+            if stored not in tensor_metas:
+                raise DumpError(f"{show(ref.path)}: {name!r} is an alias of {stored!r}, which the pass does not hold; "
+                                "the file is damaged")
+            needed[stored] = None
+    # Every stored tensor is read once, in the order its bytes lie in the file, by a read-ahead
+    # thread; the rows are hashed while the next tensor is read.
+    for stored, tensor in read_tensors(pf, list(needed), on_bytes):
+        stored_rows[stored] = _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor)
+        del tensor
     for call in meta["calls"]:
         call_rows.append({"call": call["call"], "module": call["module"], "cls": call["cls"], "pre": call["pre"],
                           "post": call["post"] if call["post"] is not None else -1,
@@ -138,12 +219,7 @@ def index_pass(pf: PassFile) -> Dict[str, pd.DataFrame]:
             parsed = fmt.TENSOR_NAME_RE.match(name)
             io, slot = (parsed.group("io"), parsed.group("slot") or "") if parsed else ("?", name)
             stored = tmeta.get("alias") or name
-            if stored not in stored_rows:
-                if stored not in tensor_metas:
-                    raise DumpError(f"{show(ref.path)}: {name!r} is an alias of {stored!r}, which the pass does not hold; "
-                                    "the file is damaged")
-                stored_rows[stored] = _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid)
-            frame, row_why, is_ids = stored_rows[stored]
+            columns, row_why, is_ids = stored_rows[stored]
             why = tmeta.get("why") or row_why
             tensor_rows.append({"tensor": name, "call": call["call"], "io": io, "slot": slot,
                                 "dtype": tmeta["dtype"], "shape": json.dumps(tmeta["shape"]),
@@ -151,8 +227,8 @@ def index_pass(pf: PassFile) -> Dict[str, pd.DataFrame]:
                                 "stored": stored, "selected": bool(tensor_metas[stored].get("selected", False)),
                                 "is_ids": is_ids,
                                 "why": why})
-            row_frames.append(frame.assign(tensor=name))
-    rows = pd.concat(row_frames, ignore_index=True) if row_frames else pd.DataFrame(
+            row_parts.append((name, columns))
+    rows = _rows_frame(row_parts) if row_parts else pd.DataFrame(
         columns=["row", "fp", "rowshape", "amax", "nonfinite", "srow", "tensor"])
     return {"tokens": token_frame, "seqs": seq_frame,
             "calls": pd.DataFrame(call_rows, columns=["call", "module", "cls", "pre", "post", "skipped"]).assign(**base),
@@ -179,9 +255,24 @@ def stored_row_view(tensor: torch.Tensor, tmeta: dict) -> torch.Tensor:
     return moved.reshape((-1,) + tuple(moved.shape[len(dims):]))
 
 
-def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray):
-    """(rows frame, why it has no token rows or None, whether it holds the pass's token ids)."""
-    tensor = pf.tensor(stored)
+def _rows_frame(parts: List[tuple]) -> pd.DataFrame:
+    """One frame from every tensor's row columns, built once (not a frame per tensor)."""
+    lengths = np.array([len(columns["row"]) for _, columns in parts], dtype=np.int64)
+    names = np.array([name for name, _ in parts], dtype=object)
+    shapes = np.array([columns["rowshape"] for _, columns in parts], dtype=object)
+    return pd.DataFrame({"row": np.concatenate([c["row"] for _, c in parts]),
+                         "fp": np.concatenate([c["fp"] for _, c in parts]),
+                         "rowshape": np.repeat(shapes, lengths),
+                         "amax": np.concatenate([c["amax"] for _, c in parts]),
+                         "nonfinite": np.concatenate([c["nonfinite"] for _, c in parts]),
+                         "srow": np.concatenate([c["srow"] for _, c in parts]),
+                         "tensor": np.repeat(names, lengths)})
+
+
+def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
+                 tensor: Optional[torch.Tensor] = None):
+    """(row columns, why it has no token rows or None, whether it holds the pass's token ids)."""
+    tensor = pf.tensor(stored) if tensor is None else tensor
     if list(tensor.shape) != list(tmeta["shape"]) and not tmeta.get("selected"):
         raise DumpError(f"{show(pf.ref.path)}: tensor {stored!r} has shape {list(tensor.shape)}, metadata says "
                         f"{tmeta['shape']}; the file is damaged")
@@ -193,26 +284,135 @@ def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int
             token_rows, why = None, f"{view.shape[0]} rows where the pass has {len(token_rows)}"
     if token_rows is None:
         view, token_rows = tensor.reshape((1,) + tuple(tensor.shape)), [-1]
-    keep = np.array([r < 0 or bool(valid[r]) for r in token_rows], dtype=bool)
+    rows_of = np.asarray(token_rows, dtype=np.int64)
+    keep = (rows_of < 0) | valid[np.clip(rows_of, 0, None)] if len(valid) else rows_of < 0
     srow = np.nonzero(keep)[0]
     view = view[torch.from_numpy(srow)] if not keep.all() else view
-    kept_rows = np.asarray(token_rows, dtype=np.int32)[srow]
-    fps = as_signed(fingerprints(view)) if view.shape[0] else np.zeros(0, np.int64)
+    kept_rows = rows_of[srow].astype(np.int32)
+    fps, amax, nonfinite = row_stats(view)  # one pass over the bytes: fingerprints, max |x|, inf/nan
+    if amax is None:
+        amax = np.full(view.shape[0], np.nan)
     rest = tuple(s for s in view.shape[1:] if s != 1)
-    if view.is_floating_point():
-        as_float = view.float().reshape(view.shape[0], -1)
-        finite = torch.isfinite(as_float)
-        amax = torch.where(finite, as_float.abs(), torch.zeros((), dtype=torch.float32)).amax(dim=1) \
-            if as_float.shape[1] else torch.zeros(view.shape[0])
-        nonfinite = (~finite).sum(dim=1)
-        amax, nonfinite = amax.double().numpy(), nonfinite.numpy().astype(np.int32)
-    else:
-        amax, nonfinite = np.full(view.shape[0], np.nan), np.zeros(view.shape[0], np.int32)
-    frame = pd.DataFrame({"row": kept_rows, "fp": fps, "rowshape": f"{str(tensor.dtype)[6:]}{list(rest)}",
-                          "amax": amax, "nonfinite": nonfinite, "srow": srow.astype(np.int32)})
+    columns = {"row": kept_rows, "fp": as_signed(fps), "rowshape": f"{str(tensor.dtype)[6:]}{list(rest)}",
+               "amax": amax, "nonfinite": nonfinite, "srow": srow.astype(np.int32)}
     is_ids = bool(
         why is None and token_rows != [-1] and not tensor.is_floating_point() and len(rest) == 0
         and view.numel() == len(kept_rows)
         and np.array_equal(view.reshape(-1).to(torch.int64).numpy(), np.asarray(meta["tokens"]["ids"])[kept_rows]))
-    return frame, why, is_ids
+    return columns, why, is_ids
 
+
+# --- reading pass files for the index: sequential, read ahead, bounded memory --------------------
+READ_AHEAD_BYTES = 256 << 20  # tensor bytes read ahead of the hashing (one tensor is always allowed)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _file_layout(path: str):
+    """{tensor name: (torch dtype, shape, first byte, end byte)} from a safetensors header, or None
+    when the header is not one this reader understands (then safetensors reads the tensors)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            if len(head) != 8:
+                return None
+            size = int.from_bytes(head, "little")
+            if size > 1 << 30:
+                return None
+            header = json.loads(handle.read(size))
+            file_size = os.fstat(handle.fileno()).st_size
+    except (OSError, ValueError):
+        return None
+    start = 8 + size
+    layout = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[entry["dtype"]]
+            shape = [int(s) for s in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or begin < 0 or start + end > file_size:
+            return None
+        layout[name] = (dtype, shape, start + begin, start + end)
+    return layout
+
+
+def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
+    """Yield (name, tensor) for every name, in file order. A thread reads ahead with plain
+    sequential reads (no memory map: the page cache is not charged to this process, and at most
+    READ_AHEAD_BYTES plus one tensor are held), so reading overlaps hashing."""
+    layout = _file_layout(pf.ref.path)
+    if layout is None or any(name not in layout for name in names):
+        for name in names:  # safetensors reads them and names what is wrong with the file
+            tensor = pf.tensor(name)
+            if on_bytes:
+                on_bytes(tensor.numel() * tensor.element_size())
+            yield name, tensor
+        return
+    order = sorted(names, key=lambda n: layout[n][2])
+    results: "queue.Queue" = queue.Queue()
+    state = {"held": 0, "stop": False, "pool": []}  # pool: freed buffers, reused (no fresh pages)
+    cond = threading.Condition()
+
+    def take_buffer(nbytes: int) -> np.ndarray:
+        with cond:
+            pool = state["pool"]
+            fits = [i for i, b in enumerate(pool) if nbytes <= b.nbytes <= 2 * nbytes + (1 << 20)]
+            if fits:
+                return pool.pop(min(fits, key=lambda i: pool[i].nbytes))
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def reader():
+        try:
+            with open(pf.ref.path, "rb", buffering=0) as handle:
+                for name in order:
+                    dtype, shape, begin, end = layout[name]
+                    nbytes = end - begin
+                    with cond:
+                        while state["held"] and state["held"] + nbytes > READ_AHEAD_BYTES and not state["stop"]:
+                            cond.wait()
+                        if state["stop"]:
+                            return
+                        state["held"] += nbytes
+                    buffer = take_buffer(nbytes)
+                    handle.seek(begin)
+                    view, got = memoryview(buffer)[:nbytes], 0
+                    while got < nbytes:
+                        n = handle.readinto(view[got:])
+                        if not n:
+                            raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
+                        got += n
+                    tensor = torch.from_numpy(buffer[:nbytes]).view(dtype).reshape(shape) if nbytes else \
+                        torch.empty(shape, dtype=dtype)
+                    results.put((name, tensor, nbytes, buffer, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            results.put((None, None, 0, None, exc))
+
+    thread = threading.Thread(target=reader, name="dumpdiff-index-read", daemon=True)
+    thread.start()
+    try:
+        for _ in order:
+            name, tensor, nbytes, buffer, error = results.get()
+            if error is not None:
+                if isinstance(error, OSError):
+                    raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
+                raise error
+            yield name, tensor  # the consumer keeps nothing that points into the buffer
+            del tensor
+            with cond:
+                state["held"] -= nbytes
+                if sum(b.nbytes for b in state["pool"]) + buffer.nbytes <= READ_AHEAD_BYTES:
+                    state["pool"].append(buffer)
+                cond.notify_all()
+            if on_bytes:
+                on_bytes(nbytes)
+    finally:
+        with cond:
+            state["stop"] = True
+            cond.notify_all()
+        thread.join()

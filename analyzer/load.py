@@ -18,6 +18,8 @@ from dumper import format as fmt
 
 from .errors import DumpError
 
+LOCK_FILE = ".lock"  # dumper/writer.py's lock file; its text says whether the writer closed the dump
+
 
 @dataclasses.dataclass
 class PassRef:
@@ -35,6 +37,7 @@ class RankDump:
     passes: List[PassRef]
     torn_lines: int = 0  # manifest lines cut short by a crash (ignored)
     orphans: List[str] = dataclasses.field(default_factory=list)  # files never committed
+    unclosed: Optional[str] = None  # the writer that never closed this folder (killed), if any
 
 
 @dataclasses.dataclass
@@ -55,6 +58,10 @@ class Dump:
         for rank in self.ranks.values():
             if rank.torn_lines:
                 notes.append(f"{self.label} rank{rank.rank}: {rank.torn_lines} torn manifest line(s) ignored (writer was killed)")
+            if rank.unclosed:
+                last = rank.passes[-1].pass_id if rank.passes else None
+                notes.append(f"{self.label} rank{rank.rank}: the writer ({rank.unclosed}) never closed the dump "
+                             f"(killed, crashed or still running); passes after pass {last} may be missing")
             if rank.orphans:
                 notes.append(f"{self.label} rank{rank.rank}: {len(rank.orphans)} uncommitted pass file(s) ignored "
                              f"(writer was killed mid-write): {', '.join(rank.orphans[:3])}")
@@ -81,14 +88,15 @@ def open_dump(path: str) -> Dump:
         if match and os.path.isdir(os.path.join(path, entry)):
             ranks[int(match.group(1))] = _read_rank(int(match.group(1)), os.path.join(path, entry))
     ranks = {r: d for r, d in ranks.items() if d.passes}
-    if not ranks:
-        raise DumpError(f"{show(path)}: the dump holds no committed pass; was dumping enabled while the model ran?")
     incomplete = None
     marker = os.path.join(path, fmt.INCOMPLETE_FILE)
     if os.path.exists(marker):
         with open(marker, "rb") as handle:
             incomplete = handle.read(2000).decode("utf-8", "replace").strip().splitlines()[0:1] or ["reason unknown"]
             incomplete = incomplete[0]
+    if not ranks:
+        why = f"dumping stopped: {incomplete}" if incomplete else "was dumping enabled while the model ran?"
+        raise DumpError(f"{show(path)}: the dump holds no committed pass ({why})")
     return Dump(path=path, run=run, ranks=ranks, incomplete=incomplete)
 
 
@@ -151,10 +159,22 @@ def _read_rank(rank: int, rank_dir: str) -> RankDump:
                 raise DumpError(f"{show(path)}: truncated or changed ({size} bytes, manifest says {nbytes}); copy the dump again")
             committed.add(name)
             passes.append(PassRef(rank, pass_id, path, nbytes, entry.get("mode")))
-    orphans = sorted(n for n in os.listdir(rank_dir) if n.endswith(".safetensors") or n.endswith(".tmp"))
+    # Uncommitted: our ".pass-N.safetensors.tmp", safetensors' own ".tmpXXXXXX" (it writes through a
+    # temp file too), and a pass file renamed into place whose manifest line never came.
+    orphans = sorted(n for n in os.listdir(rank_dir) if n.endswith((".safetensors", ".tmp")) or n.startswith(".tmp"))
     orphans = [n for n in orphans if n not in committed]
     passes.sort(key=lambda p: p.pass_id)
-    return RankDump(rank, rank_dir, passes, torn, orphans)
+    return RankDump(rank, rank_dir, passes, torn, orphans, _unclosed_writer(rank_dir))
+
+
+def _unclosed_writer(rank_dir: str) -> Optional[str]:
+    """The writer keeps "writing pid=N" in its lock file until it closes the dump ("closed")."""
+    try:
+        with open(os.path.join(rank_dir, LOCK_FILE), "rb") as handle:
+            state = handle.read(200).decode("utf-8", "replace").strip()
+    except OSError:
+        return None  # no lock file: a dump from before this was recorded, or copied without it
+    return state if state.startswith("writing") else None
 
 
 def _safe_open(path: str):
@@ -169,6 +189,67 @@ def _safe_open(path: str):
         finally:
             os.close(fd)
     return safe_open(path, framework="pt")
+
+
+# --- the shape of pass metadata (dumper/format.py), checked once here so that every later stage
+# can trust it: a damaged or forged header becomes a DumpError, never a TypeError deep inside.
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
+
+
+def _str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _list_of(v, ok) -> bool:
+    return isinstance(v, list) and all(ok(x) for x in v)
+
+
+def _optional(v, ok) -> bool:
+    return v is None or ok(v)
+
+
+def _tensor_meta_ok(t) -> bool:
+    if not isinstance(t, dict) or not _list_of(t.get("shape"), lambda d: _int(d) and d >= 0):
+        return False
+    ndim, dims = len(t["shape"]), t.get("token_dims")
+    return (_str(t.get("dtype")) and t.get("rows") in (None, "all", "last")
+            and _optional(dims, lambda ds: _list_of(ds, lambda d: _int(d) and 0 <= d < ndim) and len(set(ds)) == len(ds))
+            and _optional(t.get("alias"), _str) and _optional(t.get("why"), _str)
+            and isinstance(t.get("selected", False), bool))
+
+
+def _call_ok(c) -> bool:
+    return (isinstance(c, dict) and all(_str(c.get(k)) for k in ("call", "module", "cls")) and _int(c.get("pre"))
+            and _optional(c.get("post"), _int) and isinstance(c.get("tensors"), dict)
+            and all(_str(k) and _tensor_meta_ok(v) for k, v in c["tensors"].items())
+            and isinstance(c.get("values", {}), dict) and isinstance(c.get("skipped", {}), dict))
+
+
+def meta_problem(meta: dict) -> Optional[str]:
+    """The first field of the pass metadata the analyzer relies on that is malformed, or None."""
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, dict):
+        return "tokens"
+    columns = {"ids": _int, "pos": _int, "seq": _str, "valid": lambda v: isinstance(v, bool)}
+    for key, ok in columns.items():
+        if not _list_of(tokens.get(key), ok) or len(tokens[key]) != len(tokens.get("ids") or []):
+            return f"tokens.{key}"
+    in_pass = lambda r: _int(r) and 0 <= r < len(tokens["ids"])  # noqa: E731
+    checks = {
+        "token_shape": _list_of(meta.get("token_shape"), _int),
+        "mode": _optional(meta.get("mode"), _str), "step": _optional(meta.get("step"), _int),
+        "kept_rows": _optional(meta.get("kept_rows"), lambda v: _list_of(v, in_pass)),
+        "last_rows": _optional(meta.get("last_rows"), lambda v: _list_of(v, in_pass)),
+        "seqs": _list_of(meta.get("seqs", []), lambda q: isinstance(q, dict) and _str(q.get("seq"))
+                         and _list_of(q.get("rows"), _int) and len(q["rows"]) == 2
+                         and ("prefix_ids" not in q or _list_of(q["prefix_ids"], _int))),
+        "calls": isinstance(meta.get("calls"), list),
+    }
+    bad = next((key for key, ok in checks.items() if not ok), None)
+    if bad:
+        return bad
+    return next((f"calls[{i}]" for i, c in enumerate(meta["calls"]) if not _call_ok(c)), None)
 
 
 class PassFile:
@@ -197,6 +278,9 @@ class PassFile:
         missing = [k for k in ("tokens", "calls", "token_shape") if k not in self.meta]
         if missing:
             raise DumpError(f"{show(ref.path)}: pass metadata lacks {missing}; the file is damaged or from another tool")
+        wrong = meta_problem(self.meta)
+        if wrong:
+            raise DumpError(f"{show(ref.path)}: pass metadata field {wrong} is malformed; the file is damaged")
         self.names = set(self._file.keys())
 
     def tensor(self, name: str):

@@ -144,3 +144,60 @@ def alignment_items(result: dict, verdict: dict) -> List[Tuple[bool, str]]:
 
 def left_out(total: int, shown: int, what: str) -> Optional[str]:
     return f"{total - shown} more {what} not shown (first {shown} of {total})" if total > shown else None
+
+
+# ---- noise-aware verdict -------------------------------------------------------------------
+
+def noise_rule(noise: dict) -> str:
+    """The rule the noise-aware verdict applied, in words."""
+    rule = noise["rule"]
+    if "atol" in rule:
+        how = (f"tolerance atol={fmt_num(rule['atol'])}, rtol={fmt_num(rule['rtol'])}: a call whose inputs are within "
+               "tolerance and whose output is not introduces an error")
+    else:
+        how = (f"amplification (output error / max(input error, floor)) above {fmt_num(rule['amplification'])}x, "
+               f"derived from {rule['samples']} call errors of this run"
+               + (f" (median {fmt_num(rule['median'])}x)" if rule.get("median") is not None else "")
+               + (f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons" if rule.get("min_ulps") else ""))
+    if rule.get("floor_from_repeat"):
+        how += "; each call's noise floor from a repeat run of the reference"
+    return how
+
+
+def noise_sampled(noise: dict) -> Optional[str]:
+    if noise["rows_examined"] == noise["rows_total"]:
+        return None
+    return f"{noise['rows_examined']} of {noise['rows_total']} rows examined (an even sample per row kind)"
+
+
+def kinds_text(kinds: Dict[str, int]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in kinds.items())
+
+
+NO_NOISE_CULPRIT = ("No call introduces an error beyond float noise: the divergence is float noise carried along "
+                    "(batch-variance), not a state bug.")
+
+
+# ---- MoE routing flips ---------------------------------------------------------------------
+
+def routing_headline(flips: List[dict]) -> str:
+    flipped = [f for f in flips if f.get("rows_flipped")]
+    if not flipped:
+        rows = max(f["rows_differing"] for f in flips)
+        return (f"Router outputs differ on up to {rows} rows in {len(flips)} router calls, but no row's selected experts "
+                "changed.")
+    first = flipped[0]
+    total = sum(f["rows_flipped"] for f in flipped)
+    where = f"layer {first['layer']}" if first.get("layer") is not None else "the first router"
+    return (f"The selected experts changed on {total} token rows (summed over {len(flipped)} router calls), first at "
+            f"{where} ({first['call']}, {first['rows_flipped']} of {first['rows_compared']} rows): a tiny router "
+            "difference sends a token row through other experts, so its output differs by far more than the router's.")
+
+
+def flip_example(example: dict) -> Tuple[str, str]:
+    """(row name, 'kind: [experts in A] -> [experts in B]') of one flipped row."""
+    return row_name(example), f"{example['kind']}: {example['experts_a']} -> {example['experts_b']}"
+
+
+def k_text(entry: dict) -> str:
+    return f"top-{entry['k']} ({entry['k_from']})" if entry.get("k") else "top-k unknown"

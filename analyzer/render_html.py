@@ -63,6 +63,47 @@ def culprit_section(result: dict, rank: str, verdict: dict) -> str:
     return f"<h2>Culprit{esc(rc.rank_label(result, rank))}</h2><dl>{body}</dl>"
 
 
+def noise_section(result: dict, rank: str, verdict: dict) -> str:
+    noise = verdict["noise"]
+    items = [("Rule", esc(rc.noise_rule(noise)))]
+    if rc.noise_sampled(noise):
+        items.append(("Rows", esc(rc.noise_sampled(noise))))
+    out = [f"<h2>Noise-aware verdict{esc(rc.rank_label(result, rank))}</h2>",
+           "<p>Where a real error is introduced: a call whose output error is far beyond its input error.</p>",
+           "<dl>" + "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in items) + "</dl>"]
+    if noise["culprits"]:
+        out.append(table(["call", "class", "rows", "input error", "output error", "amplification", "sample rows"], (
+            [code(c["call"]), code(c["cls"]), f"{c['rows']} ({esc(rc.kinds_text(c['kinds']))})", esc(rc.fmt_num(c["in_err"])),
+             esc(rc.fmt_num(c["out_err"])), f"&ge; {esc(rc.fmt_num(c['amplification']))}x",
+             ", ".join(code(rc.row_name(r)) for r in c.get("sample_rows", []))] for c in noise["culprits"]),
+            len(noise["culprits"]), "calls"))
+    else:
+        out.append(f"<p>{esc(rc.NO_NOISE_CULPRIT)}</p>")
+    if noise.get("top_jumps"):
+        jumps = ", ".join(f"{code(j['call'])} {esc(rc.fmt_num(j['amplification']))}x" for j in noise["top_jumps"][:8])
+        out.append(f"<p>Largest amplifications seen (introduced or not): {jumps}</p>")
+    return "".join(out)
+
+
+def routing_section(result: dict, rank: str, verdict: dict) -> str:
+    flips = verdict["routing_flips"]
+    out = [f"<h2>Routing flips (MoE){esc(rc.rank_label(result, rank))}</h2>", f"<p>{esc(rc.routing_headline(flips))}</p>"]
+    flipped = [f for f in flips if f.get("rows_flipped")]
+    if flipped:
+        def rows(f):
+            shown = ", ".join(f"{code(name)} {esc(what)}" for name, what in map(rc.flip_example, f["examples"]))
+            extra = f["rows_flipped"] - len(f["examples"])
+            return shown + (f", \u2026 {extra} more" if extra > 0 else "")
+        out.append(table(["layer", "router call", "rows flipped", "top-k", "rows (experts in A &rarr; in B)"], (
+            [esc(rc.fmt_num(f["layer"])), code(f["call"]), f"{f['rows_flipped']} of {f['rows_compared']}", esc(rc.k_text(f)),
+             rows(f)] for f in flipped), len(flipped), "router calls"))
+    unknown = [f for f in flips if f.get("rows_flipped") is None]
+    if unknown:
+        out.append("<ul>" + "".join(f"<li>{code(f['call'])}: {esc(f.get('note', 'top-k unknown'))}</li>" for f in unknown)
+                   + "</ul>")
+    return "".join(out)
+
+
 def charts(result: dict, rank: str, verdict: dict) -> str:
     suffix = esc(rc.rank_label(result, rank))
     culprit = verdict["culprit"]["call"] if verdict.get("culprit") else None
@@ -90,6 +131,10 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> str:
     out = [f"<p><b>Summary{suffix}:</b> {esc(verdict['summary'])}</p>" if verdict.get("summary") else ""]
     out += [culprit_section(result, rank, verdict) if verdict.get("culprit") else
            (f"<p><b>Note{suffix}:</b> {esc(verdict['note'])}</p>" if verdict.get("note") else "")]
+    if verdict.get("noise"):
+        out.append(noise_section(result, rank, verdict))
+    if verdict.get("routing_flips"):
+        out.append(routing_section(result, rank, verdict))
     proof = "".join(f'<li><span class="{"ok-mark" if ok else "caveat"}">{"&#x2611;" if ok else "&#x2610;"}</span> '
                     f"{esc(line)}</li>" for ok, line in rc.alignment_items(result, verdict))
     out.append(f'<h2>Alignment proof{suffix}</h2><ul class="proof">{proof}</ul>'

@@ -90,6 +90,46 @@ def culprit_section(result: dict, rank: str, verdict: dict) -> List[str]:
     return out + [""]
 
 
+def noise_section(result: dict, rank: str, verdict: dict) -> List[str]:
+    noise = verdict["noise"]
+    out = [f"### Noise-aware verdict{rc.rank_label(result, rank)}", "",
+           "Where a real error is introduced: a call whose output error is far beyond its input error.", "",
+           f"- **Rule:** {text(rc.noise_rule(noise))}"]
+    sampled = rc.noise_sampled(noise)
+    out += [f"- **Rows:** {text(sampled)}"] if sampled else []
+    out.append("")
+    if noise["culprits"]:
+        items, more = capped(noise["culprits"], "calls")
+        out += table(["call", "class", "rows", "input error", "output error", "amplification", "sample rows"],
+                     [[code(c["call"], True), code(c["cls"], True), f"{c['rows']} ({text(rc.kinds_text(c['kinds']))})",
+                       text(rc.fmt_num(c["in_err"])), text(rc.fmt_num(c["out_err"])),
+                       f"≥ {text(rc.fmt_num(c['amplification']))}x",
+                       ", ".join(code(rc.row_name(r), True) for r in c.get("sample_rows", []))] for c in items]) + more
+    else:
+        out.append(text(rc.NO_NOISE_CULPRIT))
+    if noise.get("top_jumps"):
+        jumps = ", ".join(f"{code(j['call'])} {text(rc.fmt_num(j['amplification']))}x" for j in noise["top_jumps"][:8])
+        out += ["", f"Largest amplifications seen (introduced or not): {jumps}"]
+    return out + [""]
+
+
+def routing_section(result: dict, rank: str, verdict: dict) -> List[str]:
+    flips = verdict["routing_flips"]
+    out = [f"### Routing flips (MoE){rc.rank_label(result, rank)}", "", text(rc.routing_headline(flips)), ""]
+    flipped = [f for f in flips if f.get("rows_flipped")]
+    if flipped:
+        items, more = capped(flipped, "router calls")
+        out += table(["layer", "router call", "rows flipped", "top-k", "rows (experts in A -> in B)"],
+                     [[text(rc.fmt_num(f["layer"])), code(f["call"], True), f"{f['rows_flipped']} of {f['rows_compared']}",
+                       text(rc.k_text(f)),
+                       ", ".join(f"{code(name, True)} {text(what)}" for name, what in map(rc.flip_example, f["examples"]))
+                       + (f", ... {f['rows_flipped'] - len(f['examples'])} more" if f["rows_flipped"] > len(f["examples"])
+                          else "")] for f in items]) + more + [""]
+    unknown = [f for f in flips if f.get("rows_flipped") is None]
+    out += [f"- {code(f['call'])}: {text(f.get('note', 'top-k unknown'))}" for f in unknown]
+    return out + ([""] if unknown else [])
+
+
 def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
     suffix = rc.rank_label(result, rank)
     # The analyzer's own reading of the verdict (strict vs noise-aware), when it gives one.
@@ -98,6 +138,10 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
         out += culprit_section(result, rank, verdict)
     elif verdict.get("note"):
         out += [f"**Note{suffix}:** {text(verdict['note'])}", ""]
+    if verdict.get("noise"):
+        out += noise_section(result, rank, verdict)
+    if verdict.get("routing_flips"):
+        out += routing_section(result, rank, verdict)
     out += [f"### Alignment proof{suffix}", ""]
     out += [f"- [{'x' if ok else ' '}] {text(line, line_start=True)}" for ok, line in rc.alignment_items(result, verdict)]
     out += ["", f"Rows differing: **{verdict['rows_differing']} of {verdict['rows_compared']}** compared token rows.", ""]

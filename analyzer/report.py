@@ -70,6 +70,20 @@ def noise_lines(noise: dict) -> List[str]:
     return lines
 
 
+def routing_lines(flips: List[dict]) -> List[str]:
+    from .render_common import flip_example, k_text, routing_headline
+    lines = [f"routing flips (MoE): {routing_headline(flips)}"]
+    for f in flips:
+        if f.get("rows_flipped"):
+            shown = ", ".join(f"{name} ({what})" for name, what in map(flip_example, f["examples"][:4]))
+            more = "" if f["rows_flipped"] <= 4 else f", ... {f['rows_flipped'] - 4} more"
+            lines.append(f"  layer {fmt_num(f['layer'])} {f['call']}  [{f['cls']}]: {f['rows_flipped']} of "
+                         f"{f['rows_compared']} rows flipped, {k_text(f)}: {shown}{more}")
+        elif f.get("rows_flipped") is None:
+            lines.append(f"  layer {fmt_num(f['layer'])} {f['call']}: {f.get('note', 'top-k unknown')}")
+    return lines
+
+
 def to_text(result: dict) -> str:
     labels = (result["a"]["label"], result["b"]["label"])
     head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
@@ -99,6 +113,8 @@ def to_text(result: dict) -> str:
             out += noise_lines(verdict["noise"])
         if verdict.get("summary"):
             out.append(f"summary: {verdict['summary']}")
+        if verdict.get("routing_flips"):
+            out += routing_lines(verdict["routing_flips"])
         if verdict["not_comparable"]:
             out.append(f"not comparable ({len(verdict['not_comparable'])} calls, skipped by the walk):")
             out += [f"  {n['call']}: {n['why']}" for n in verdict["not_comparable"][:8]]

@@ -1,19 +1,25 @@
-"""Read the bytes of chosen token rows from a dump, each stored tensor at most once.
+"""Read the bytes of chosen token rows from a dump, each row at most once.
 
-The index says where every row lives (pass, stored tensor, row within the stored view); this
-reader keeps pass files open and the last loaded tensors in a small byte-bounded cache, so a
-walk over many rows of the same tensors does not reread files.
+The index says where every row lives (pass, stored tensor, row within the stored view). When a
+tensor's token dims lead its shape (every HF and sglang activation, and every row-selected
+tensor) one token row is one byte range of the pass file, so only the rows asked for are read
+(adjacent rows in one read); other layouts, and files whose header this reader does not follow,
+are read whole through safetensors. What was read stays in a small byte-bounded cache, so a walk
+over many rows of the same tensors does not reread files. ``bytes_read`` counts tensor bytes read.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
+import numpy as np
+import pandas as pd
 import torch
 
-from .index import Index, stored_row_view
+from .index import Index, _file_layout, stored_row_view
 from .load import PassFile
 
 CACHE_BYTES = 512 << 20
@@ -28,37 +34,119 @@ class RowReader:
         self._meta: Dict[Tuple[int, str], tuple] = {
             (int(p), t): (s, json.loads(d), bool(sel))
             for p, t, s, d, sel in zip(tensors["pass"], tensors["tensor"], tensors["stored"], tensors["token_dims"], tensors["selected"])}
-        rows = index.rows
-        self._srow: Dict[Tuple[int, str, int], int] = {
-            (int(p), t, int(r)): int(s) for p, t, r, s in zip(rows["pass"], rows["tensor"], rows["row"], rows["srow"])}
+        self._by_tensor = None  # tensor name -> positions in index.rows, built on first use
+        self._srow: Dict[Tuple[int, str], Dict[int, int]] = {}
+        self._layouts: Dict[int, object] = {}
         self._files: Dict[int, PassFile] = {}
-        self._views: "OrderedDict[Tuple[int, str], torch.Tensor]" = OrderedDict()
+        self._cache: "OrderedDict[Tuple[int, str], dict]" = OrderedDict()  # (pass, stored) -> {"rows"|"view", ...}
         self._cached = 0
         self._limit = cache_bytes
         self.bytes_read = 0
 
     def rows(self, pass_id: int, tensor: str, token_rows) -> torch.Tensor:
         """[len(token_rows), ...] for one tensor of one pass."""
-        view = self._view(pass_id, tensor)
-        picks = [self._srow[(pass_id, tensor, int(r))] for r in token_rows]
-        return view[torch.tensor(picks, dtype=torch.long)]
-
-    def _view(self, pass_id: int, tensor: str) -> torch.Tensor:
+        srow = self._srow_map(pass_id, tensor)
+        picks = [srow[int(r)] for r in token_rows]
         stored, dims, selected = self._meta[(pass_id, tensor)]
-        key = (pass_id, stored)
-        if key in self._views:
-            self._views.move_to_end(key)
-            return self._views[key]
-        pass_file = self._files.get(pass_id)
-        if pass_file is None:
-            pass_file = self._files[pass_id] = PassFile(self._refs[pass_id])
-        data = pass_file.tensor(stored)
-        self.bytes_read += data.numel() * data.element_size()
-        view = stored_row_view(data, {"token_dims": dims, "selected": selected}) if dims is not None \
-            else data.reshape((1,) + tuple(data.shape))
-        self._views[key] = view
-        self._cached += data.numel() * data.element_size()
-        while self._cached > self._limit and len(self._views) > 1:
-            _, old = self._views.popitem(last=False)
-            self._cached -= old.numel() * old.element_size()
-        return view
+        entry = self._entry(pass_id, stored)
+        leading = dims is not None and (selected or list(dims) == list(range(len(dims))))
+        if entry is None or not leading:
+            view = self._whole_view(pass_id, stored, dims, selected)
+            return view[torch.tensor(picks, dtype=torch.long)]
+        return self._read_rows(pass_id, stored, entry, 1 if selected else len(dims), picks)
+
+    # --- where rows are -----------------------------------------------------------------------
+    def _srow_map(self, pass_id: int, tensor: str) -> Dict[int, int]:
+        key = (pass_id, tensor)
+        found = self._srow.get(key)
+        if found is None:
+            rows = self.index.rows
+            if self._by_tensor is None:
+                codes, names = pd.factorize(rows["tensor"])
+                order = np.argsort(codes, kind="stable")
+                ends = np.cumsum(np.bincount(codes, minlength=len(names)))
+                self._by_tensor = ({str(n): i for i, n in enumerate(names)}, order, ends)
+            lookup, order, ends = self._by_tensor
+            code = lookup.get(tensor)
+            positions = order[(ends[code - 1] if code else 0):ends[code]] if code is not None else order[:0]
+            positions = positions[rows["pass"].to_numpy()[positions] == pass_id]
+            found = self._srow[key] = dict(zip(rows["row"].to_numpy()[positions].tolist(),
+                                               rows["srow"].to_numpy()[positions].tolist()))
+        return found
+
+    def _entry(self, pass_id: int, stored: str):
+        if pass_id not in self._layouts:
+            self._layouts[pass_id] = _file_layout(self._refs[pass_id].path)
+        layout = self._layouts[pass_id]
+        return layout.get(stored) if layout else None
+
+    # --- reading --------------------------------------------------------------------------------
+    def _read_rows(self, pass_id: int, stored: str, entry, k: int, picks: List[int]) -> torch.Tensor:
+        dtype, shape, begin, end = entry
+        row_shape = tuple(shape[k:])
+        n_rows = int(np.prod(shape[:k], dtype=np.int64))
+        row_bytes = (end - begin) // n_rows if n_rows else 0
+        slot = self._slot((pass_id, stored), "rows")
+        have = slot["rows"]
+        need = sorted({p for p in picks if p not in have})
+        if need:
+            if need[0] < 0 or need[-1] >= n_rows:
+                raise IndexError(f"row {need[-1]} of {stored!r} in pass {pass_id}: the tensor has {n_rows} rows")
+            fd = os.open(self._refs[pass_id].path, os.O_RDONLY)
+            try:
+                start = 0
+                while start < len(need):  # one read per run of adjacent rows
+                    stop = start + 1
+                    while stop < len(need) and need[stop] == need[stop - 1] + 1:
+                        stop += 1
+                    first, count = need[start], stop - start
+                    buffer = np.empty(count * row_bytes, dtype=np.uint8)
+                    _pread_into(fd, buffer, begin + first * row_bytes)
+                    block = torch.from_numpy(buffer).view(dtype).reshape((count,) + row_shape) if row_bytes else \
+                        torch.empty((count,) + row_shape, dtype=dtype)
+                    for i in range(count):
+                        have[first + i] = block[i]
+                    self.bytes_read += buffer.nbytes
+                    self._cached += buffer.nbytes
+                    start = stop
+            finally:
+                os.close(fd)
+            self._evict()
+        return torch.stack([have[p] for p in picks]) if picks else torch.empty((0,) + row_shape, dtype=dtype)
+
+    def _whole_view(self, pass_id: int, stored: str, dims, selected: bool) -> torch.Tensor:
+        slot = self._slot((pass_id, stored), "view")
+        if slot.get("view") is None:
+            pass_file = self._files.get(pass_id)
+            if pass_file is None:
+                pass_file = self._files[pass_id] = PassFile(self._refs[pass_id])
+            data = pass_file.tensor(stored)
+            self.bytes_read += data.numel() * data.element_size()
+            slot["view"] = stored_row_view(data, {"token_dims": dims, "selected": selected}) if dims is not None \
+                else data.reshape((1,) + tuple(data.shape))
+            self._cached += data.numel() * data.element_size()
+            self._evict()
+        return slot["view"]
+
+    def _slot(self, key, kind: str) -> dict:
+        slot = self._cache.get(key)
+        if slot is None:
+            slot = self._cache[key] = {"rows": {}, "view": None}
+        self._cache.move_to_end(key)
+        return slot
+
+    def _evict(self):
+        while self._cached > self._limit and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            if old["view"] is not None:
+                self._cached -= old["view"].numel() * old["view"].element_size()
+            self._cached -= sum(r.numel() * r.element_size() for r in old["rows"].values())
+
+
+def _pread_into(fd: int, buffer: np.ndarray, offset: int):
+    view, got = memoryview(buffer), 0
+    while got < buffer.nbytes:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
+            raise OSError(f"unexpected end of file at byte {offset + got}")
+        got += n

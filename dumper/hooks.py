@@ -82,6 +82,7 @@ class Dumper:
         self._paths = {module: path for path, module in model.named_modules()}
         self._cleaned: set = set()
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
+        self._core_warned: set = set()  # experiments already told that core mode has no tensors
         self._seq_next: Dict[tuple, int] = {}  # (exp dir, seq) -> next position the dump lacks
         self._endpoint = None
         self._original_forward = model.forward
@@ -218,7 +219,8 @@ class Dumper:
         self._writer.write_run_info(exp_dir, self._run_info())
         if self._writer.submit(PassRecord(exp_dir, self.rank, meta, current.tensors, ready)):
             self.passes_dumped += 1
-        if not self.config.non_intrusive_mode == "all" and self.passes_dumped == 1:
+        if self.config.non_intrusive_mode == "core" and exp_dir not in self._core_warned:
+            self._core_warned.add(exp_dir)
             log.warning("dumper: DUMPER_NON_INTRUSIVE_MODE=core writes pass metadata only (token ids, positions, "
                         "sequences), no module tensors; set it to 'all' to localize a divergence")
 
@@ -316,24 +318,30 @@ class Dumper:
         # The weak reference proves the first tensor is still alive: a freed tensor's memory can
         # be handed to a new tensor of the same shape, which must not pass for the old one.
         current.seen[key] = (name, weakref.ref(tensor))
-        data = tensor
+        data, fresh = tensor, False
         if current.kept_index is not None and dims is not None and rows == "all":
-            data = capture.select_rows(tensor, dims, current.kept_index)
+            data, fresh = capture.select_rows(tensor, dims, _kept_index_on(current, tensor.device)), True
             meta["selected"] = True
         elif current.kept_index is not None and dims is not None:
             meta["selected"] = False  # one row per sequence: small, kept whole
-        current.tensors[name] = self._copy_off(current, data)
+        current.tensors[name] = self._copy_off(current, data, fresh)
         call.tensors[name] = meta
 
-    @staticmethod
-    def _copy_off(current: _Pass, tensor: torch.Tensor) -> torch.Tensor:
+    def _copy_off(self, current: _Pass, tensor: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+        """A private host copy of ``tensor``; ``fresh``: it is already a private copy (selected rows)."""
+        # Back-pressure before the host memory is taken: waits while earlier passes still queued
+        # and this pass's copies would exceed DUMPER_QUEUE_BYTES (one pass is always admitted).
+        self._writer.reserve(tensor.numel() * tensor.element_size(), current)
         if tensor.is_cuda:
             # An async copy into pinned host memory on the producing stream: ordered after the
-            # kernel that wrote it and before any in-place kernel that runs later.
+            # kernel that wrote it and before any in-place kernel that runs later. The pinned
+            # block comes from torch's caching host allocator, reused pass after pass.
             current.cuda_used = True
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor, non_blocking=True)
             return host
+        if fresh and tensor.is_contiguous():
+            return tensor  # index_select already copied the kept rows: no second copy
         return capture.snapshot(tensor)
 
     # --- logging --------------------------------------------------------------------------
@@ -346,6 +354,18 @@ class Dumper:
     def _report_sizes(self):
         if self._writer.passes_written:
             log.info("dumper: wrote %d passes, %.1f MB", self._writer.passes_written, self._writer.bytes_written / 1e6)
+
+
+def _kept_index_on(current: _Pass, device: torch.device) -> torch.Tensor:
+    """The pass's kept-row index on ``device``, copied there once per pass: a pageable
+    host-to-device copy per captured tensor would make the host wait for the GPU each time."""
+    index = current.kept_index
+    if index.device == device:
+        return index
+    cache = current.__dict__.setdefault("_kept_index_by_device", {})
+    if device not in cache:
+        cache[device] = index.to(device)
+    return cache[device]
 
 
 def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapter=None) -> Dumper:

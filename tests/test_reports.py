@@ -85,6 +85,51 @@ def test_json_holds_what_markdown_claims(reports):
     assert max(c["rows_out_differ"] for c in timeline.values()) <= verdict["rows_differing"]
 
 
+def test_markdown_and_html_show_the_noise_aware_verdict(reports):
+    """The planted decode-only bug is named by the noise-aware verdict; both ticket formats show
+    it with its input / output error and amplification, the rule applied and the summary."""
+    from analyzer import render_common as rc
+    from analyzer.render_md import text
+    from analyzer.render_svg import esc
+    from analyzer.report import fmt_num
+
+    result, md, page = json.loads(reports["json"]), reports["md"], reports["html"]
+    verdict = result["ranks"]["0"]
+    noise = verdict["noise"]
+    assert [c["call"] for c in noise["culprits"]] == ["model.layers.1.mlp.down_proj#0"]
+    assert "### Noise-aware verdict" in md and "<h2>Noise-aware verdict</h2>" in page
+    assert f"- **Rule:** {text(rc.noise_rule(noise))}" in md and f"<dd>{esc(rc.noise_rule(noise))}</dd>" in page
+    assert f"derived from {noise['rule']['samples']} call errors of this run" in rc.noise_rule(noise)
+    for c in noise["culprits"]:
+        cells = [f"`{c['call']}`", f"`{c['cls']}`", f"{c['rows']} ({c['rows']} decode)", text(fmt_num(c["in_err"])),
+                 text(fmt_num(c["out_err"])), f"≥ {text(fmt_num(c['amplification']))}x"]
+        assert "| " + " | ".join(cells) + " |" in md
+        html_cells = [f"<code>{c['call']}</code>", f"<code>{c['cls']}</code>", f"{c['rows']} ({c['rows']} decode)",
+                      esc(fmt_num(c["in_err"])), esc(fmt_num(c["out_err"])), f"&ge; {esc(fmt_num(c['amplification']))}x"]
+        assert "<td>" + "</td><td>".join(html_cells) + "</td>" in page
+        for row in c["sample_rows"]:
+            assert f"`{row['seq']}@{row['pos']}`" in md and f"<code>{row['seq']}@{row['pos']}</code>" in page
+    jump = noise["top_jumps"][0]
+    assert f"`{jump['call']}` {text(fmt_num(jump['amplification']))}x" in md
+    assert "state or cache bug" in verdict["summary"]
+    assert f"**Summary:** {text(verdict['summary'])}" in md and f"<b>Summary:</b> {esc(verdict['summary'])}" in page
+
+
+def test_noise_and_routing_sections_escape_and_say_the_rule():
+    module = "model.<root>_a#1|b`c"
+    md, page = to_markdown(crafted_result(module)), to_html(crafted_result(module))
+    assert "| ``model.<root>_a#1\\|b`c#0`` | `<Cls>` | 1 (1 \\<kind\\>) |" in md  # noise table: code spans, | escaped
+    assert "- **Rule:** tolerance atol=1e-05, rtol=n/a" in md and "noise floor from a repeat run" in md
+    assert "*(1 of 2 rows examined" not in md and "- **Rows:** 1 of 2 rows examined" in md
+    assert "### Routing flips (MoE)" in md and "`<seq>@3` \\<kind\\>: \\[0, 1\\] -\\> \\[0, 2\\]" in md
+    assert "<h2>Noise-aware verdict</h2>" in page and "<h2>Routing flips (MoE)</h2>" in page
+    for raw in ("<Cls>", "<seq>", "<kind>", "<root>"):
+        assert raw not in page, raw
+    assert "<code>&lt;seq&gt;@3</code> &lt;kind&gt;: [0, 1] -&gt; [0, 2]" in page
+    hostile = to_html(crafted_result("x<script>alert(1)</script>"))
+    assert "<script" not in hostile.lower()
+
+
 def test_html_is_self_contained(reports):
     page = reports["html"]
     assert page.count("<html") == 1 and "<script" not in page.lower()
@@ -114,6 +159,17 @@ def crafted_result(module: str) -> dict:
                "summary": f"The first bit flips at {call}.",
                "calls_timeline": [{"call": call, "cls": "<Cls>", "order": 1, "rows": 2, "rows_in_differ": 0,
                                    "rows_out_differ": 1, "rows_origin": 1}], "calls_timeline_total": 1,
+               "noise": {"rule": {"atol": 1e-5, "rtol": None, "floor_from_repeat": True}, "rows_examined": 1,
+                         "rows_total": 2, "per_row": [],
+                         "culprits": [{"call": call, "module": module, "cls": "<Cls>", "rows": 1, "kinds": {"<kind>": 1},
+                                       "in_err": 1e-7, "out_err": 0.5, "amplification": 5e6,
+                                       "sample_rows": [{"seq": "<seq>", "pos": 3, "kind": "decode"}]}],
+                         "top_jumps": [{"call": call, "in_err": 1e-7, "out_err": 0.5, "amplification": 5e6}]},
+               "routing_flips": [{"layer": 0, "call": call, "module": module, "cls": "<Cls>", "k": 2,
+                                  "k_from": "router output", "num_experts": 4, "rows_compared": 2, "rows_differing": 1,
+                                  "rows_flipped": 1, "kinds": {"decode": 1},
+                                  "examples": [{"seq": "<seq>", "pos": 3, "kind": "<kind>", "experts_a": [0, 1],
+                                                "experts_b": [0, 2]}]}],
                "alignment": {"proof": [f"embedding output ({module}) ok"], "rows_b": 2, "unaligned_b": 0,
                              "unkeyed_b": 0, "embedding": module}}
     return {"a": side, "b": dict(side, label="<u>test</u>"), "ranks": {"0": verdict}, "warnings": [f"<w>{module}"],

@@ -37,7 +37,10 @@ def load():
 
 
 def _corrupt_restored_prefix(model_runner, layer):
-    corrupted = set()  # cache slots already corrupted: the bug bites once per cached entry
+    # The bug bites once per cached entry: slot -> the key it holds once corrupted.  A slot
+    # whose key differs from that was rewritten (a flush hands slots out again), so it is a
+    # new entry and is corrupted again on its first restore.
+    corrupted = {}
 
     def hook(module, args, kwargs):
         batch = args[3] if len(args) > 3 else kwargs.get("forward_batch")
@@ -49,9 +52,9 @@ def _corrupt_restored_prefix(model_runner, layer):
         for row, prefix in enumerate(prefix_lens):
             if prefix > 0:
                 slot = int(table[batch.req_pool_indices[row], min(3, prefix - 1)])
-                if slot not in corrupted:
+                if slot not in corrupted or not bool((keys[slot] == corrupted[slot]).all()):
                     keys[slot] += 0.5
-                    corrupted.add(slot)
+                    corrupted[slot] = keys[slot].clone()
 
     return hook
 

@@ -1,0 +1,190 @@
+"""KL consistency check: score the same token twice and classify the disagreement.
+
+Every helper (see kl_helpers.py, kl_inprocess.py) produces, per prompt, the logprobs of the
+generated tokens as the decode run gave them and as a later reference prefill of
+prompt+output gave them. Per token
+
+    logr = prefill_lp - decode_lp
+    k3   = exp(logr) - 1 - logr          (>= 0; sglang's KL estimator, computed with expm1)
+
+A helper's avg_kl_div is the mean over prompts of the per-prompt mean k3, exactly as sglang's
+``compare_kl_divergence``; it is dirty when avg_kl_div > threshold.
+
+The verdict compares the helpers (two conditions):
+
+    every helper dirty              -> batch_invariance: prefill and decode kernels disagree
+                                       everywhere; localize the first flipping op with the dumper
+    only cache-hit helpers dirty    -> state_bug: the no-cache path agrees, so the cache-restore
+                                       path (radix prefix restore, decode-cache restore) corrupts state
+    nothing dirty                   -> pass
+    a cache-hit helper without hits -> inconclusive (it tested nothing), unless another helper is dirty
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+HELPERS = ("match", "prefill_cache_hit", "decode_cache_hit")
+CACHE_HELPERS = ("prefill_cache_hit", "decode_cache_hit")
+DESCRIPTIONS = {
+    "match": "no cache: generate, flush, prefill prompt+output",
+    "prefill_cache_hit": "prompt restored from the prefix cache, then decode",
+    "decode_cache_hit": "second turn restores the first turn's prompt+output from cache",
+}
+
+# Verdict kinds, and the exit status each maps to (diff(1) style).
+PASS, BATCH, STATE, MIXED, INCONCLUSIVE = "pass", "batch_invariance", "state_bug", "no_cache_only", "inconclusive"
+
+# A cache-hit helper this many times dirtier than `match` is reported as a likely state bug
+# on top of batch-variance (a clean engine's helpers stay within a small factor of each other).
+STATE_ON_TOP_FACTOR = 100.0
+
+
+def token_kl(prefill_lp: Sequence[float], decode_lp: Sequence[float]) -> np.ndarray:
+    """k3 per token, float64. expm1 keeps 1-ulp differences (logr ~ 1e-7) exact instead of
+    drowning them in the rounding of exp(logr) - 1."""
+    logr = np.asarray(prefill_lp, dtype=np.float64) - np.asarray(decode_lp, dtype=np.float64)
+    return np.expm1(logr) - logr
+
+
+def score_prompt(prefill_lp: Sequence[float], decode_lp: Sequence[float], threshold: float) -> dict:
+    """Per-prompt figures: mean/max k3, tokens over the threshold, bit-identical tokens."""
+    if len(prefill_lp) != len(decode_lp):
+        raise ValueError(f"{len(prefill_lp)} prefill logprobs vs {len(decode_lp)} decode logprobs")
+    if not len(decode_lp):
+        return {"tokens": 0, "mean_kl": 0.0, "max_kl": 0.0, "max_pos": None, "over": 0, "first_over": None,
+                "bit_identical": 0, "max_abs_logr": 0.0}
+    k3 = token_kl(prefill_lp, decode_lp)
+    same = np.asarray(prefill_lp, dtype=np.float64) == np.asarray(decode_lp, dtype=np.float64)
+    over = np.flatnonzero(k3 > threshold)
+    logr = np.abs(np.asarray(prefill_lp, dtype=np.float64) - np.asarray(decode_lp, dtype=np.float64))
+    return {"tokens": int(k3.size), "mean_kl": float(k3.mean()), "max_kl": float(k3.max()),
+            "max_pos": int(k3.argmax()), "over": int(over.size), "first_over": int(over[0]) if over.size else None,
+            "bit_identical": int(same.sum()), "max_abs_logr": float(logr.max())}
+
+
+def summarize_helper(name: str, prompts: list, threshold: float, *, cache_applicable: bool = True,
+                     min_hit_rate: float = 0.5, notes: Optional[list] = None) -> dict:
+    """Aggregate one helper over its prompts.
+
+    prompts: one dict per prompt with at least ``prefill_lp``, ``decode_lp`` (equal length
+    lists) and ``hit`` (bool: the cache state this helper tests was really restored; always
+    True for `match`); anything else (index, ids, cached_tokens) is kept. Prompts without a hit
+    are not scored, as in sglang's helpers: they did not exercise the cache path.
+    """
+    rows, scored = [], []
+    for p in prompts:
+        row = {k: v for k, v in p.items() if k not in ("prefill_lp", "decode_lp")}
+        if p.get("hit", True):
+            row.update(score_prompt(p["prefill_lp"], p["decode_lp"], threshold))
+            scored.append(row)
+        rows.append(row)
+    hits = sum(1 for p in prompts if p.get("hit", True))
+    result = {"helper": name, "description": DESCRIPTIONS.get(name, ""), "threshold": threshold,
+              "prompts": len(prompts), "scored_prompts": len(scored), "cache_hits": hits if name in CACHE_HELPERS else None,
+              "cache_hit_rate": (hits / len(prompts) if prompts else 0.0) if name in CACHE_HELPERS else None,
+              "notes": list(notes or []), "per_prompt": rows}
+    tokens = sum(r["tokens"] for r in scored)
+    result.update({
+        "tokens": tokens,
+        "avg_kl_div": float(np.mean([r["mean_kl"] for r in scored])) if scored else None,
+        "max_kl": max((r["max_kl"] for r in scored), default=None),
+        "frac_over": (sum(r["over"] for r in scored) / tokens) if tokens else None,
+        "bit_identical": sum(r["bit_identical"] for r in scored),
+        "max_abs_logr": max((r["max_abs_logr"] for r in scored), default=None),
+    })
+    if name in CACHE_HELPERS and not cache_applicable:
+        result["status"] = "n/a"
+        result["notes"].append("the server runs without a radix cache (disable_radix_cache): this path does not exist there")
+    elif name in CACHE_HELPERS and (not prompts or hits / len(prompts) <= min_hit_rate or not scored):
+        result["status"] = "no_cache_hit"
+        result["notes"].append(f"cache hits on {hits} of {len(prompts)} prompts (need more than {min_hit_rate:.0%}): "
+                               "this helper did not test the cache path, so it cannot pass")
+    elif not scored or not tokens:
+        result["status"] = "empty"
+        result["notes"].append("no generated tokens to score")
+    else:
+        result["status"] = "dirty" if result["avg_kl_div"] > threshold else "clean"
+    worst = max(scored, key=lambda r: r["mean_kl"], default=None)
+    result["worst"] = worst["index"] if worst is not None and "index" in worst else None
+    return result
+
+
+def classify(helpers: dict) -> dict:
+    """The two-condition verdict over helper summaries keyed by name."""
+    status = {name: h["status"] for name, h in helpers.items()}
+    dirty = [n for n in HELPERS if status.get(n) == "dirty"]
+    clean = [n for n in HELPERS if status.get(n) == "clean"]
+    lacking = [n for n in HELPERS if status.get(n) in ("no_cache_hit", "empty")]
+    ran = dirty + clean
+    notes = []
+    if not dirty:
+        if lacking:
+            kind = INCONCLUSIVE
+            text = (f"no helper is over its threshold, but {', '.join(lacking)} did not run its cache path "
+                    "(no cache hits): the check is incomplete")
+        elif not ran:
+            kind, text = INCONCLUSIVE, "no helper ran"
+        else:
+            kind, text = PASS, f"every helper that ran is within its threshold ({', '.join(ran)})"
+    elif "match" in dirty:
+        if all(status.get(n) in ("dirty", "n/a", None) for n in CACHE_HELPERS) or not any(n in clean for n in CACHE_HELPERS):
+            kind = BATCH
+            text = ("every helper is dirty, with and without the cache: prefill and decode compute the same token "
+                    "differently (batch-variance, e.g. a kernel chosen by the number of token rows). Localize the "
+                    "first op whose bits flip with `dumpdiff localize` (strict culprit).")
+        else:
+            kind = MIXED
+            text = (f"only the no-cache helper (match) is dirty while {', '.join(n for n in clean if n != 'match')} "
+                    "is clean: prefill and decode disagree without any cache, so this is not a cache-restore bug; "
+                    "treat it as batch-variance near the threshold (rerun, or recalibrate).")
+        ratio_notes = _state_on_top(helpers, dirty)
+        notes += ratio_notes
+    else:
+        kind = STATE
+        text = (f"only the cache-hit helper(s) {', '.join(dirty)} are dirty; the no-cache path (match) is clean: "
+                "a state bug in the cache-restore path ("
+                + "; ".join(_path_of(n) for n in dirty) + "). Localize it with `dumpdiff localize` (noise-aware culprit).")
+        if status.get("match") != "clean":
+            notes.append(f"match did not run cleanly ({status.get('match')}); the classification leans on the cache helpers alone")
+    for name in lacking:
+        notes.append(f"{name}: no cache hits, not scored")
+    return {"kind": kind, "text": text, "dirty": dirty, "clean": clean, "lacking": lacking, "notes": notes,
+            "localize": _localize_choice(kind, helpers, dirty)}
+
+
+def _path_of(name: str) -> str:
+    return {"prefill_cache_hit": "prompt restored from the radix/prefix cache",
+            "decode_cache_hit": "a previous turn's prompt+output restored from the cache"}.get(name, name)
+
+
+def _state_on_top(helpers: dict, dirty: list) -> list:
+    base = helpers.get("match", {}).get("avg_kl_div") or 0.0
+    out = []
+    for name in CACHE_HELPERS:
+        value = helpers.get(name, {}).get("avg_kl_div")
+        if name in dirty and value and base > 0 and value / base >= STATE_ON_TOP_FACTOR:
+            out.append(f"{name} is {value / base:.3g}x dirtier than match: beyond batch-variance, a state bug in its "
+                       "cache path is likely too (localize with --helper " + name + ")")
+    return out
+
+
+def _localize_choice(kind: str, helpers: dict, dirty: list) -> Optional[dict]:
+    """Which helper and prompt `dumpdiff localize` should replay."""
+    if kind == STATE:
+        candidates = [n for n in CACHE_HELPERS if n in dirty]
+    elif kind in (BATCH, MIXED):
+        candidates = ["match"]
+    else:
+        return None
+    name = max(candidates, key=lambda n: helpers[n].get("avg_kl_div") or 0.0)
+    return {"helper": name, "prompt": helpers[name].get("worst")}
+
+
+EXIT_FOR_KIND = {PASS: 0, BATCH: 1, STATE: 1, MIXED: 1, INCONCLUSIVE: 2}
+
+
+def exit_status(verdict: dict) -> int:
+    return EXIT_FOR_KIND[verdict["kind"]]

@@ -1,0 +1,398 @@
+"""The three KL helpers over sglang's HTTP API, with the semantics of sglang's own KL tests
+(sglang/test/kl_test_utils.py):
+
+match              flush; generate (keep output logprobs); flush; prefill prompt+output with
+                   max_new_tokens 0, logprob_start_len 0; take the last len(output) input
+                   logprobs. No cache anywhere.
+prefill_cache_hit  flush; prefill the prompts (max_new_tokens 0) to warm the radix cache;
+                   generate (the prompt must come back from the cache: meta_info.cached_tokens);
+                   flush; reference prefill.
+decode_cache_hit   flush; turn 1 generates; turn 2 = prompt + output + one more token, on the
+                   warm cache (cached_tokens must reach into turn 1's output); flush; reference
+                   prefill of turn 2 + its output.
+
+Tokens are aligned by position: output logprob k belongs to output_ids[k], and the reference
+prefill's last len(output) input logprobs to the same tokens. The token ids the server reports
+next to the logprobs are only checked, never trusted: sglang 0.5.23 reports the id
+vocab_size-1 as 0 in its logprob lists, which is tolerated (and counted); any other mismatch
+means the positions do not line up, and the check stops.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterable, List, Optional
+
+from . import kl, kl_prompts
+from .errors import DumpError
+from .http import get_json, post_json
+
+Log = Callable[[str], None]
+
+
+class Server:
+    """The few sglang HTTP calls the KL check needs."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._info = None
+
+    # -- facts -------------------------------------------------------------------------------
+    def info(self) -> dict:
+        if self._info is None:
+            try:
+                info = get_json(self.url + "/server_info", timeout=60)
+            except DumpError as exc:
+                if "HTTP 404" not in str(exc):
+                    raise
+                info = get_json(self.url + "/get_server_info", timeout=60)
+            if not isinstance(info, dict) or "model_path" not in info:
+                raise DumpError(f"{self.url}/server_info: not an sglang server info reply")
+            self._info = info
+        return self._info
+
+    @property
+    def model(self) -> str:
+        return str(self.info().get("model_path"))
+
+    @property
+    def tp(self) -> int:
+        return int(self.info().get("tp_size") or 1)
+
+    @property
+    def page_size(self) -> int:
+        return int(self.info().get("page_size") or 1)
+
+    @property
+    def radix_cache(self) -> bool:
+        return not self.info().get("disable_radix_cache", False)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return not self.info().get("skip_tokenizer_init", False)
+
+    def describe(self) -> dict:
+        info = self.info()
+        return {"url": self.url, "engine": "sglang", "version": info.get("version"), "model": self.model,
+                "served_model_name": info.get("served_model_name"), "tp": self.tp, "dtype": info.get("dtype"),
+                "device": info.get("device"), "radix_cache": self.radix_cache, "page_size": self.page_size,
+                "attention_backend": info.get("attention_backend"),
+                "deterministic_inference": bool(info.get("enable_deterministic_inference"))}
+
+    # -- calls -------------------------------------------------------------------------------
+    def flush(self, attempts: int = 20):
+        """POST /flush_cache; sglang answers 400 while requests are still running: retry."""
+        for attempt in range(attempts):
+            try:
+                post_json(self.url + "/flush_cache?timeout=30", {}, timeout=60)
+                return
+            except DumpError as exc:
+                if "HTTP 400" not in str(exc) or attempt == attempts - 1:
+                    raise DumpError(f"could not flush the cache: {exc}") from None
+                time.sleep(0.5)
+
+    def generate(self, input_ids: List[List[int]], max_new_tokens: int, *, sampling: dict,
+                 return_logprob: bool = True, logprob_start_len: int = -1) -> list:
+        body = {"input_ids": input_ids,
+                "sampling_params": {**sampling, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        if return_logprob:
+            body.update({"return_logprob": True, "return_text_in_logprobs": False,
+                         "logprob_start_len": logprob_start_len})
+        results = post_json(self.url + "/generate", body, timeout=self.timeout)
+        if not isinstance(results, list) or len(results) != len(input_ids):
+            raise DumpError(f"{self.url}/generate: expected {len(input_ids)} results, got "
+                            f"{type(results).__name__}{'' if not isinstance(results, list) else ' of ' + str(len(results))}")
+        for r in results:
+            if not isinstance(r, dict) or "meta_info" not in r:
+                raise DumpError(f"{self.url}/generate: a result without meta_info: {str(r)[:200]}")
+        return results
+
+    def tokenize(self, texts: List[str], add_special_tokens: bool = True) -> List[List[int]]:
+        reply = post_json(self.url + "/tokenize", {"prompt": texts, "add_special_tokens": add_special_tokens},
+                          timeout=120)
+        tokens = reply.get("tokens") if isinstance(reply, dict) else None
+        if not isinstance(tokens, list) or len(tokens) != len(texts):
+            raise DumpError(f"{self.url}/tokenize: unexpected reply {str(reply)[:200]}")
+        return tokens
+
+
+def sampling_params(server: Server, temperature: float, seed: Optional[int], notes: list) -> dict:
+    """temperature 0 by default; sampling_seed only where the server honours it."""
+    params = {"temperature": temperature}
+    if temperature > 0 and seed is not None:
+        if server.info().get("enable_deterministic_inference"):
+            params["sampling_seed"] = int(seed)
+        else:
+            notes.append("temperature > 0 and the server ignores sampling_seed (no --enable-deterministic-inference): "
+                         "sampled tokens differ run to run; the check still scores whatever was sampled")
+    return params
+
+
+# -- reading logprobs ----------------------------------------------------------------------------
+
+def _values_and_ids(entries, where: str):
+    values, ids = [], []
+    for entry in entries:
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise DumpError(f"{where}: a logprob entry is not [logprob, token_id, ...]: {entry!r}")
+        values.append(entry[0])
+        ids.append(entry[1])
+    return values, ids
+
+
+def _check_ids(reported: list, expected: list, where: str, vocab_size: Optional[int]) -> int:
+    """Compare reported ids with the tokens at the same positions; returns how many were the
+    known vocab_size-1 -> 0 quirk. Any other difference: the positions are not aligned."""
+    quirks = 0
+    for pos, (got, want) in enumerate(zip(reported, expected)):
+        if got == want or got is None:
+            continue
+        if got == 0 and (vocab_size is None or want == vocab_size - 1):
+            quirks += 1
+            continue
+        raise DumpError(f"{where}: position {pos} reports token {got} where the sequence has {want}; the logprobs "
+                        "do not line up with the tokens, refusing to score them")
+    return quirks
+
+
+def decode_logprobs(result: dict, where: str, vocab_size: Optional[int]):
+    out_ids = result.get("output_ids") or []
+    entries = result["meta_info"].get("output_token_logprobs") or []
+    if len(entries) != len(out_ids):
+        raise DumpError(f"{where}: {len(entries)} output logprobs for {len(out_ids)} output tokens")
+    values, ids = _values_and_ids(entries, where)
+    quirks = _check_ids(ids, out_ids, where, vocab_size)
+    if any(v is None for v in values):
+        raise DumpError(f"{where}: an output logprob is null")
+    return [float(v) for v in values], quirks
+
+
+def prefill_logprobs(result: dict, full: List[int], n: int, where: str, vocab_size: Optional[int]):
+    entries = result["meta_info"].get("input_token_logprobs") or []
+    if len(entries) != len(full):
+        raise DumpError(f"{where}: {len(entries)} input logprobs for {len(full)} input tokens "
+                        "(logprob_start_len 0 should cover them all)")
+    if n == 0:
+        return [], 0
+    values, ids = _values_and_ids(entries[-n:], where)
+    quirks = _check_ids(ids, full[-n:], where, vocab_size)
+    if any(v is None for v in values):
+        raise DumpError(f"{where}: an input logprob of a generated token is null")
+    return [float(v) for v in values], quirks
+
+
+# -- the helpers -------------------------------------------------------------------------------
+
+class Context:
+    """What every helper needs: the server, sampling, sizes, logging."""
+
+    def __init__(self, server: Server, *, max_new_tokens: int, sampling: dict, vocab_size: Optional[int],
+                 log: Log = lambda _m: None, turn_token: Optional[int] = None):
+        self.server = server
+        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+        self.log = log
+        self.turn_token = turn_token
+        self.quirks = 0
+
+    def reference(self, fulls: List[List[int]], outputs: List[int], helper: str):
+        """Flush, then one prefill of each prompt+output: the last len(output) input logprobs."""
+        self.server.flush()
+        results = self.server.generate(fulls, 0, sampling=self.sampling, logprob_start_len=0)
+        lps, cached = [], []
+        for i, (full, n, r) in enumerate(zip(fulls, outputs, results)):
+            values, quirks = prefill_logprobs(r, full, n, f"{helper} reference prefill, prompt {i}", self.vocab_size)
+            self.quirks += quirks
+            lps.append(values)
+            cached.append(int(r["meta_info"].get("cached_tokens") or 0))
+        return lps, cached
+
+    def decoded(self, results: list, helper: str):
+        lps, outs = [], []
+        for i, r in enumerate(results):
+            values, quirks = decode_logprobs(r, f"{helper} generate, prompt {i}", self.vocab_size)
+            self.quirks += quirks
+            lps.append(values)
+            outs.append(list(r.get("output_ids") or []))
+        return lps, outs
+
+
+def _cached(result: dict) -> int:
+    return int(result["meta_info"].get("cached_tokens") or 0)
+
+
+def _ref_notes(ref_cached: list, notes: list):
+    hit = [c for c in ref_cached if c]
+    if hit:
+        notes.append(f"the reference prefill restored tokens from the cache on {len(hit)} prompts (up to {max(hit)}; "
+                     "prompts sharing first tokens): that reference is not cache-free")
+
+
+def run_match(ctx: Context, prompts: List[List[int]]) -> tuple:
+    s = ctx.server
+    s.flush()
+    results = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)
+    decode_lp, outs = ctx.decoded(results, "match")
+    cached = [_cached(r) for r in results]
+    ref_lp, ref_cached = ctx.reference([p + o for p, o in zip(prompts, outs)], [len(o) for o in outs], "match")
+    notes = []
+    if any(cached):
+        notes.append(f"{sum(1 for c in cached if c)} prompts restored up to {max(cached)} tokens from the cache in the "
+                     "no-cache run (prompts sharing first tokens, e.g. a BOS, batched together)")
+    _ref_notes(ref_cached, notes)
+    rows = [{"index": i, "prompt_len": len(p), "output_len": len(o), "cached_tokens": c, "ref_cached_tokens": rc,
+             "hit": True, "prefill_lp": rl, "decode_lp": dl}
+            for i, (p, o, c, rc, rl, dl) in enumerate(zip(prompts, outs, cached, ref_cached, ref_lp, decode_lp))]
+    return rows, notes
+
+
+def expected_prefill_hit(prompt_len: int, page_size: int) -> int:
+    """Tokens a warmed prompt restores: all but the last (always recomputed), page-aligned."""
+    return ((prompt_len - 1) // page_size) * page_size
+
+
+def run_prefill_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
+    s = ctx.server
+    s.flush()
+    s.generate(prompts, 0, sampling=ctx.sampling, return_logprob=False)  # warm the radix cache
+    results = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)
+    decode_lp, outs = ctx.decoded(results, "prefill_cache_hit")
+    cached = [_cached(r) for r in results]
+    hits = [c > 0 and c >= expected_prefill_hit(len(p), s.page_size) for p, c in zip(prompts, cached)]
+    keep = [i for i, h in enumerate(hits) if h]
+    ref_lp, ref_cached = ctx.reference([prompts[i] + outs[i] for i in keep], [len(outs[i]) for i in keep],
+                                       "prefill_cache_hit")
+    by_index = dict(zip(keep, zip(ref_lp, ref_cached)))
+    notes = []
+    _ref_notes(ref_cached, notes)
+    rows = []
+    for i, (p, o, c, h, dl) in enumerate(zip(prompts, outs, cached, hits, decode_lp)):
+        rl, rc = by_index.get(i, (None, None))
+        rows.append({"index": i, "prompt_len": len(p), "output_len": len(o), "cached_tokens": c,
+                     "expected_cached": expected_prefill_hit(len(p), s.page_size), "ref_cached_tokens": rc,
+                     "hit": h, "prefill_lp": rl, "decode_lp": dl})
+    return rows, notes
+
+
+def turn_tokens(ctx: Context, prompts: List[List[int]]) -> List[int]:
+    """The extra token of turn 2: --turn-token, else the tokenizer's ',' (as sglang's test),
+    else each prompt's own last token (any in-vocabulary id does)."""
+    if ctx.turn_token is not None:
+        return [ctx.turn_token] * len(prompts)
+    if ctx.server.has_tokenizer:
+        try:
+            comma = ctx.server.tokenize([","], add_special_tokens=False)[0]
+            if len(comma) == 1:
+                return comma * len(prompts)
+        except DumpError:
+            pass
+    return [p[-1] for p in prompts]
+
+
+def run_decode_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
+    s = ctx.server
+    s.flush()
+    first = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)  # turn 1: fills the cache
+    extra = turn_tokens(ctx, prompts)
+    second = [p + list(r.get("output_ids") or []) + [t] for p, r, t in zip(prompts, first, extra)]
+    results = s.generate(second, ctx.max_new_tokens, sampling=ctx.sampling)
+    decode_lp, outs = ctx.decoded(results, "decode_cache_hit")
+    cached = [_cached(r) for r in results]
+    hits = [c > len(p) + 1 for p, c in zip(prompts, cached)]  # restored into turn 1's output (sglang's rule)
+    keep = [i for i, h in enumerate(hits) if h]
+    ref_lp, ref_cached = ctx.reference([second[i] + outs[i] for i in keep], [len(outs[i]) for i in keep],
+                                       "decode_cache_hit")
+    by_index = dict(zip(keep, zip(ref_lp, ref_cached)))
+    notes = []
+    _ref_notes(ref_cached, notes)
+    rows = []
+    for i, (p, sec, o, c, h, dl) in enumerate(zip(prompts, second, outs, cached, hits, decode_lp)):
+        rl, rc = by_index.get(i, (None, None))
+        rows.append({"index": i, "prompt_len": len(p), "turn2_len": len(sec), "output_len": len(o),
+                     "turn_token": extra[i], "cached_tokens": c, "ref_cached_tokens": rc, "hit": h,
+                     "prefill_lp": rl, "decode_lp": dl})
+    return rows, notes
+
+
+RUNNERS = {"match": run_match, "prefill_cache_hit": run_prefill_cache_hit, "decode_cache_hit": run_decode_cache_hit}
+
+
+# -- the whole check ---------------------------------------------------------------------------
+
+def load_prompts(server: Server, *, prompts=None, prompts_file: Optional[str] = None, max_samples: int = 32,
+                 prompt_len: int = 256, seed: int = 0, vocab_size: Optional[int] = None):
+    """The prompt ids and a description of where they came from."""
+    if prompts is None and prompts_file:
+        prompts = kl_prompts.read_jsonl(prompts_file)
+        source = prompts_file
+    elif prompts is not None:
+        source = "given"
+    else:
+        vocab = vocab_size or kl_prompts.vocab_size_of(server.model)
+        note = ""
+        if vocab is None:
+            vocab, note = 1000, " (vocab size unknown: ids below 1000; give --vocab-size)"
+        ids = kl_prompts.synthetic(max_samples, prompt_len, vocab, seed=seed)
+        return ids, {"source": f"synthetic seed={seed} len~{prompt_len} vocab={vocab}{note}", "count": len(ids)}
+    prompts = list(prompts)[:max_samples]
+    tokenize = server.tokenize if server.has_tokenizer else None
+    ids = kl_prompts.resolve(prompts, tokenize, source)
+    return ids, {"source": source, "count": len(ids)}
+
+
+def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, max_samples: int = 32,
+                 max_new_tokens: int = 512, prompt_len: int = 256, seed: int = 0, temperature: float = 0.0,
+                 helpers: Iterable[str] = kl.HELPERS, threshold: Optional[float] = None,
+                 thresholds_file: Optional[str] = None, min_hit_rate: float = 0.5, turn_token: Optional[int] = None,
+                 vocab_size: Optional[int] = None, timeout: float = 600.0, log: Log = lambda _m: None) -> dict:
+    """Run the helpers against a live sglang server and classify. Returns a plain dict
+    (kl_render renders it; kl.exit_status gives the exit code)."""
+    from .kl_thresholds import resolve_thresholds
+    server = Server(url, timeout=timeout)
+    target = server.describe()
+    vocab = vocab_size or kl_prompts.vocab_size_of(server.model)
+    ids, prompt_info = load_prompts(server, prompts=prompts, prompts_file=prompts_file, max_samples=max_samples,
+                                    prompt_len=prompt_len, seed=seed, vocab_size=vocab)
+    lengths = [len(p) for p in ids]
+    prompt_info.update({"min_len": min(lengths), "max_len": max(lengths)})
+    limits = resolve_thresholds(threshold, thresholds_file, target)
+    notes = []
+    sampling = sampling_params(server, temperature, seed, notes)
+    ctx = Context(server, max_new_tokens=max_new_tokens, sampling=sampling, vocab_size=vocab, log=log,
+                  turn_token=turn_token)
+    result = {"kind": "dumpdiff-kl", "target": target, "prompts": prompt_info,
+              "settings": {"max_samples": max_samples, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                           "seed": seed, "min_hit_rate": min_hit_rate, "helpers": list(helpers)},
+              "threshold": limits, "helpers": {}, "timings": {}, "notes": notes}
+    for name in helpers:
+        if name not in RUNNERS:
+            raise DumpError(f"unknown helper {name!r}; choose from {', '.join(kl.HELPERS)}")
+        t0 = time.monotonic()
+        limit = limits["helpers"].get(name, limits["value"])
+        if name in kl.CACHE_HELPERS and not server.radix_cache:
+            log(f"kl: {name}: skipped, the server runs without a radix cache")
+            summary = kl.summarize_helper(name, [], limit, cache_applicable=False)
+        else:
+            log(f"kl: {name}: {len(ids)} prompts x {max_new_tokens} new tokens ...")
+            rows, helper_notes = RUNNERS[name](ctx, ids)
+            summary = kl.summarize_helper(name, rows, limit, min_hit_rate=min_hit_rate, notes=helper_notes)
+            worst = summary.get("worst")
+            if worst is not None:
+                summary["worst_prompt_ids"] = ids[worst]
+                if name == "decode_cache_hit":
+                    summary["worst_turn_token"] = rows[worst]["turn_token"]
+        result["timings"][name] = round(time.monotonic() - t0, 3)
+        result["helpers"][name] = summary
+        log(f"kl: {name}: {summary['status']} avg_kl_div={summary['avg_kl_div']} ({result['timings'][name]:.1f} s)")
+    if ctx.quirks:
+        notes.append(f"{ctx.quirks} logprob entries reported token id 0 for the last vocabulary id (a known sglang "
+                     "off-by-one in its logprob ids; tokens were aligned by position, values are right)")
+    result["verdict"] = kl.classify(result["helpers"])
+    return result
+
+
+def env_url(default: str = "http://127.0.0.1:30000") -> str:
+    return os.environ.get("DUMPDIFF_KL_URL", default)

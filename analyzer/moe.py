@@ -1,0 +1,180 @@
+"""MoE routing flips: token rows whose selected experts differ between the two dumps.
+
+A router (gate) turns a token row into scores over the experts and keeps the top k. A 1e-5
+difference in its logits, harmless anywhere else, swaps an expert when two scores are that
+close: the row then runs through a different expert and its output differs by O(1), the
+amplifier behind a large KL after a tiny kernel difference. For every router call whose
+output differs on some paired rows, the selection is compared row by row:
+
+- when the router returns the chosen expert ids (an integer output [tokens, k], as HF
+  Qwen3-MoE's router and sglang's TopK do), those are compared: what the engine really picked;
+- otherwise the top k of its logits [tokens, num_experts], with k from the model's config
+  (the run's model dir, when readable) or inferred from the expert calls (an integer
+  [tokens, k] input of the experts module, or per-expert calls' row counts).
+
+Selections are compared as sets: the order within the top k is not a flip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import List, Optional
+
+import pandas as pd
+import torch
+
+from .align import Alignment
+from .compare import call_order
+from .index import Index
+from .rowread import RowReader
+
+MAX_EXAMPLES = 8
+ROUTER_LEAF = re.compile(r"(^|\.)(gate|router)$")  # HF mlp.gate, block_sparse_moe.gate, ...router
+ROUTER_CLASS = re.compile(r"router|moegate|topk", re.IGNORECASE)
+CONFIG_K = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k", "moe_k")
+_LAYER = re.compile(r"\.(\d+)(?=[.#]|$)")
+
+
+def routing_flips(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame, run: Optional[dict] = None) -> List[dict]:
+    """One entry per router call whose output differs on some paired rows, in execution order."""
+    routers = find_routers(b)
+    if not routers:
+        return []
+    order = call_order(b)
+    config_k = _config_k(run or {})
+    reader_a = reader_b = None
+    pairs = alignment.pairs.set_index("pair")
+    found = []
+    for router in sorted(routers, key=lambda r: order.get(r["call"], 0)):
+        chosen = router["indices"] or router["logits"]
+        mine = table[(table["tensor"] == chosen) & table["comparable"]]
+        outs = table[table["call"].eq(router["call"]) & table["io"].eq("out") & table["differ"]]
+        differing = mine[mine["pair"].isin(outs["pair"])]
+        if differing.empty:
+            continue
+        k, k_from = (router["k"], "router output") if router["indices"] else (config_k, "model config")
+        if k is None:
+            k, k_from = _experts_k(b, router), "expert calls"
+        entry = {"layer": layer_of(router["module"]), "call": router["call"], "module": router["module"],
+                 "cls": router["cls"], "k": k, "k_from": k_from if k else None, "num_experts": router["num_experts"],
+                 "rows_compared": int(mine["pair"].nunique()), "rows_differing": int(differing["pair"].nunique()),
+                 "rows_flipped": None, "kinds": {}, "examples": []}
+        if not k:
+            entry["note"] = "top-k unknown (no expert ids in the router output, no model config, no expert calls)"
+            found.append(entry)
+            continue
+        if reader_a is None:
+            reader_a, reader_b = RowReader(a), RowReader(b)
+        flipped = []
+        for (pass_a, pass_b), group in differing.groupby(["pass_a", "pass_b"], sort=True):
+            sel_a = _selection(reader_a.rows(int(pass_a), chosen, group["row_a"].tolist()), k, bool(router["indices"]))
+            sel_b = _selection(reader_b.rows(int(pass_b), chosen, group["row_b"].tolist()), k, bool(router["indices"]))
+            changed = (sel_a != sel_b).any(dim=1)
+            for pair, row_a, row_b in zip(group["pair"][changed.numpy()], sel_a[changed], sel_b[changed]):
+                flipped.append((int(pair), row_a.tolist(), row_b.tolist()))
+        flipped.sort()
+        entry["rows_flipped"] = len(flipped)
+        info = pairs.loc[[p for p, _, _ in flipped]] if flipped else pairs.iloc[:0]
+        entry["kinds"] = {str(kind): int(n) for kind, n in info["mode_b"].value_counts().items()}
+        entry["examples"] = [{"seq": str(pairs.loc[p, "seq"]), "pos": int(pairs.loc[p, "pos"]),
+                              "kind": str(pairs.loc[p, "mode_b"]), "experts_a": ea, "experts_b": eb}
+                             for p, ea, eb in flipped[:MAX_EXAMPLES]]
+        found.append(entry)
+    return found
+
+
+def find_routers(index: Index) -> List[dict]:
+    """Router calls of a dump: a gate/router module of an MoE block with a float output over the
+    experts, an integer output of chosen expert ids, or both."""
+    calls = index.calls.drop_duplicates("call")
+    modules = set(calls["module"])
+    tensors = index.tensors[(index.tensors["io"] == "out") & (index.tensors["token_dims"] != "null")]
+    tensors = tensors.drop_duplicates("tensor")
+    routers = []
+    for call in calls.itertuples(index=False):
+        leaf_match = bool(ROUTER_LEAF.search(call.module))
+        parent = call.module.rsplit(".", 1)[0] if "." in call.module else ""
+        has_experts = any(m.startswith(f"{parent}.expert") for m in modules)
+        if not (ROUTER_CLASS.search(call.cls) or (leaf_match and has_experts)):
+            continue
+        outs = tensors[tensors["call"] == call.call]
+        logits = indices = None
+        num_experts = k = None
+        for t in outs.itertuples(index=False):
+            shape = json.loads(t.shape)
+            if not shape:
+                continue
+            if "float" in t.dtype and shape[-1] >= 2 and shape[-1] > (num_experts or 0):  # the widest: over all experts
+                logits, num_experts = t.tensor, shape[-1]
+            elif "int" in t.dtype and indices is None:
+                indices, k = t.tensor, shape[-1]
+        if logits is not None and indices is not None and k >= num_experts:
+            indices, k = None, None  # not a top-k of these experts
+        if logits is None and indices is None:
+            continue
+        routers.append({"call": call.call, "module": call.module, "cls": call.cls, "parent": parent, "logits": logits,
+                        "indices": indices, "k": k, "num_experts": num_experts})
+    return routers
+
+
+def _selection(rows: torch.Tensor, k: int, are_ids: bool) -> torch.Tensor:
+    """[n, k] sorted expert ids per row."""
+    flat = rows.reshape(rows.shape[0], -1)
+    ids = flat.long() if are_ids else torch.topk(flat.float(), min(k, flat.shape[1]), dim=1).indices
+    return ids.sort(dim=1).values
+
+
+def _config_k(run: dict) -> Optional[int]:
+    """top-k from the model's config.json, when the run's model is a readable local dir."""
+    model = run.get("model")
+    path = os.path.join(model, "config.json") if isinstance(model, str) and model else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as handle:
+            config = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        for key in CONFIG_K:
+            if isinstance(section.get(key), int) and section[key] > 0:
+                return section[key]
+    return None
+
+
+def _experts_k(index: Index, router: dict) -> Optional[int]:
+    """top-k from the expert calls next to the router: an integer [tokens, k] input of the experts
+    module, or the rows all per-expert calls of one pass received over the pass's tokens."""
+    parent = router["parent"]
+    tensors = index.tensors
+    mine = tensors[tensors["call"].str.startswith(f"{parent}.expert") & (tensors["io"] == "in")]
+    for t in mine.drop_duplicates("tensor").itertuples(index=False):
+        shape = json.loads(t.shape)
+        if "int" in t.dtype and t.token_dims != "null" and len(shape) >= 2 and \
+                (router["num_experts"] is None or shape[-1] < router["num_experts"]):
+            return shape[-1]
+    per_expert = re.compile(re.escape(parent) + r"\.experts?\.\d+#")
+    firsts = mine[mine["call"].str.match(per_expert) & (mine["slot"].isin(["0", "hidden_states", "x"]))]
+    if firsts.empty:
+        return None
+    pass_id = firsts["pass"].iloc[0]
+    in_pass = firsts[firsts["pass"] == pass_id]
+    rows = sum(int(_rows_of(json.loads(s))) for s in in_pass["shape"])
+    tokens = int(index.tokens[(index.tokens["pass"] == pass_id) & index.tokens["valid"]].shape[0])
+    if not tokens or rows % tokens:
+        return None
+    return rows // tokens or None
+
+
+def _rows_of(shape: list) -> int:
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    return rows
+
+
+def layer_of(module: str) -> Optional[int]:
+    found = _LAYER.search(module)
+    return int(found.group(1)) if found else None

@@ -1,0 +1,189 @@
+"""Point 4: analysis at index speed, on a dump pair of at least 5 GB.
+
+Dumps a bigger random HF Llama on CPU (float32: prefill and decode differ naturally there):
+``dec`` = generate() of a T-token prompt (one prefill pass + decode passes), ``ref`` = one
+prefill of prompt + output. Then, against baselines measured in the same run on the same files:
+
+* read once     ``cat`` of every pass file of both dumps (and a Python read loop)
+* index build   ``dumpdiff index --rebuild`` of both dumps: bandwidth / read bandwidth >= 0.70
+* first-divergence with the indexes built: ``--strict-only`` and the default noise-aware pass,
+                time / time of reading both dumps once <= 0.10, and the bytes each read
+
+Cold (page cache dropped before each step: needs root) and warm (files cached on both sides).
+Peak RSS and bytes read come from benchmarks/_measure.py, which runs the CLI in-process.
+
+    python benchmarks/bench_analyze.py [--work /tmp/dumpdiff-bench-analyze] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from common import ROOT, dir_bytes, drop_caches, files_under, fmt_bytes, llama, n_params, result
+
+import dumper
+
+
+def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, new_tokens: int, dtype=torch.float32,
+                device="cpu", **config):
+    model = llama(dtype, device, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
+                  num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1), vocab_size=32000,
+                  max_position_embeddings=max(4096, tokens + new_tokens))
+    print(f"# dumping a random Llama of {n_params(model) / 1e6:.0f}M params ({dtype}), prompt {tokens} tokens, "
+          f"{new_tokens} new tokens -> {work}", flush=True)
+    prompt = torch.randint(3, 32000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    handle = dumper.install(model, dumper.DumperConfig(dir=work, cleanup_previous=True, **config))
+    start = time.perf_counter()
+    with torch.no_grad():
+        handle.configure(enable=True, exp_name="dec")
+        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                do_sample=False)
+        handle.configure(exp_name="ref")
+        model(output)
+    handle.remove()
+    print(f"# dumped in {time.perf_counter() - start:.1f}s", flush=True)
+    return os.path.join(work, "ref"), os.path.join(work, "dec")
+
+
+def cli_measured(args, label: str, env=None) -> dict:
+    """Run the dumpdiff CLI in a child process under benchmarks/_measure.py."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out = handle.name
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "_measure.py"), out, "analyzer.cli",
+                           *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+    with open(out) as handle:
+        record = json.load(handle)
+    os.unlink(out)
+    record["stdout"], record["stderr"] = proc.stdout, proc.stderr
+    print(f"# {label}: {record['seconds']:.2f}s, exit {record['exit']}, peak RSS {record['max_rss_mb']:.0f} MB, "
+          f"read from storage {fmt_bytes(record['read_bytes'])}", flush=True)
+    if record["exit"] not in (0, 1):
+        print(proc.stderr[-2000:], file=sys.stderr)
+    return record
+
+
+def read_cat(files) -> float:
+    start = time.perf_counter()
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - start
+
+
+def read_python(files) -> float:
+    buffer = bytearray(16 << 20)
+    view = memoryview(buffer)
+    start = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.readinto(view):
+                pass
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "dumpdiff-bench-analyze"))
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--inter", type=int, default=2816)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--keep", action="store_true", help="keep the dumps (and reuse them next time)")
+    ap.add_argument("--warm-only", action="store_true", help="do not drop the page cache")
+    args = ap.parse_args(argv)
+
+    ref, dec = os.path.join(args.work, "ref"), os.path.join(args.work, "dec")
+    if not (os.path.exists(os.path.join(ref, "run.json")) and os.path.exists(os.path.join(dec, "run.json"))):
+        free = shutil.disk_usage(os.path.dirname(args.work) or "/").free
+        need = 2 * args.layers * args.tokens * (9 * args.hidden + 4 * args.inter) * 4 * 1.2
+        if free < need + (4 << 30):
+            raise SystemExit(f"bench_analyze: needs about {fmt_bytes(need)} free under {args.work}, {fmt_bytes(free)} free")
+        shutil.rmtree(args.work, ignore_errors=True)
+        build_dumps(args.work, args.hidden, args.layers, args.inter, args.tokens, args.new_tokens)
+    try:
+        run(args, ref, dec)
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.work, ignore_errors=True)
+
+
+def run(args, ref, dec):
+    files = files_under(ref) + files_under(dec)
+    total = dir_bytes(ref) + dir_bytes(dec)
+    print(f"# dump pair: {fmt_bytes(total)} in {len(files)} pass files", flush=True)
+    cold = not args.warm_only and drop_caches()
+    protocols = (["cold"] if cold else []) + ["warm"]
+    rows = {}
+    for proto in protocols:
+        def prepare():
+            if proto == "cold":
+                # The dumps leave the page cache; the program (python, torch, pandas) comes back
+                # into it, as it would be on a machine that has run dumpdiff before.
+                drop_caches()
+                subprocess.run([sys.executable, "-c", "import analyzer.cli, analyzer.diverge, analyzer.index"],
+                               cwd=ROOT, check=True)
+            else:
+                read_cat(files)  # everything cached (it fits in memory at these sizes)
+        prepare()
+        t_cat = read_cat(files)
+        prepare()
+        t_py = read_python(files)
+        prepare()
+        idx_a = cli_measured(["index", ref, "--rebuild"], f"{proto}: index ref")
+        if proto == "cold":
+            drop_caches()
+        idx_b = cli_measured(["index", dec, "--rebuild"], f"{proto}: index dec")
+        t_index = idx_a["seconds"] + idx_b["seconds"]
+        # The same build in this process (imports already paid): the index work alone.
+        from analyzer.index import load_index
+        from analyzer.load import open_dump
+        t_inproc = 0.0
+        for path in (ref, dec):
+            prepare()
+            start = time.perf_counter()
+            load_index(open_dump(path), rebuild=True, progress=False)
+            t_inproc += time.perf_counter() - start
+        prepare()
+        strict = cli_measured(["first-divergence", ref, dec, "--strict-only", "--format", "json", "--no-progress"],
+                              f"{proto}: first-divergence --strict-only")
+        prepare()
+        noise = cli_measured(["first-divergence", ref, dec, "--format", "json", "--no-progress"],
+                             f"{proto}: first-divergence (noise-aware)")
+        rows[proto] = dict(t_cat=t_cat, t_py=t_py, t_index=t_index, idx=(idx_a, idx_b), strict=strict, noise=noise)
+        bw_cat, bw_py, bw_index = total / t_cat, total / t_py, total / t_index
+        print(f"# {proto}: cat {fmt_bytes(bw_cat)}/s, python read {fmt_bytes(bw_py)}/s, index {fmt_bytes(bw_index)}/s",
+              flush=True)
+        best_read = max(bw_cat, bw_py)
+        result(f"index build bandwidth, dumpdiff index CLI / sequential read ({proto})", bw_index / best_read, ">= 0.70",
+               bw_index / best_read >= 0.70, "x", f"index {fmt_bytes(bw_index)}/s vs read {fmt_bytes(best_read)}/s "
+               f"(cat {fmt_bytes(bw_cat)}/s, python {fmt_bytes(bw_py)}/s) over {fmt_bytes(total)}")
+        bw_inproc = total / t_inproc
+        result(f"index build bandwidth, in-process (no imports) / sequential read ({proto})", bw_inproc / best_read,
+               ">= 0.70", bw_inproc / best_read >= 0.70, "x", f"index {fmt_bytes(bw_inproc)}/s vs read "
+               f"{fmt_bytes(best_read)}/s; the CLI adds {t_index - t_inproc:.1f}s of start-up and imports in all")
+        result(f"index build peak RSS ({proto})", max(idx_a["max_rss_mb"], idx_b["max_rss_mb"]), "bounded (info)", None,
+               "MB", f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}")
+        t_read = min(t_cat, t_py)
+        for label, rec in (("--strict-only", strict), ("noise-aware (default)", noise)):
+            verdict = json.loads(rec["stdout"]) if rec["stdout"].strip().startswith("{") else {}
+            culprit = (verdict.get("culprit") or {}).get("call")
+            ok = rec["exit"] == 1 and culprit is not None
+            result(f"first-divergence {label} time / read both dumps once ({proto})", rec["seconds"] / t_read,
+                   "<= 0.10", ok and rec["seconds"] / t_read <= 0.10, "x",
+                   f"{rec['seconds']:.2f}s vs read {t_read:.2f}s; read {fmt_bytes(rec['read_bytes'])} from storage; "
+                   f"peak RSS {rec['max_rss_mb']:.0f} MB; exit {rec['exit']}, culprit {culprit}",
+                   read_bytes=rec["read_bytes"], rss_mb=rec["max_rss_mb"])
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Point 1: hooks installed with dumping disabled cost nothing (target: at most 1% per forward).
+
+The boot state of the sglang workflow is ``install(model, DumperConfig(enable=False))``: the
+root forward is wrapped, no per-module hook is attached. The baseline is the same model with no
+dumper installed, measured in the same run, interleaved block by block (install, time a block,
+remove, time a block, ...) so drifts of the machine hit both sides alike.
+
+Also measured, as information: the state after a dump was made and dumping disabled again
+(``configure(enable=False)``), where the per-module hooks stay attached until the next pass.
+
+    python benchmarks/bench_off.py                 # CPU: a random HF Llama, forward >= 5 ms
+    python benchmarks/bench_off.py --device cuda   # the same on a GPU (bf16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from common import llama, median, n_params, result, sync
+
+import time
+
+import dumper
+
+
+def forward_times(model, ids, n: int, device: str) -> list:
+    times = []
+    with torch.no_grad():
+        for _ in range(n):
+            sync(device)
+            start = time.perf_counter()
+            model(ids)
+            sync(device)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--block", type=int, default=None)
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        model = llama(torch.bfloat16, args.device, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                      num_key_value_heads=8, intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096)
+        tokens, rounds, block = args.tokens or 2048, args.rounds or 12, args.block or 10
+    else:
+        model = llama(torch.float32, hidden_size=256, num_hidden_layers=8, intermediate_size=688,
+                      num_attention_heads=8, num_key_value_heads=4)
+        tokens, rounds, block = args.tokens or 64, args.rounds or 40, args.block or 10
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens), device=args.device)
+    print(f"# off-cost on {args.device}: Llama {n_params(model) / 1e6:.1f}M params, {tokens} tokens, "
+          f"{rounds} rounds x {block} forwards per state", flush=True)
+    forward_times(model, ids, 5, args.device)  # warm-up
+
+    base, off, idle_after = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            order = ("base", "off") if r % 2 == 0 else ("off", "base")
+            for state in order:
+                if state == "base":
+                    base += forward_times(model, ids, block, args.device)
+                else:
+                    handle = dumper.install(model, dumper.DumperConfig(enable=False, dir=tmp, exp_name="off"))
+                    off += forward_times(model, ids, block, args.device)
+                    handle.remove()
+        # After a dump: hooks were attached by the enabled pass, then dumping was disabled.
+        handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name="after", filter="layers\\.0\\."
+                                                           if cuda else ""))
+        with torch.no_grad():
+            model(ids[:, :8])
+        handle.configure(enable=False)
+        handle.flush()
+        base2 = []
+        for r in range(max(rounds // 2, 4)):
+            idle_after += forward_times(model, ids, block, args.device)
+            handle.remove()
+            base2 += forward_times(model, ids, block, args.device)
+            handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name=f"after{r}"))
+            with torch.no_grad():
+                model(ids[:, :8])
+            handle.configure(enable=False)
+            handle.flush()
+        handle.remove()
+
+    t_base, t_off = median(base), median(off)
+    ratio = t_off / t_base
+    where = "GPU" if cuda else "CPU"
+    print(f"# no hooks {t_base * 1e3:.3f} ms/forward, installed+disabled {t_off * 1e3:.3f} ms/forward", flush=True)
+    result(f"off: installed, disabled / no hooks ({where})", ratio, "<= 1.01", ratio <= 1.01, "x",
+           f"median forward {t_base * 1e3:.2f} ms vs {t_off * 1e3:.2f} ms, {len(base)} forwards each",
+           base_ms=t_base * 1e3, off_ms=t_off * 1e3)
+    t_base2, t_after = median(base2), median(idle_after)
+    ratio2 = t_after / t_base2
+    result(f"off after a dump (enable=False again) / no hooks ({where})", ratio2, "<= 1.01 (info)", ratio2 <= 1.01, "x",
+           f"median forward {t_base2 * 1e3:.2f} ms vs {t_after * 1e3:.2f} ms; per-module hooks stay attached until "
+           "the next pass", base_ms=t_base2 * 1e3, off_ms=t_after * 1e3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Shared helpers of the benchmarks: random HF Llamas built in memory, timers, caches, results.
+
+Every benchmark compares against a baseline measured in the same run (machines are noisy), so
+each prints ratios, not absolute times, next to its target. ``result(...)`` lines are what
+``run_all.py`` collects into its table: one JSON object per line, prefixed ``RESULT ``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import torch  # noqa: E402
+
+
+def llama(dtype=torch.float32, device="cpu", seed: int = 0, **overrides):
+    """A random-weight HF Llama made from examples/tiny_models.py's shapes with overrides."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import _SMALL
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**_SMALL, **overrides})
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def sync(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable, device: str = "cpu") -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def median(values: List[float]) -> float:
+    return statistics.median(values)
+
+
+def drop_caches() -> bool:
+    """Empty the page cache (needs root); False when not permitted."""
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dir_bytes(path: str, suffix: str = ".safetensors") -> int:
+    total = 0
+    for base, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(base, f)) for f in files if f.endswith(suffix))
+    return total
+
+
+def files_under(path: str, suffix: str = ".safetensors") -> List[str]:
+    found = []
+    for base, _, files in os.walk(path):
+        found += [os.path.join(base, f) for f in sorted(files) if f.endswith(suffix)]
+    return sorted(found)
+
+
+def fsync_path(path: str):
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+RESULTS: List[dict] = []  # every result() of this process, in order
+
+
+def result(name: str, value: float, target: str, passed: Optional[bool], unit: str = "", detail: str = "", **extra):
+    """One measured figure; run_all.py turns these into the table."""
+    row = {"name": name, "value": value, "unit": unit, "target": target, "pass": passed, "detail": detail, **extra}
+    print("RESULT " + json.dumps(row), flush=True)
+    RESULTS.append(row)
+    return row
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
+
+
+def captured_bytes(pass_meta: dict) -> Dict[str, int]:
+    """Bytes the hooks saw in one pass (aliases counted every time) and bytes stored once."""
+    import math
+    sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
+             "int8": 1, "uint8": 1, "int16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+    seen = stored = 0
+    for call in pass_meta["calls"]:
+        for tmeta in call["tensors"].values():
+            n = math.prod(tmeta["shape"]) * sizes.get(tmeta["dtype"], 4)
+            seen += n
+            if not tmeta.get("alias"):
+                stored += n
+    return {"captured": seen, "stored_full_rows": stored}

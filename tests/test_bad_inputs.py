@@ -1,0 +1,234 @@
+"""Bad input to the real CLI: one line on stderr saying what is wrong and what to do, exit 2,
+no traceback, nothing on stdout. Damage that leaves whole passes behind (a torn last manifest
+line, NaN/Inf, odd bytes in folder names) is not an error: the comparison goes on and says so.
+
+Every case damages a copy of a real dump of a real tiny HF model, as a disk, a copy or a crash would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dump_surgery import (both_commands, copy_dump, edit_pass_meta, match_manifest_size, one_line_error, pass_path,
+                          read_manifest, rewrite_header, write_manifest)
+from helpers import ROOT, dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
+
+PROMPT = prompt_ids(12)
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    """A real reference/decode pair (2-layer float32 Llama, 12 prompt tokens, 4 generated)."""
+    root = tmp_path_factory.mktemp("dumps")
+    model = load_model(make_tiny_llama(root / "model"))
+    ref, dec, _ = dump_pair(model, root / "d", PROMPT, new_tokens=4, min_free_bytes=0)
+    return ref, dec
+
+
+# --- each case: damage (a copy of) the decode dump, return what the user passes -------------
+def missing_dir(dec, tmp):
+    return os.path.join(tmp, "no-such-dump")
+
+
+def file_not_dir(dec, tmp):
+    return os.path.join(dec, "run.json")
+
+
+def empty_dir(dec, tmp):
+    os.makedirs(os.path.join(tmp, "empty"))
+    return os.path.join(tmp, "empty")
+
+
+def not_a_dump(dec, tmp):
+    os.makedirs(os.path.join(tmp, "photos"))
+    open(os.path.join(tmp, "photos", "cat.jpg"), "wb").write(b"\xff\xd8\xff")
+    return os.path.join(tmp, "photos")
+
+
+def dumper_dir(dec, tmp):
+    return os.path.dirname(dec)  # the DUMPER_DIR holding the experiment dec
+
+
+def header_length_corrupt(dec, tmp):
+    with open(pass_path(dec, 1), "r+b") as handle:
+        handle.write(b"\xff" * 7 + b"\x7f")  # a header length of exabytes
+    return dec
+
+
+def header_json_corrupt(dec, tmp):
+    with open(pass_path(dec, 1), "r+b") as handle:
+        handle.seek(40)
+        handle.write(b"}}{{")
+    return dec
+
+
+def truncated(dec, tmp):
+    os.truncate(pass_path(dec, 2), os.path.getsize(pass_path(dec, 2)) - 100)
+    return dec
+
+
+def truncated_manifest_edited(dec, tmp):
+    path = pass_path(dec, 2)
+    os.truncate(path, os.path.getsize(path) - 100)  # cut into the tensor bytes
+    match_manifest_size(path)
+    return dec
+
+
+def manifest_names_missing_file(dec, tmp):
+    os.unlink(pass_path(dec, 1))
+    return dec
+
+
+def manifest_names_outside_file(dec, tmp):
+    entries = read_manifest(dec)
+    entries[0]["file"] = "../../ref/rank0/pass-000000.safetensors"
+    write_manifest(dec, entries)
+    return dec
+
+
+def future_format(dec, tmp):
+    run = json.load(open(os.path.join(dec, "run.json")))
+    json.dump(dict(run, version=run["version"] + 1), open(os.path.join(dec, "run.json"), "w"))
+    return dec
+
+
+def run_json_garbage(dec, tmp):
+    open(os.path.join(dec, "run.json"), "wb").write(b"\x00\x01{not json")
+    return dec
+
+
+def tensor_name_not_utf8(dec, tmp):
+    def raw_byte_in_name(header):
+        name = next(k for k in header if k != "__metadata__")
+        quoted = json.dumps(name).encode()
+        return json.dumps(header).encode().replace(quoted, quoted[:-1] + b'\xff"')
+    rewrite_header(pass_path(dec, 1), raw_byte_in_name)
+    return dec
+
+
+def tensor_name_lone_surrogate(dec, tmp):
+    def rename_alias(meta):  # an alias is named only in the metadata JSON, where "\udcff" is legal
+        for call in meta["calls"]:
+            for name, tmeta in list(call["tensors"].items()):
+                if tmeta.get("alias"):
+                    call["tensors"][name + "\udcff"] = call["tensors"].pop(name)
+                    return
+    edit_pass_meta(pass_path(dec, 1), rename_alias)
+    return dec
+
+
+def missing_dir_not_utf8(dec, tmp):
+    return os.path.join(tmp, "gone-\udcff\udcfe")
+
+
+def missing_dir_with_newline(dec, tmp):
+    return os.path.join(tmp, "two\nlines")
+
+
+ERRORS = [
+    (missing_dir, ["no such directory", "<DUMPER_DIR>/<exp_name>"]),
+    (file_not_dir, ["not a directory", "give the experiment folder"]),
+    (empty_dir, ["empty directory, not a dump"]),
+    (not_a_dump, ["not a dumpdiff dump (no run.json)"]),
+    (dumper_dir, ["this is a DUMPER_DIR holding experiments (dec)", "give one of them, e.g. ", "/dec"]),
+    (header_length_corrupt, ["pass-000001.safetensors: corrupt pass file", "re-copy or re-dump"]),
+    (header_json_corrupt, ["pass-000001.safetensors: corrupt pass file"]),
+    (truncated, ["pass-000002.safetensors: truncated or changed", "manifest says"]),
+    (truncated_manifest_edited, ["pass-000002.safetensors: corrupt pass file", "not fully covered"]),
+    (manifest_names_missing_file, ["names pass-000001.safetensors but that file is missing"]),
+    (manifest_names_outside_file, ["not a pass file in this folder"]),
+    (future_format, ["newer than this dumpdiff reads", "upgrade dumpdiff"]),
+    (run_json_garbage, ["run.json: not valid JSON"]),
+    (tensor_name_not_utf8, ["pass-000001.safetensors: corrupt pass file", "invalid UTF-8"]),
+    (tensor_name_lone_surrogate, ["pass-000001.safetensors: pass metadata is not valid JSON or holds invalid text"]),
+    (missing_dir_not_utf8, ["gone-\\udcff\\udcfe: no such directory"]),
+    (missing_dir_with_newline, ["two\\x0alines: no such directory"]),
+]
+
+
+@pytest.mark.parametrize("damage,needles", ERRORS, ids=[d.__name__ for d, _ in ERRORS])
+def test_bad_input_is_one_line_and_exit_2(dumps, tmp_path, damage, needles):
+    ref, dec = dumps
+    target = damage(copy_dump(dec, tmp_path / "dec"), str(tmp_path))
+    index_run, diverge_run = both_commands(ref, target)
+    one_line_error(index_run, *needles)
+    one_line_error(diverge_run, *needles)
+
+
+def test_torn_last_manifest_line_is_a_warning_not_an_error(dumps, tmp_path):
+    """A writer cut off mid-append: the torn line is ignored, whole passes are compared."""
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+    manifest = os.path.join(dec, "rank0", "manifest.jsonl")
+    data = open(manifest, "rb").read()
+    open(manifest, "wb").write(data[:-40])  # the last line loses its end, newline included
+    (code_i, out_i, err_i), (code, out, err) = both_commands(ref, dec)
+    assert code_i == 0 and "15 token rows" not in out_i and "14 token rows" in out_i, err_i
+    assert "1 torn manifest line(s) ignored" in err_i
+    assert code in (0, 1), err
+    assert "1 torn manifest line(s) ignored" in out and "1 torn manifest line(s) ignored" in err
+    # the pass the torn line named is whole on disk but uncommitted: ignored, and said so
+    assert "uncommitted pass file(s) ignored" in out and "pass-000003.safetensors" in out
+    assert "4 passes" not in out and "3 passes" in out
+
+
+def test_nan_and_inf_are_reported_and_the_comparison_goes_on(tmp_path):
+    model = load_model(make_tiny_llama(tmp_path / "model"))
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, :] = float("inf")  # inf, then NaN downstream
+    ref, dec, _ = dump_pair(model, tmp_path / "d", PROMPT, new_tokens=4, min_free_bytes=0)
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
+    assert code in (0, 1), err
+    assert "non-finite values (NaN/Inf)" in out and "model.layers.1.mlp.down_proj#0.out.0" in out
+    code_j, out_j, _ = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
+    result = json.loads(out_j)
+    assert code_j == code and result["ranks"]["0"]["nonfinite"]
+    assert all(n["nonfinite_a"] > 0 and n["nonfinite_b"] > 0 for n in result["ranks"]["0"]["nonfinite"])
+
+
+def test_folder_names_with_non_utf8_bytes_work(dumps, tmp_path):
+    ref, dec = dumps
+    odd = os.fsencode(str(tmp_path)) + b"/dec-\xff\xfe"
+    copy_dump(dec, os.fsdecode(odd))
+    for command in (["index", odd], ["first-divergence", os.fsencode(ref), odd]):
+        # bytes in, bytes out: the index command echoes the folder name as the file system has it
+        proc = subprocess.run([sys.executable, "-m", "analyzer.cli", *command, "--no-progress"], capture_output=True,
+                              cwd=ROOT, timeout=300)
+        assert proc.returncode in (0, 1) and b"Traceback" not in proc.stderr, proc.stderr
+    assert b"B (under test): dec-\\udcff\\udcfe" in proc.stdout  # the report escapes them
+    assert os.path.isdir(odd + b"/index")
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    """A 3-layer model and a 2-layer model cut from it: same embedding and first two layers."""
+    root = tmp_path_factory.mktemp("three")
+    big = load_model(make_tiny_llama(root / "l3", num_hidden_layers=3))
+    small = load_model(root / "l3")
+    small.model.layers = small.model.layers[:2]
+    small.config.num_hidden_layers = 2
+    ref3, dec3, _ = dump_pair(big, root / "d3", PROMPT, new_tokens=4, min_free_bytes=0)
+    ref2, _, _ = dump_pair(small, root / "d2", PROMPT, new_tokens=4, min_free_bytes=0)
+    return ref2, dec3
+
+
+def test_dumps_of_different_num_layers_are_refused_unless_allowed(three_layers):
+    ref2, dec3 = three_layers
+    one_line_error(dumpdiff("first-divergence", ref2, dec3, "--no-progress"),
+                   "the dumps differ in num_layers (2 vs 3)", "--allow-mismatch")
+    code, out, err = dumpdiff("first-divergence", ref2, dec3, "--no-progress", "--allow-mismatch")
+    assert code in (0, 1) and "alignment proof: OK" in out, err
+
+
+def test_dumps_of_different_dtypes_are_refused(dumps, tmp_path):
+    ref, _ = dumps
+    model = load_model(make_tiny_llama(tmp_path / "model"), torch.bfloat16)
+    _, dec_bf16, _ = dump_pair(model, tmp_path / "d", PROMPT, new_tokens=4, min_free_bytes=0)
+    one_line_error(dumpdiff("first-divergence", ref, dec_bf16, "--no-progress"),
+                   "the dumps differ in dtype ('float32' vs 'bfloat16')", "--allow-mismatch")

@@ -1,0 +1,243 @@
+"""The KL consistency check without a server: scoring, verdict, thresholds, prompts, the HF
+in-process check on a real tiny model (clean, a planted batch-variant op, a planted
+cache-restore bug), the CLI's trouble path, and the pytest integration's failure message."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import ROOT, dumpdiff, load_model, make_tiny_llama
+from analyzer import kl, kl_prompts, kl_thresholds
+from analyzer.errors import DumpError
+from analyzer.kl_helpers import _check_ids, prefill_logprobs
+from analyzer.kl_inprocess import check_model
+from analyzer.kl_render import render
+from analyzer.pytest_plugin import KLCheckFailed, assert_kl_pass
+
+ULP_AT_6 = float(np.spacing(np.float32(6.4)))  # one float32 ulp of a logprob near -6.4 (tiny random model)
+
+
+# -- scoring ---------------------------------------------------------------------------------------
+
+def test_k3_of_one_ulp_is_exact_and_positive():
+    a = np.float32(-6.4)
+    b = np.nextafter(a, np.float32(0))
+    k3 = kl.token_kl([float(a)], [float(b)])[0]
+    logr = float(a) - float(b)
+    assert k3 > 0 and k3 == pytest.approx(logr * logr / 2, rel=1e-6)  # exp(x)-1-x would round this to noise
+
+
+def test_score_prompt_counts():
+    s = kl.score_prompt([-1.0, -2.0, -3.0], [-1.0, -2.5, -3.0], threshold=1e-3)
+    assert s["tokens"] == 3 and s["bit_identical"] == 2 and s["over"] == 1 and s["first_over"] == 1
+    assert s["max_pos"] == 1 and s["mean_kl"] == pytest.approx((np.exp(0.5) - 1.5) / 3)
+
+
+def test_summary_is_mean_of_prompt_means_and_skips_misses():
+    prompts = [{"index": 0, "hit": True, "prefill_lp": [0.0, 0.0], "decode_lp": [0.0, -0.2]},
+               {"index": 1, "hit": True, "prefill_lp": [0.0] * 8, "decode_lp": [0.0] * 8},
+               {"index": 2, "hit": False, "prefill_lp": None, "decode_lp": [0.0]}]
+    h = kl.summarize_helper("prefill_cache_hit", prompts, 1e-3)
+    per0 = (np.exp(0.2) - 1.2) / 2
+    assert h["avg_kl_div"] == pytest.approx(per0 / 2)  # (per0 + 0) / 2 prompts, not over 10 tokens
+    assert h["cache_hits"] == 2 and h["cache_hit_rate"] == pytest.approx(2 / 3) and h["scored_prompts"] == 2
+    assert h["status"] == "dirty" and h["worst"] == 0 and h["bit_identical"] == 9
+
+
+def _helper(status, avg=0.0):
+    return {"status": status, "avg_kl_div": avg, "worst": 0}
+
+
+@pytest.mark.parametrize("m,p,d,kind", [
+    ("clean", "clean", "clean", kl.PASS),
+    ("dirty", "dirty", "dirty", kl.BATCH),
+    ("clean", "dirty", "clean", kl.STATE),
+    ("clean", "dirty", "dirty", kl.STATE),   # a prefix-restore bug bites both cache helpers
+    ("clean", "clean", "dirty", kl.STATE),
+    ("dirty", "clean", "clean", kl.MIXED),
+    ("clean", "no_cache_hit", "clean", kl.INCONCLUSIVE),
+    ("clean", "no_cache_hit", "dirty", kl.STATE),  # a dirty helper decides even when another lacks hits
+    ("dirty", "n/a", "n/a", kl.BATCH),       # no radix cache: the verdict rests on match
+    ("clean", "n/a", "n/a", kl.PASS),
+])
+def test_verdict(m, p, d, kind):
+    helpers = {"match": _helper(m), "prefill_cache_hit": _helper(p), "decode_cache_hit": _helper(d)}
+    verdict = kl.classify(helpers)
+    assert verdict["kind"] == kind
+    assert kl.exit_status(verdict) == {kl.PASS: 0, kl.INCONCLUSIVE: 2}.get(kind, 1)
+    if kind == kl.STATE:
+        assert verdict["localize"]["helper"] in kl.CACHE_HELPERS and "state bug" in verdict["text"]
+    if kind == kl.BATCH:
+        assert verdict["localize"]["helper"] == "match"
+
+
+def test_batch_variance_with_a_state_bug_on_top_is_noted():
+    helpers = {"match": _helper("dirty", 1e-6), "prefill_cache_hit": _helper("dirty", 1e-2),
+               "decode_cache_hit": _helper("dirty", 2e-6)}
+    verdict = kl.classify(helpers)
+    assert verdict["kind"] == kl.BATCH
+    assert any("prefill_cache_hit" in n and "state bug" in n for n in verdict["notes"])
+
+
+# -- logprob ids: positions are the truth ---------------------------------------------------------
+
+def test_vocab_quirk_is_tolerated_and_misalignment_refused():
+    assert _check_ids([5, 0, 7], [5, 1023, 7], "x", vocab_size=1024) == 1
+    assert _check_ids([5, 0], [5, 1023], "x", vocab_size=None) == 1
+    with pytest.raises(DumpError, match="do not line up"):
+        _check_ids([5, 0], [5, 17], "x", vocab_size=1024)
+    with pytest.raises(DumpError, match="do not line up"):
+        _check_ids([5, 8], [5, 7], "x", vocab_size=1024)
+    full = [1, 2, 3, 1023]
+    result = {"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None], [-2.0, 3, None],
+                                                     [-3.0, 0, None]]}}
+    assert prefill_logprobs(result, full, 2, "x", 1024) == ([-2.0, -3.0], 1)
+    with pytest.raises(DumpError, match="input logprobs for 5"):
+        prefill_logprobs(result, full + [4], 2, "x", 1024)
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+def test_prompts_jsonl_and_synthetic(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('[1, 2, 3]\n{"input_ids": [4, 5]}\n\n"hello world"\n{"text": "w5 w6"}\n')
+    prompts = kl_prompts.read_jsonl(str(path))
+    assert prompts == [[1, 2, 3], [4, 5], "hello world", "w5 w6"]
+    with pytest.raises(DumpError, match="no tokenizer"):
+        kl_prompts.resolve(prompts, None, str(path))
+    ids = kl_prompts.resolve(prompts, lambda texts: [[len(t)] for t in texts], str(path))
+    assert ids == [[1, 2, 3], [4, 5], [11], [5]]
+    path.write_text("[1, -2]\n")
+    with pytest.raises(DumpError, match=r"p.jsonl:1: a prompt is"):
+        kl_prompts.read_jsonl(str(path))
+    a = kl_prompts.synthetic(32, 64, 1024, seed=3)
+    assert a == kl_prompts.synthetic(32, 64, 1024, seed=3) != kl_prompts.synthetic(32, 64, 1024, seed=4)
+    assert len({p[0] for p in a}) == 32  # distinct first tokens: no accidental 1-token prefix hits
+    assert all(32 <= len(p) <= 96 and min(p) >= 3 and max(p) < 1024 for p in a)
+
+
+# -- thresholds file ------------------------------------------------------------------------------
+
+def _run(avg, max_kl, identical, tokens):
+    return {"helpers": {"match": {"status": "clean", "avg_kl_div": avg, "max_kl": max_kl, "tokens": tokens,
+                                  "bit_identical": identical}}}
+
+
+def test_propose_threshold():
+    exact = kl_thresholds.propose([_run(0.0, 0.0, 64, 64), _run(0.0, 0.0, 64, 64)])
+    assert exact["kl_div"] == 1e-9 and exact["bit_exact"]
+    noisy = kl_thresholds.propose([_run(2e-14, 1.1e-13, 50, 64), _run(3e-14, 1.1e-13, 52, 64)], margin=10)
+    assert noisy["kl_div"] == pytest.approx(3e-13) and not noisy["bit_exact"]
+    spiky = kl_thresholds.propose([_run(1e-15, 4.5e-13, 63, 64)], margin=10)
+    assert spiky["kl_div"] == pytest.approx(4.5e-13)  # never below the worst single token seen
+
+
+def test_thresholds_file_roundtrip_and_lookup(tmp_path):
+    path = str(tmp_path / "t.json")
+    target = {"model": "/models/Llama-3.1-8B", "tp": 2, "dtype": "bfloat16", "engine": "sglang"}
+    key = kl_thresholds.update(path, target, kl_thresholds.propose([_run(1e-4, 1e-3, 0, 64)]), {"repeats": 1})
+    data = json.load(open(path))
+    assert data["format"] == "dumpdiff-kl-thresholds" and data["entries"][key]["kl_div"] == pytest.approx(1e-3)
+    assert kl_thresholds.resolve_thresholds(None, path, target)["value"] == pytest.approx(1e-3)
+    other_tp = kl_thresholds.resolve_thresholds(None, path, {**target, "tp": 1})
+    assert other_tp["source"] == "default" and "no entry" in other_tp["note"]
+    moved = kl_thresholds.resolve_thresholds(None, path, {**target, "model": "/other/place/Llama-3.1-8B"})
+    assert moved["value"] == pytest.approx(1e-3)  # matched by the folder name
+    assert kl_thresholds.resolve_thresholds(5e-5, path, target)["source"] == "--threshold"
+    data["entries"][key]["helpers"] = {"decode_cache_hit": 2e-3}
+    kl_thresholds.save(path, data)
+    assert kl_thresholds.resolve_thresholds(None, path, target)["helpers"] == {"decode_cache_hit": 2e-3}
+    (tmp_path / "bad.json").write_text('{"format": "x"}')
+    with pytest.raises(DumpError, match="not a dumpdiff-kl-thresholds file"):
+        kl_thresholds.load(str(tmp_path / "bad.json"))
+
+
+# -- the HF in-process check on a real tiny model ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(make_tiny_llama(tmp_path_factory.mktemp("kl-llama") / "model"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return kl_prompts.synthetic(3, 12, 1024, seed=0)
+
+
+class BrokenRestore:
+    """Duck-typed model whose generate corrupts a restored cache (one key of layer 1, +0.5),
+    as a buggy prefix-cache restore would. Fresh caches are left alone."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def generate(self, input_ids, past_key_values=None, **kwargs):
+        if past_key_values is not None:
+            past_key_values.layers[1].keys[:, :, 3, :] += 0.5
+        return self.model.generate(input_ids, past_key_values=past_key_values, **kwargs)
+
+
+def test_inprocess_clean_calibrated_and_planted(tiny, prompts):
+    clean = check_model(tiny, prompts, max_new_tokens=12, threshold=float("inf"))
+    assert set(clean["helpers"]) == set(kl.HELPERS)
+    for h in clean["helpers"].values():
+        assert h["scored_prompts"] == 3 and h["tokens"] == 36
+        assert h["avg_kl_div"] < 1e-12  # float32 on CPU: a few ulps at most
+    assert clean["helpers"]["prefill_cache_hit"]["cache_hit_rate"] == 1.0
+    assert clean["helpers"]["decode_cache_hit"]["cache_hit_rate"] == 1.0
+    threshold = kl_thresholds.propose([clean])["kl_div"]
+    assert 0 < threshold <= 1e-9
+
+    again = check_model(tiny, prompts, max_new_tokens=12, threshold=threshold)
+    assert again["verdict"]["kind"] == kl.PASS, render(again, "text")
+
+    broken = check_model(BrokenRestore(tiny), prompts, max_new_tokens=12, threshold=threshold)
+    status = {n: h["status"] for n, h in broken["helpers"].items()}
+    assert status == {"match": "clean", "prefill_cache_hit": "dirty", "decode_cache_hit": "dirty"}
+    assert broken["verdict"]["kind"] == kl.STATE
+
+    def batch_variant(module, args, out):  # a GEMM chosen by M: one token row computes differently
+        return out * (1 + 2 ** -9) if out.shape[-2] == 1 else None
+    hook = tiny.model.layers[1].mlp.down_proj.register_forward_hook(batch_variant)
+    try:
+        variant = check_model(tiny, prompts, max_new_tokens=12, threshold=threshold)
+    finally:
+        hook.remove()
+    assert all(h["status"] == "dirty" for h in variant["helpers"].values()), render(variant, "text")
+    assert variant["verdict"]["kind"] == kl.BATCH
+    with pytest.raises(KLCheckFailed, match="BATCH-INVARIANCE"):
+        assert_kl_pass(variant)
+    md, js = render(variant, "md"), json.loads(render(variant, "json"))
+    assert "| match | DIRTY |" in md and js["verdict"]["kind"] == "batch_invariance"
+
+
+def test_inprocess_text_prompts_need_a_tokenizer(tiny):
+    with pytest.raises(DumpError, match="need a tokenizer"):
+        check_model(tiny, ["w5 w6 w7"], max_new_tokens=2)
+
+
+# -- CLI trouble -----------------------------------------------------------------------------------
+
+def test_cli_unreachable_server_is_one_line_exit_2():
+    code, out, err = dumpdiff("kl", "--url", "http://127.0.0.1:9", "-q")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("dumpdiff: error:") and "cannot connect" in err
+    code, out, err = dumpdiff("localize", "--url", "http://127.0.0.1:9", "-q")
+    assert code == 2 and err.count("\n") == 1
+
+
+def test_cli_help_reads_like_a_man_page():
+    for args in (["kl"], ["kl", "calibrate"], ["localize"]):
+        code, out, _ = dumpdiff(*args, "--help")
+        assert code == 0 and "Exit status" in out, args
+    assert ROOT  # the CLI ran from the repo root

@@ -1,0 +1,111 @@
+"""MoE routing flips on a tiny Qwen3-MoE: a planted router perturbation in decode passes flips
+the top-2 of some rows; the report names the layer, the router call and exactly those rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_qwen3_moe, prompt_ids
+
+from analyzer import moe
+from analyzer.diverge import first_divergence
+from analyzer.render_html import to_html
+from analyzer.render_md import to_markdown
+
+PROMPT, NEW = 16, 8
+DELTA = torch.tensor([0.06, -0.06, 0.06, -0.06])  # router logits are ~0.1: enough to swap close experts
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "model")
+
+
+def plant_router_perturbation(model, layer: int):
+    """In decode passes (one token row) add DELTA to layer's router logits and route by the
+    perturbed logits, as the router itself would. Returns {position: (experts before, after)}
+    for the rows whose top-k changed."""
+    gate = model.model.layers[layer].mlp.gate
+    flips, step = {}, [0]
+
+    def perturb(module, args, output):
+        logits, _, chosen = output
+        if logits.shape[0] != 1:
+            return output
+        logits = logits + DELTA
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top, picked = torch.topk(probs, module.top_k, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        before, after = sorted(chosen[0].tolist()), sorted(picked[0].tolist())
+        if before != after:
+            flips[PROMPT + step[0]] = (before, after)
+        step[0] += 1
+        return logits, top.to(logits.dtype), picked
+
+    gate.register_forward_hook(perturb)
+    return flips
+
+
+@pytest.fixture(scope="module")
+def perturbed(moe_dir, tmp_path_factory):
+    model = load_model(moe_dir, torch.float32)
+    flips = plant_router_perturbation(model, layer=1)
+    ref, dec, _ = dump_pair(model, tmp_path_factory.mktemp("dumps"), prompt_ids(PROMPT), new_tokens=NEW)
+    return ref, dec, flips
+
+
+def test_planted_router_perturbation_flips_are_named(perturbed):
+    ref, dec, planted = perturbed
+    assert planted and len(planted) < NEW - 1, planted  # some decode rows flip, not all
+    code, result = first_divergence_json(ref, dec)
+    assert code == 1
+    flips = {f["call"]: f for f in result["ranks"]["0"]["routing_flips"]}
+    layer1 = flips["model.layers.1.mlp.gate#0"]
+    assert layer1["layer"] == 1 and layer1["k"] == 2 and layer1["k_from"] == "router output"
+    assert layer1["rows_flipped"] == len(planted) and layer1["kinds"] == {"decode": len(planted)}
+    assert layer1["rows_compared"] == PROMPT + NEW - 1
+    assert {e["pos"]: (e["experts_b"]) for e in layer1["examples"]} == {p: after for p, (_, after) in planted.items()}
+    # the reference routes by the unperturbed logits (float noise apart): what decode picked before the perturbation
+    assert {e["pos"]: e["experts_a"] for e in layer1["examples"]} == {p: before for p, (before, _) in planted.items()}
+    assert all(f["rows_flipped"] == 0 for call, f in flips.items() if call != "model.layers.1.mlp.gate#0")
+
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
+    assert "routing flips (MoE): The selected experts changed" in out and "first at layer 1" in out
+    line = next(l for l in out.splitlines() if l.startswith("  layer 1 model.layers.1.mlp.gate#0"))
+    for pos, (before, after) in planted.items():
+        assert f"g1.0@{pos} (decode: {before} -> {after})" in line
+    md, page = to_markdown(result), to_html(result)
+    assert "### Routing flips (MoE)" in md and "| 1 | `model.layers.1.mlp.gate#0` |" in md
+    assert "<h2>Routing flips (MoE)</h2>" in page and "<td><code>model.layers.1.mlp.gate#0</code></td>" in page
+    for pos in planted:
+        assert f"`g1.0@{pos}` decode" in md and f"<code>g1.0@{pos}</code> decode" in page
+
+
+def test_top_k_from_config_or_expert_calls_when_router_gives_only_logits(perturbed, monkeypatch):
+    """Routers that return logits only (older HF Linear gates): top-k of the logits, k from the
+    model's config.json, else from the experts module's [tokens, k] input."""
+    ref, dec, planted = perturbed
+    found = moe.find_routers
+    monkeypatch.setattr(moe, "find_routers", lambda index: [dict(r, indices=None, k=None) for r in found(index)])
+    result = first_divergence(ref, dec, progress=False)
+    layer1 = next(f for f in result["ranks"]["0"]["routing_flips"] if f["layer"] == 1)
+    assert layer1["k_from"] == "model config" and layer1["rows_flipped"] == len(planted)
+    assert sorted(e["pos"] for e in layer1["examples"]) == sorted(planted)
+    monkeypatch.setattr(moe, "_config_k", lambda run: None)
+    result = first_divergence(ref, dec, progress=False)
+    layer1 = next(f for f in result["ranks"]["0"]["routing_flips"] if f["layer"] == 1)
+    assert layer1["k_from"] == "expert calls" and layer1["k"] == 2 and layer1["rows_flipped"] == len(planted)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_float_noise_alone_flips_no_expert_here(moe_dir, tmp_path, seed):
+    """Natural float32 prefill/decode differences reach the routers (1e-7), but on this model no
+    row sits that close to a tie: routers are listed with zero flips, and the text says so."""
+    model = load_model(moe_dir, torch.float32)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(PROMPT, seed=seed), new_tokens=NEW)
+    code, result = first_divergence_json(ref, dec)
+    flips = result["ranks"]["0"].get("routing_flips", [])
+    assert all(f["rows_flipped"] == 0 for f in flips), flips
+    if flips:
+        assert all(f["rows_differing"] > 0 and f["k"] == 2 for f in flips)
+        assert "but no row's selected experts changed" in to_markdown(result)
