@@ -14,7 +14,9 @@ $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The CPU torch wheel first: a bare `torch` requirement could pull a CUDA build of several GB.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[hf,test]'
+	# transformers pinned to the release sglang 0.5.23 needs, so demo and tests share one version
+	# (the HF adapter reads both the old past_key_values and the newer cache argument).
+	$(BIN)/pip install -q -e '.[hf,test]' 'transformers==5.19.0'
 	touch $@
 
 $(SGLANG): $(BASE) scripts/install-sglang-cpu.sh tests/sglang_rig/planted/pyproject.toml

@@ -67,7 +67,7 @@ def plant_stale_kv(model, layer: int, position: int = 3):
     attn = model.model.layers[layer].self_attn
 
     def corrupt(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # renamed in transformers 5.2x
         keys = getattr(cache.layers[layer], "keys", None) if cache is not None else None
         if keys is not None and keys.shape[2] > position and not getattr(cache, "_corrupted", False):
             keys[:, :, position, :] += 0.5

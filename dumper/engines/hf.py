@@ -33,9 +33,10 @@ class HFAdapter:
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
+        bound.update(bound.pop("kwargs", None) or {})  # names passed through **kwargs
         ids = bound.get("input_ids")
         mask = bound.get("attention_mask")
-        cache = bound.get("past_key_values")
+        cache = _first(bound, CACHE_NAMES)
         if ids is None:
             embeds = bound.get("inputs_embeds")
             if embeds is None:
@@ -75,7 +76,7 @@ class HFAdapter:
 
     def after_pass(self, model, info: PassInfo, output):
         # A forward called without a cache creates one; the next call may pass it back in.
-        cache = getattr(output, "past_key_values", None) if not isinstance(output, tuple) else None
+        cache = None if isinstance(output, tuple) else _first(output, CACHE_NAMES, getattr)
         if cache is not None and info.seq:
             group = next((s.split(".")[0] for s in info.seq if s), None)
             try:
@@ -90,6 +91,18 @@ class HFAdapter:
                 "model_type": getattr(config, "model_type", None),
                 "num_layers": getattr(config, "num_hidden_layers", None),
                 "dtype": _param_dtype(model), "device": _param_device(model), "tp_size": 1}
+
+
+# transformers renamed past_key_values to cache (5.2x); both spellings are read.
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def _first(source, names, get=lambda d, k, default: d.get(k, default)):
+    for name in names:
+        value = get(source, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def _cache_length(cache) -> int:
