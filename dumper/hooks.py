@@ -111,13 +111,18 @@ class Dumper:
             if new.exp_name != self.config.exp_name or (new.enable and not self.config.enable):
                 # A new experiment may be written even after an earlier one hit a limit.
                 self._writer.stopped_reason = None
-            self.config = new
+            old, self.config = self.config, new
+        if old.exp_name and (new.exp_name != old.exp_name or (old.enable and not new.enable)):
+            # The user is done with that experiment (the sglang workflow switches exp_name, then
+            # disables): finish it, so the analyzer sees a closed, whole dump.
+            self._writer.finish(os.path.join(old.dir, old.exp_name))
         self._announce()
         return self.state()
 
     def reset(self) -> dict:
         """Flush, disable, and forget the pass counters (sglang's /dumper/reset)."""
-        self.flush()
+        if self.config.exp_name:
+            self._writer.finish(os.path.join(self.config.dir, self.config.exp_name))
         with self._lock:
             self.config = self.config.replace(enable=False)
             self.step = 0

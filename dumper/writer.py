@@ -153,8 +153,8 @@ class PassWriter:
         self._run_written: set = set()
         self._run_pending: Dict[str, dict] = {}  # exp_dir -> run.json content, written under the rank lock
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="dumper-writer", daemon=True)
-        self._thread.start()
+        # Started by the first submit: a dumper installed with dumping disabled owns no thread.
+        self._thread: Optional[threading.Thread] = None
         # A script that ends without remove() must not lose the passes still queued: the writer
         # thread is a daemon (it must never keep an engine alive), so flush and close at exit.
         # Only in this process: a forked child inherits the handler but owns none of the files.
@@ -185,6 +185,7 @@ class PassWriter:
             self._release(record)
             return False
         record.nbytes = sum(t.numel() * t.element_size() for t in record.tensors.values())
+        self._start()
         with self._cond:
             reserved = self._release(record)
             # Back-pressure: never hold more than queue_bytes, but always admit one pass.
@@ -194,6 +195,12 @@ class PassWriter:
             self._note_peak()
         self._queue.put(record)
         return True
+
+    def _start(self):
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="dumper-writer", daemon=True)
+                self._thread.start()
 
     def _release(self, record: PassRecord) -> bool:
         """Forget the reservation of the pass whose tensors ``record`` carries; True if it had one."""
@@ -209,14 +216,23 @@ class PassWriter:
         """Block until every submitted pass is committed (or dropped after a stop)."""
         self._queue.join()
 
+    def finish(self, exp_dir: str):
+        """Commit what is queued and close the experiment's rank folders ("closed" in the lock
+        file), so readers know the dump is whole; a later pass to it simply reopens it."""
+        self.flush()
+        prefix = os.path.join(exp_dir, "")
+        for rank_dir in [d for d in self._journals if d.startswith(prefix)]:
+            self._journals.pop(rank_dir).close()
+
     def close(self):
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._at_exit)
         self.flush()
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
         for journal in self._journals.values():
             journal.close()
         self._journals.clear()

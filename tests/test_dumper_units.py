@@ -184,3 +184,21 @@ def test_fingerprint_is_order_sensitive():
     assert fingerprints(swapped)[0] != fp[0] and (fingerprints(swapped)[1:] == fp[1:]).all()
     assert fingerprints(flipped)[1] != fp[1]
     assert fingerprints(torch.zeros(2, 3, dtype=torch.bfloat16))[0] != fingerprints(torch.zeros(2, 6, dtype=torch.bfloat16))[0]
+
+
+def test_switching_experiment_closes_the_previous_dump(tmp_path):
+    """A server keeps running after the workflow; the dumps it finished must read as whole."""
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="a"))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+        handle.configure(exp_name="b")
+        model(torch.tensor([[1, 2, 3]]))
+        handle.configure(enable=False)
+    try:
+        for exp in ("a", "b"):
+            assert open(tmp_path / exp / "rank0" / ".lock").read().strip() == "closed"
+        code, out, err = dumpdiff("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress")
+        assert code == 0 and "warning" not in err + out
+    finally:
+        handle.remove()
