@@ -155,7 +155,8 @@ def index_cmd(dump, rebuild, no_progress):
     from .index import load_index
     from .load import open_dump
     index = load_index(open_dump(dump), rebuild=rebuild, progress=not no_progress)
-    click.echo(f"{index.where}: {len(index.tokens)} token rows, {len(index.calls)} calls, "
+    from .load import show
+    click.echo(f"{show(index.where)}: {len(index.tokens)} token rows, {len(index.calls)} calls, "
                f"{len(index.tensors)} tensors, {len(index.rows)} tensor rows")
 
 

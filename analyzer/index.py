@@ -16,6 +16,8 @@ a parquet file readable by pandas or duckdb:
 from __future__ import annotations
 
 import fcntl
+import collections
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -32,7 +34,7 @@ import torch
 from dumper import format as fmt
 
 from .errors import DumpError
-from .fingerprint import as_signed, row_stats
+from .fingerprint import THREADS, as_signed, row_stats
 from .load import Dump, PassFile, show
 
 INDEX_VERSION = 1
@@ -158,12 +160,14 @@ def build_tables(dump: Dump, progress: bool = True) -> Dict[str, pd.DataFrame]:
     refs = [ref for rank in dump.ranks.values() for ref in rank.passes]
     total = sum(ref.nbytes for ref in refs)
     bar = _progress(total, f"indexing {show(dump.label)}", progress)
+    lock = threading.Lock()  # bytes are reported from the hashing threads
     for ref in refs:
         counted = [0]
 
         def advance(nbytes: int, counted=counted):
-            counted[0] += nbytes
-            bar.update(nbytes)
+            with lock:
+                counted[0] += nbytes
+                bar.update(nbytes)
 
         for name, frame in index_pass(PassFile(ref), on_bytes=advance).items():
             parts[name].append(frame)
@@ -207,10 +211,33 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
                                 "the file is damaged")
             needed[stored] = None
     # Every stored tensor is read once, in the order its bytes lie in the file, by a read-ahead
-    # thread; the rows are hashed while the next tensor is read.
-    for stored, tensor in read_tensors(pf, list(needed), on_bytes):
-        stored_rows[stored] = _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor)
-        del tensor
+    # thread, and hashed by a pool of threads while the next tensors are read.
+    def work(stored, tensor, release):
+        try:
+            return _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, in_pool=True)
+        finally:
+            release()
+
+    if HASH_THREADS <= 1 or ref.nbytes < INLINE_PASS_BYTES:  # a decode step: handing off costs more
+        for stored, tensor, release in read_tensors(pf, list(needed), on_bytes):
+            stored_rows[stored] = work(stored, tensor, release)
+            del tensor
+    else:
+        pending: "collections.deque" = collections.deque()
+        try:
+            for stored, tensor, release in read_tensors(pf, list(needed), on_bytes):
+                pending.append((stored, _tensor_pool().submit(work, stored, tensor, release)))
+                del tensor
+                while len(pending) > 2 * HASH_THREADS or (pending and pending[0][1].done()):
+                    done, future = pending.popleft()
+                    stored_rows[done] = future.result()
+            while pending:
+                done, future = pending.popleft()
+                stored_rows[done] = future.result()
+        finally:
+            for _, future in pending:  # after an error: let no task outlive this pass
+                future.cancel()
+            concurrent.futures.wait([future for _, future in pending])
     for call in meta["calls"]:
         call_rows.append({"call": call["call"], "module": call["module"], "cls": call["cls"], "pre": call["pre"],
                           "post": call["post"] if call["post"] is not None else -1,
@@ -270,7 +297,7 @@ def _rows_frame(parts: List[tuple]) -> pd.DataFrame:
 
 
 def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
-                 tensor: Optional[torch.Tensor] = None):
+                 tensor: Optional[torch.Tensor] = None, in_pool: bool = False):
     """(row columns, why it has no token rows or None, whether it holds the pass's token ids)."""
     tensor = pf.tensor(stored) if tensor is None else tensor
     if list(tensor.shape) != list(tmeta["shape"]) and not tmeta.get("selected"):
@@ -289,7 +316,9 @@ def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int
     srow = np.nonzero(keep)[0]
     view = view[torch.from_numpy(srow)] if not keep.all() else view
     kept_rows = rows_of[srow].astype(np.int32)
-    fps, amax, nonfinite = row_stats(view)  # one pass over the bytes: fingerprints, max |x|, inf/nan
+    # One pass over the bytes: fingerprints, max |x|, inf/nan. Inside the tensor pool only a big
+    # tensor is also split over the hashing threads (the other workers hash other tensors).
+    fps, amax, nonfinite = row_stats(view, min_parallel_blocks=64 if in_pool else 4)
     if amax is None:
         amax = np.full(view.shape[0], np.nan)
     rest = tuple(s for s in view.shape[1:] if s != 1)
@@ -304,6 +333,18 @@ def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int
 
 # --- reading pass files for the index: sequential, read ahead, bounded memory --------------------
 READ_AHEAD_BYTES = 256 << 20  # tensor bytes read ahead of the hashing (one tensor is always allowed)
+INLINE_PASS_BYTES = 32 << 20  # smaller pass files are hashed by the calling thread alone
+HASH_THREADS = THREADS  # tensors hashed at once (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8)
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="dumpdiff-index")
+        return _pool
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -343,16 +384,16 @@ def _file_layout(path: str):
 
 
 def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
-    """Yield (name, tensor) for every name, in file order. A thread reads ahead with plain
-    sequential reads (no memory map: the page cache is not charged to this process, and at most
-    READ_AHEAD_BYTES plus one tensor are held), so reading overlaps hashing."""
+    """Yield (name, tensor, release) for every name, in file order. A thread reads ahead with
+    plain sequential reads (no memory map: the page cache is not charged to this process), so
+    reading overlaps hashing. ``release()`` says the tensor is done with: its buffer is reused,
+    and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release."""
     layout = _file_layout(pf.ref.path)
     if layout is None or any(name not in layout for name in names):
         for name in names:  # safetensors reads them and names what is wrong with the file
             tensor = pf.tensor(name)
-            if on_bytes:
-                on_bytes(tensor.numel() * tensor.element_size())
-            yield name, tensor
+            nbytes = tensor.numel() * tensor.element_size()
+            yield name, tensor, (lambda nbytes=nbytes: on_bytes and on_bytes(nbytes))
         return
     order = sorted(names, key=lambda n: layout[n][2])
     results: "queue.Queue" = queue.Queue()
@@ -402,15 +443,17 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                 if isinstance(error, OSError):
                     raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
                 raise error
-            yield name, tensor  # the consumer keeps nothing that points into the buffer
+            def release(nbytes=nbytes, buffer=buffer):  # the consumer keeps nothing pointing into it
+                with cond:
+                    state["held"] -= nbytes
+                    if sum(b.nbytes for b in state["pool"]) + buffer.nbytes <= READ_AHEAD_BYTES:
+                        state["pool"].append(buffer)
+                    cond.notify_all()
+                if on_bytes:
+                    on_bytes(nbytes)
+
+            yield name, tensor, release
             del tensor
-            with cond:
-                state["held"] -= nbytes
-                if sum(b.nbytes for b in state["pool"]) + buffer.nbytes <= READ_AHEAD_BYTES:
-                    state["pool"].append(buffer)
-                cond.notify_all()
-            if on_bytes:
-                on_bytes(nbytes)
     finally:
         with cond:
             state["stop"] = True

@@ -36,6 +36,7 @@ DESCRIPTIONS = {
 
 # Verdict kinds, and the exit status each maps to (diff(1) style).
 PASS, BATCH, STATE, MIXED, INCONCLUSIVE = "pass", "batch_invariance", "state_bug", "no_cache_only", "inconclusive"
+UNCLASSIFIED = "over_threshold"  # dirty, but match did not run: the two conditions cannot be told apart
 
 # A cache-hit helper this many times dirtier than `match` is reported as a likely state bug
 # on top of batch-variance (a clean engine's helpers stay within a small factor of each other).
@@ -118,39 +119,40 @@ def classify(helpers: dict) -> dict:
     dirty = [n for n in HELPERS if status.get(n) == "dirty"]
     clean = [n for n in HELPERS if status.get(n) == "clean"]
     lacking = [n for n in HELPERS if status.get(n) in ("no_cache_hit", "empty")]
-    ran = dirty + clean
     notes = []
     if not dirty:
         if lacking:
             kind = INCONCLUSIVE
-            text = (f"no helper is over its threshold, but {', '.join(lacking)} did not run its cache path "
-                    "(no cache hits): the check is incomplete")
-        elif not ran:
+            text = (f"no helper is over its threshold, but {', '.join(lacking)} scored nothing (no cache hits, or "
+                    "no tokens): the check is incomplete")
+        elif not clean:
             kind, text = INCONCLUSIVE, "no helper ran"
         else:
-            kind, text = PASS, f"every helper that ran is within its threshold ({', '.join(ran)})"
+            kind, text = PASS, f"every helper that ran is within its threshold ({', '.join(clean)})"
+    elif status.get("match") not in ("clean", "dirty"):
+        kind = UNCLASSIFIED
+        text = (f"{', '.join(dirty)} over the threshold, but match (no cache) did not run, so batch-variance cannot "
+                "be told from a state bug: run match too")
     elif "match" in dirty:
-        if all(status.get(n) in ("dirty", "n/a", None) for n in CACHE_HELPERS) or not any(n in clean for n in CACHE_HELPERS):
+        if not any(n in clean for n in CACHE_HELPERS):
             kind = BATCH
             text = ("every helper is dirty, with and without the cache: prefill and decode compute the same token "
                     "differently (batch-variance, e.g. a kernel chosen by the number of token rows). Localize the "
                     "first op whose bits flip with `dumpdiff localize` (strict culprit).")
+            if not all(n in dirty for n in CACHE_HELPERS):
+                notes.append("the cache-hit helpers did not all run (" + ", ".join(
+                    f"{n} {status.get(n) or 'not run'}" for n in CACHE_HELPERS if n not in dirty) + ")")
         else:
             kind = MIXED
             text = (f"only the no-cache helper (match) is dirty while {', '.join(n for n in clean if n != 'match')} "
                     "is clean: prefill and decode disagree without any cache, so this is not a cache-restore bug; "
                     "treat it as batch-variance near the threshold (rerun, or recalibrate).")
-        ratio_notes = _state_on_top(helpers, dirty)
-        notes += ratio_notes
+        notes += _state_on_top(helpers, dirty)
     else:
         kind = STATE
         text = (f"only the cache-hit helper(s) {', '.join(dirty)} are dirty; the no-cache path (match) is clean: "
                 "a state bug in the cache-restore path ("
                 + "; ".join(_path_of(n) for n in dirty) + "). Localize it with `dumpdiff localize` (noise-aware culprit).")
-        if status.get("match") != "clean":
-            notes.append(f"match did not run cleanly ({status.get('match')}); the classification leans on the cache helpers alone")
-    for name in lacking:
-        notes.append(f"{name}: no cache hits, not scored")
     return {"kind": kind, "text": text, "dirty": dirty, "clean": clean, "lacking": lacking, "notes": notes,
             "localize": _localize_choice(kind, helpers, dirty)}
 
@@ -177,13 +179,15 @@ def _localize_choice(kind: str, helpers: dict, dirty: list) -> Optional[dict]:
         candidates = [n for n in CACHE_HELPERS if n in dirty]
     elif kind in (BATCH, MIXED):
         candidates = ["match"]
+    elif kind == UNCLASSIFIED:
+        candidates = dirty
     else:
         return None
     name = max(candidates, key=lambda n: helpers[n].get("avg_kl_div") or 0.0)
     return {"helper": name, "prompt": helpers[name].get("worst")}
 
 
-EXIT_FOR_KIND = {PASS: 0, BATCH: 1, STATE: 1, MIXED: 1, INCONCLUSIVE: 2}
+EXIT_FOR_KIND = {PASS: 0, BATCH: 1, STATE: 1, MIXED: 1, UNCLASSIFIED: 1, INCONCLUSIVE: 2}
 
 
 def exit_status(verdict: dict) -> int:

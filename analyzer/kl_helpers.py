@@ -70,6 +70,11 @@ class Server:
         return not self.info().get("disable_radix_cache", False)
 
     @property
+    def kv_tokens(self) -> Optional[int]:
+        value = self.info().get("max_total_num_tokens")
+        return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    @property
     def has_tokenizer(self) -> bool:
         return not self.info().get("skip_tokenizer_init", False)
 
@@ -200,6 +205,8 @@ class Context:
 
     def reference(self, fulls: List[List[int]], outputs: List[int], helper: str):
         """Flush, then one prefill of each prompt+output: the last len(output) input logprobs."""
+        if not fulls:  # no prompt hit the cache: nothing to score
+            return [], []
         self.server.flush()
         results = self.server.generate(fulls, 0, sampling=self.sampling, logprob_start_len=0)
         lps, cached = [], []
@@ -249,6 +256,15 @@ def run_match(ctx: Context, prompts: List[List[int]]) -> tuple:
     return rows, notes
 
 
+def _eviction_note(server: Server, hits: list, needed: int, notes: list):
+    """Misses because the batch does not fit the KV pool (the warm entries were evicted)."""
+    pool = server.kv_tokens
+    if not all(hits) and pool and needed > pool:
+        notes.append(f"these prompts need about {needed} tokens of KV cache but the server holds {pool} "
+                     "(max_total_num_tokens): cached entries were evicted before reuse; use fewer or shorter "
+                     "prompts (--max-samples, --prompt-len, --max-new-tokens)")
+
+
 def expected_prefill_hit(prompt_len: int, page_size: int) -> int:
     """Tokens a warmed prompt restores: all but the last (always recomputed), page-aligned."""
     return ((prompt_len - 1) // page_size) * page_size
@@ -267,6 +283,7 @@ def run_prefill_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
                                        "prefill_cache_hit")
     by_index = dict(zip(keep, zip(ref_lp, ref_cached)))
     notes = []
+    _eviction_note(s, hits, sum(len(p) + ctx.max_new_tokens for p in prompts), notes)
     _ref_notes(ref_cached, notes)
     rows = []
     for i, (p, o, c, h, dl) in enumerate(zip(prompts, outs, cached, hits, decode_lp)):
@@ -307,6 +324,7 @@ def run_decode_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
                                        "decode_cache_hit")
     by_index = dict(zip(keep, zip(ref_lp, ref_cached)))
     notes = []
+    _eviction_note(s, hits, sum(len(p) + 2 * ctx.max_new_tokens + 1 for p in prompts), notes)
     _ref_notes(ref_cached, notes)
     rows = []
     for i, (p, sec, o, c, h, dl) in enumerate(zip(prompts, second, outs, cached, hits, decode_lp)):

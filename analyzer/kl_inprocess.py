@@ -6,8 +6,9 @@
 
 The model is duck-typed: ``model.generate(input_ids, ..., return_dict_in_generate=True,
 output_logits=True, past_key_values=...)`` and ``model(input_ids, use_cache=...)`` returning
-``.logits`` / ``.past_key_values``, as transformers' causal LMs do; nothing here imports
-transformers. Prompts run one at a time (batch 1: no padding to disturb the numbers).
+``.logits`` / ``.past_key_values``, as transformers' causal LMs do (the cache is also read
+and passed as ``cache``, transformers 5.2x's name, when the model's forward takes that);
+nothing here imports transformers. Prompts run one at a time (batch 1: no padding to disturb the numbers).
 
 The helpers, mapped onto HF's KV cache:
 
@@ -24,6 +25,7 @@ n/a with the reason; the verdict then rests on `match`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Callable, Iterable, Optional
 
@@ -46,6 +48,23 @@ def _logits(output):
     return output.logits if hasattr(output, "logits") else output[0]
 
 
+# transformers 5.2x renamed past_key_values to cache: outputs are read under both names, and
+# the keyword passed is the one the model's forward takes.
+CACHE_NAMES = ("past_key_values", "cache")
+
+
+def _returned_cache(output):
+    return next((getattr(output, n) for n in CACHE_NAMES if getattr(output, n, None) is not None), None)
+
+
+def _cache_keyword(model) -> str:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
 def _cache_len(cache) -> Optional[int]:
     if cache is None:
         return None
@@ -64,6 +83,7 @@ class _Runner:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.seed = seed
+        self.cache_keyword = _cache_keyword(model)
 
     def tensor(self, ids):
         return torch.tensor([list(ids)], dtype=torch.long, device=self.device)
@@ -79,14 +99,14 @@ class _Runner:
         else:
             kwargs.update(do_sample=False)
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[self.cache_keyword] = cache
         with torch.no_grad():
             out = self.model.generate(x, **kwargs)
         new = out.sequences[0, x.shape[1]:].tolist()
         if len(out.logits) != len(new):
             raise DumpError(f"generate returned {len(out.logits)} logits for {len(new)} new tokens")
         lps = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, new)]
-        return new, lps, getattr(out, "past_key_values", None)
+        return new, lps, _returned_cache(out)
 
     def prefill(self, full, n: int):
         """Reference: one forward of `full`; logprobs of its last n tokens."""
@@ -97,7 +117,7 @@ class _Runner:
 
     def warm(self, ids):
         with torch.no_grad():
-            return getattr(self.model(self.tensor(ids), use_cache=True), "past_key_values", None)
+            return _returned_cache(self.model(self.tensor(ids), use_cache=True))
 
 
 def _match(run: _Runner, i: int, prompt: list, turn: int):

@@ -9,7 +9,8 @@ import math
 from . import kl
 
 TITLES = {kl.PASS: "PASS", kl.BATCH: "BATCH-INVARIANCE PROBLEM", kl.STATE: "STATE BUG (cache-restore path)",
-          kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)", kl.INCONCLUSIVE: "INCONCLUSIVE"}
+          kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)", kl.INCONCLUSIVE: "INCONCLUSIVE",
+          kl.UNCLASSIFIED: "OVER THRESHOLD (run match to classify)"}
 COLUMNS = ("helper", "status", "avg_kl_div", "max_kl", "tokens>thr", "bit-identical", "cache hits", "time")
 
 
@@ -21,6 +22,10 @@ def g(x, digits: int = 3) -> str:
     return str(x)
 
 
+def _seconds(t: float) -> str:
+    return f"{t:.2f} s" if t < 10 else f"{t:.1f} s"
+
+
 def rows(result: dict) -> list:
     out = []
     for name, h in result["helpers"].items():
@@ -29,7 +34,7 @@ def rows(result: dict) -> list:
         out.append((name, h["status"].upper() if h["status"] == "dirty" else h["status"], g(h.get("avg_kl_div")),
                     g(h.get("max_kl")), "-" if h.get("frac_over") is None else f"{h['frac_over']:.1%}",
                     f"{h['bit_identical']}/{tokens} ({h['bit_identical'] / tokens:.0%})" if tokens else "-",
-                    hits, f"{result.get('timings', {}).get(name, 0):.1f} s"))
+                    hits, _seconds(result.get("timings", {}).get(name, 0))))
     return out
 
 

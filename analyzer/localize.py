@@ -15,8 +15,6 @@ server's /dumper/get_state reports it; it must be readable here).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import time
 from typing import Callable, Optional
@@ -25,6 +23,7 @@ from . import kl
 from .errors import DumpError
 from .http import post_json
 from .kl_helpers import Server, decode_logprobs, expected_prefill_hit, prefill_logprobs, sampling_params
+from .kl_prompts import vocab_size_of
 
 Log = Callable[[str], None]
 
@@ -158,7 +157,6 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
     exp_dec, exp_ref = f"{stamp}-dec", f"{stamp}-ref"
     notes = []
     sampling = sampling_params(server, temperature, seed, notes)
-    from .kl_prompts import vocab_size_of
     before = dumper_call(url, "get_state")
     t0 = time.monotonic()
     figures = replay(server, url, helper, prompt, exp_dec, exp_ref, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -178,8 +176,7 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
                             "host (or mount its DUMPER_DIR at the same path)")
     log(f"localize: first-divergence {path_ref} {path_dec} ...")
     t1 = time.monotonic()
-    with _quiet_open_writer():
-        diverge = first_divergence(path_ref, path_dec, progress=False, noise_aware=noise_aware)
+    diverge = first_divergence(path_ref, path_dec, progress=False, noise_aware=noise_aware)
     ranks = [v for v in diverge["ranks"].values()]
     noise = next((v["noise"]["culprits"] for v in ranks if v.get("noise", {}).get("culprits")), [])
     return {"localized": True, "url": url, "helper": helper, "prompt_index": prompt_index, "prompt_len": len(prompt),
@@ -189,21 +186,6 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
             "noise_culprits": noise, "summary": next((v.get("summary") for v in ranks if v.get("summary")), None),
             "timings": {"replay": round(replay_seconds, 3), "first_divergence": round(time.monotonic() - t1, 3)},
             "kl": _kl_brief(check) if check else None, "first_divergence": diverge}
-
-
-@contextlib.contextmanager
-def _quiet_open_writer():
-    """The server keeps its dump folders open while it runs, which the loader warns about;
-    here every pass was confirmed written (get_state) before reading, so that warning is noise."""
-    class Drop(logging.Filter):
-        def filter(self, record):
-            return "never closed the dump" not in record.getMessage()
-    logger, drop = logging.getLogger("dumpdiff"), Drop()
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
 
 
 def _kl_brief(result: dict) -> dict:

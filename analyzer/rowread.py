@@ -60,18 +60,18 @@ class RowReader:
         key = (pass_id, tensor)
         found = self._srow.get(key)
         if found is None:
-            rows = self.index.rows
             if self._by_tensor is None:
+                rows = self.index.rows
                 codes, names = pd.factorize(rows["tensor"])
                 order = np.argsort(codes, kind="stable")
                 ends = np.cumsum(np.bincount(codes, minlength=len(names)))
-                self._by_tensor = ({str(n): i for i, n in enumerate(names)}, order, ends)
-            lookup, order, ends = self._by_tensor
+                self._by_tensor = ({str(n): i for i, n in enumerate(names)}, order, ends, rows["pass"].to_numpy(),
+                                   rows["row"].to_numpy(), rows["srow"].to_numpy())
+            lookup, order, ends, passes, token_rows, stored_rows = self._by_tensor
             code = lookup.get(tensor)
             positions = order[(ends[code - 1] if code else 0):ends[code]] if code is not None else order[:0]
-            positions = positions[rows["pass"].to_numpy()[positions] == pass_id]
-            found = self._srow[key] = dict(zip(rows["row"].to_numpy()[positions].tolist(),
-                                               rows["srow"].to_numpy()[positions].tolist()))
+            positions = positions[passes[positions] == pass_id]
+            found = self._srow[key] = dict(zip(token_rows[positions].tolist(), stored_rows[positions].tolist()))
         return found
 
     def _entry(self, pass_id: int, stored: str):

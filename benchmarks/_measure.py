@@ -25,6 +25,19 @@ def proc_io() -> dict:
         return {}
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM; ru_maxrss would include the high-water mark
+    of the parent this process was forked from)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main():
     out, module, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -38,8 +51,7 @@ def main():
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     seconds = time.perf_counter() - start
     after = proc_io()
-    record = {"seconds": seconds, "exit": code,
-              "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    record = {"seconds": seconds, "exit": code, "max_rss_mb": peak_rss_mb(),
               "read_bytes": after.get("read_bytes", 0) - before.get("read_bytes", 0),
               "rchar": after.get("rchar", 0) - before.get("rchar", 0)}
     with open(out, "w") as handle:

@@ -145,6 +145,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny model: a smoke test of this script")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (dumps) at the end")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: off,on,steady,rows,analyze,tests")
     args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -196,7 +197,7 @@ def main(argv=None):
     def off():
         import bench_off
         base, installed = [], []
-        for r in range(12):
+        for r in range(20):
             for state in (("base", "off") if r % 2 == 0 else ("off", "base")):
                 if state == "base":
                     base += bench_off.forward_times(model, ids, 10, device)
@@ -242,7 +243,8 @@ def main(argv=None):
     if "full" in pair:
         guarded("analyze", analyze)
 
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     with open(os.path.join(args.out, "gpu-results.json"), "w") as handle:
         json.dump(RESULTS, handle, indent=1)
     print("\n=== summary ===")

@@ -15,6 +15,7 @@ Also measured, as information: the state after a dump was made and dumping disab
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 
 import torch
@@ -44,6 +45,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--block", type=int, default=None)
+    ap.add_argument("--variants", action="store_true", help="also time a bare root-forward wrapper")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda:
@@ -59,17 +61,22 @@ def main(argv=None):
           f"{rounds} rounds x {block} forwards per state", flush=True)
     forward_times(model, ids, 5, args.device)  # warm-up
 
-    base, off, idle_after = [], [], []
+    base, off, idle_after, wrapped = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            order = ("base", "off") if r % 2 == 0 else ("off", "base")
+            order = ("base", "off", "wrap") if r % 2 == 0 else ("wrap", "off", "base")
             for state in order:
                 if state == "base":
                     base += forward_times(model, ids, block, args.device)
-                else:
+                elif state == "off":
                     handle = dumper.install(model, dumper.DumperConfig(enable=False, dir=tmp, exp_name="off"))
                     off += forward_times(model, ids, block, args.device)
                     handle.remove()
+                elif args.variants:  # a bare pass-through wrapper of the root forward: the floor
+                    original = model.forward
+                    model.forward = functools.wraps(original)(lambda *a, **k: original(*a, **k))
+                    wrapped += forward_times(model, ids, block, args.device)
+                    del model.forward
         # After a dump: hooks were attached by the enabled pass, then dumping was disabled.
         handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name="after", filter="layers\\.0\\."
                                                            if cuda else ""))
@@ -96,6 +103,9 @@ def main(argv=None):
     result(f"off: installed, disabled / no hooks ({where})", ratio, "<= 1.01", ratio <= 1.01, "x",
            f"median forward {t_base * 1e3:.2f} ms vs {t_off * 1e3:.2f} ms, {len(base)} forwards each",
            base_ms=t_base * 1e3, off_ms=t_off * 1e3)
+    if wrapped:
+        result(f"info: a bare root-forward wrapper / no hooks ({where})", median(wrapped) / t_base, "info", None, "x",
+               f"median forward {median(wrapped) * 1e3:.3f} ms")
     t_base2, t_after = median(base2), median(idle_after)
     ratio2 = t_after / t_base2
     result(f"off after a dump (enable=False again) / no hooks ({where})", ratio2, "<= 1.01 (info)", ratio2 <= 1.01, "x",

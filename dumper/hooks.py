@@ -81,6 +81,7 @@ class Dumper:
         self._hooked_filter: Optional[str] = None
         self._paths = {module: path for path, module in model.named_modules()}
         self._cleaned: set = set()
+        self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
         self._core_warned: set = set()  # experiments already told that core mode has no tensors
         self._seq_next: Dict[tuple, int] = {}  # (exp dir, seq) -> next position the dump lacks
@@ -222,7 +223,9 @@ class Dumper:
             ready = torch.cuda.Event()
             ready.record()
         self._writer.write_run_info(exp_dir, self._run_info())
-        if self._writer.submit(PassRecord(exp_dir, self.rank, meta, current.tensors, ready)):
+        cleanup = exp_dir in self._cleanup_pending
+        self._cleanup_pending.discard(exp_dir)
+        if self._writer.submit(PassRecord(exp_dir, self.rank, meta, current.tensors, ready, cleanup=cleanup)):
             self.passes_dumped += 1
         if self.config.non_intrusive_mode == "core" and exp_dir not in self._core_warned:
             self._core_warned.add(exp_dir)
@@ -235,13 +238,12 @@ class Dumper:
             self.config = cfg = cfg.replace(exp_name=cfg.resolved_exp_name())
         exp_dir = os.path.join(cfg.dir, cfg.exp_name)
         if cfg.cleanup_previous and exp_dir not in self._cleaned:
+            # The rank folder is emptied by the writer once it holds the folder's lock (a live
+            # writer's dump is never wiped); the experiment's own files by rank 0.
             self._cleaned.add(exp_dir)
-            self._writer.flush()
-            shutil.rmtree(os.path.join(exp_dir, fmt.rank_dir_name(self.rank)), ignore_errors=True)
-            if self.rank == 0:
-                for name in (fmt.RUN_FILE, fmt.INCOMPLETE_FILE):
-                    if os.path.exists(os.path.join(exp_dir, name)):
-                        os.unlink(os.path.join(exp_dir, name))
+            self._cleanup_pending.add(exp_dir)
+            if self.rank == 0 and os.path.exists(os.path.join(exp_dir, fmt.INCOMPLETE_FILE)):
+                os.unlink(os.path.join(exp_dir, fmt.INCOMPLETE_FILE))
             self._writer._run_written.discard(exp_dir)
         return exp_dir
 

@@ -39,6 +39,8 @@ class PassRecord:
     tensors: Dict[str, torch.Tensor]
     ready: Optional[object] = None  # a CUDA event to wait on before reading host copies
     nbytes: int = 0
+    cleanup: bool = False  # DUMPER_CLEANUP_PREVIOUS: empty the rank folder once its lock is held
+    finish: bool = False  # not a pass: close the experiment's rank folders (see PassWriter.finish)
 
 
 LOCK_FILE = ".lock"  # held (flock) by the one writer of a rank folder; its text says whether it closed
@@ -52,7 +54,7 @@ class _RankJournal:
     writer was killed says so (readers report that passes may be missing).
     """
 
-    def __init__(self, rank_dir: str):
+    def __init__(self, rank_dir: str, cleanup: bool = False):
         os.makedirs(rank_dir, exist_ok=True)
         self.rank_dir = rank_dir
         self.lock_file = open(os.path.join(rank_dir, LOCK_FILE), "a+")
@@ -66,6 +68,10 @@ class _RankJournal:
                              "give this run its own DUMPER_EXP_NAME") from None
         try:
             self._set_state(f"writing pid={os.getpid()}")
+            if cleanup:  # only now, under the lock: a live writer's folder is never wiped
+                for name in os.listdir(rank_dir):
+                    if name != LOCK_FILE:
+                        os.unlink(os.path.join(rank_dir, name))
             self.manifest_path = os.path.join(rank_dir, fmt.MANIFEST_FILE)
             self.next_pass = _recover(rank_dir, self.manifest_path)
             self.manifest = os.open(self.manifest_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -218,8 +224,14 @@ class PassWriter:
 
     def finish(self, exp_dir: str):
         """Commit what is queued and close the experiment's rank folders ("closed" in the lock
-        file), so readers know the dump is whole; a later pass to it simply reopens it."""
+        file), so readers know the dump is whole; a later pass to it simply reopens it. Done on
+        the writer thread, in queue order: no pass file is ever closed under a write."""
+        if self._thread is None:
+            return  # nothing was ever written
+        self._queue.put(PassRecord(exp_dir, -1, {}, {}, finish=True))
         self.flush()
+
+    def _finish_now(self, exp_dir: str):
         prefix = os.path.join(exp_dir, "")
         for rank_dir in [d for d in self._journals if d.startswith(prefix)]:
             self._journals.pop(rank_dir).close()
@@ -267,7 +279,9 @@ class PassWriter:
             try:
                 if record is None:
                     return
-                if not self.stopped_reason:
+                if record.finish:
+                    self._finish_now(record.exp_dir)
+                elif not self.stopped_reason:
                     start = time.perf_counter()
                     self._write(record)
                     self.write_seconds += time.perf_counter() - start
@@ -287,8 +301,11 @@ class PassWriter:
             record.ready.synchronize()
         rank_dir = os.path.join(record.exp_dir, fmt.rank_dir_name(record.rank))
         journal = self._journals.get(rank_dir)
+        if journal is not None and record.cleanup:
+            self._journals.pop(rank_dir).close()
+            journal = None
         if journal is None:
-            journal = self._journals[rank_dir] = _RankJournal(rank_dir)
+            journal = self._journals[rank_dir] = _RankJournal(rank_dir, cleanup=record.cleanup)
         pass_id = journal.next_pass
         meta = dict(record.meta, **{"pass": pass_id})
         meta_json = json.dumps(meta, separators=(",", ":"))

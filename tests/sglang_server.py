@@ -46,6 +46,7 @@ CPU_ARGS = [
     "--max-total-tokens", "4096",
     "--random-seed", "0",
     "--skip-tokenizer-init",  # requests carry input_ids; outputs are ids, never text
+    "--sleep-on-idle",  # an idle scheduler otherwise spins a whole core of this 2-core machine
 ]
 
 

@@ -5,20 +5,20 @@ cache-restore bug), the CLI's trouble path, and the pytest integration's failure
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-import torch
 
-from helpers import ROOT, dumpdiff, load_model, make_tiny_llama
+from helpers import dumpdiff, load_model, make_tiny_llama
 from analyzer import kl, kl_prompts, kl_thresholds
 from analyzer.errors import DumpError
 from analyzer.kl_helpers import _check_ids, prefill_logprobs
 from analyzer.kl_inprocess import check_model
 from analyzer.kl_render import render
 from analyzer.pytest_plugin import KLCheckFailed, assert_kl_pass
-
-ULP_AT_6 = float(np.spacing(np.float32(6.4)))  # one float32 ulp of a logprob near -6.4 (tiny random model)
 
 
 # -- scoring ---------------------------------------------------------------------------------------
@@ -63,9 +63,12 @@ def _helper(status, avg=0.0):
     ("clean", "no_cache_hit", "dirty", kl.STATE),  # a dirty helper decides even when another lacks hits
     ("dirty", "n/a", "n/a", kl.BATCH),       # no radix cache: the verdict rests on match
     ("clean", "n/a", "n/a", kl.PASS),
+    (None, "dirty", "clean", kl.UNCLASSIFIED),  # --helpers without match: cannot tell the two apart
+    (None, "clean", "clean", kl.PASS),
 ])
 def test_verdict(m, p, d, kind):
     helpers = {"match": _helper(m), "prefill_cache_hit": _helper(p), "decode_cache_hit": _helper(d)}
+    helpers = {n: h for n, h in helpers.items() if h["status"]}
     verdict = kl.classify(helpers)
     assert verdict["kind"] == kind
     assert kl.exit_status(verdict) == {kl.PASS: 0, kl.INCONCLUSIVE: 2}.get(kind, 1)
@@ -240,4 +243,22 @@ def test_cli_help_reads_like_a_man_page():
     for args in (["kl"], ["kl", "calibrate"], ["localize"]):
         code, out, _ = dumpdiff(*args, "--help")
         assert code == 0 and "Exit status" in out, args
-    assert ROOT  # the CLI ran from the repo root
+
+
+def test_pytest_plugin_loads_in_a_user_suite(tmp_path):
+    """A user's suite: the plugin via pytest_plugins, its fixture and options, the mixin."""
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["analyzer.pytest_plugin"]\n')
+    (tmp_path / "test_user.py").write_text(
+        "from analyzer.pytest_plugin import KLConsistency\n"
+        "class TestServer(KLConsistency):\n"
+        "    pass\n"
+        "def test_fixture(dumpdiff_kl):\n"
+        "    dumpdiff_kl()\n")
+    env = {k: v for k, v in os.environ.items() if k != "DUMPDIFF_KL_URL"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 skipped" in proc.stdout and "no server for the KL check" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert "--kl-url" in proc.stdout and "--kl-thresholds" in proc.stdout

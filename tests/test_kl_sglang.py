@@ -34,6 +34,8 @@ pytestmark = pytest.mark.sglang
 sglang = sglang_fixture(scope="module")
 
 SIZES = ("--max-samples", "4", "--max-new-tokens", "16", "--prompt-len", "16")
+# An idle sglang scheduler spins a whole core on CPU; asleep, three servers fit on two cores.
+IDLE = ["--sleep-on-idle"]
 PLANTED_ATTN = "model.layers.1.self_attn.attn#0"
 
 
@@ -44,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clean(sglang, model_dir):
-    return sglang(model_dir)
+    return sglang(model_dir, extra_args=IDLE)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,7 @@ class TestPytestIntegration(KLConsistency):
 def test_planted_cache_restore_bug_is_a_state_bug_and_localized(sglang, model_dir, calibrated, tmp_path):
     dumps = tmp_path / "dumps"
     server = sglang(model_dir, env={"DUMPDIFF_PLANT": "prefix_kv:1", "DUMPER_ENABLE": "0",
-                                    "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps)})
+                                    "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps)}, extra_args=IDLE)
     code, result = kl_json(server.url, *SIZES, "--thresholds", calibrated[0])
     status = {n: h["status"] for n, h in result["helpers"].items()}
     # both cache-hit helpers restore from the radix cache (turn 2 restores turn 1), so both are hit
@@ -151,12 +153,14 @@ def test_planted_cache_restore_bug_is_a_state_bug_and_localized(sglang, model_di
     assert found["dumps"] == {"dir": str(dumps), "dec": str(dumps / "kl-test-dec"), "ref": str(dumps / "kl-test-ref")}
     assert os.path.isfile(dumps / "kl-test-dec" / "run.json") and os.path.isfile(dumps / "kl-test-ref" / "run.json")
     assert "never closed" not in err
+    server.stop()  # done with it: free its memory for the next server
 
 
 def test_planted_batch_variant_op_dirties_every_helper(sglang, model_dir, calibrated):
-    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "batch_variant:1"})
+    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "batch_variant:1"}, extra_args=IDLE)
     code, result = kl_json(server.url, "--max-samples", "1", "--max-new-tokens", "16", "--prompt-len", "16",
                            "--thresholds", calibrated[0])
     assert code == 1 and result["verdict"]["kind"] == "batch_invariance", result["verdict"]
     assert all(h["status"] == "dirty" for h in result["helpers"].values())
     assert result["verdict"]["localize"]["helper"] == "match"
+    server.stop()
