@@ -140,6 +140,25 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
     sys.exit(EXIT_DIFFERENT if result["divergence"] else EXIT_SAME)
 
 
+def _report_command() -> click.Command:
+    """`dumpdiff report A B`: first-divergence with a bug-ticket format (markdown) by default."""
+    import copy
+    params = [copy.copy(p) for p in first_divergence_cmd.params]
+    for param in params:
+        if param.name == "fmt":
+            param.default = "md"
+    return click.Command("report", params=params, callback=first_divergence_cmd.callback,
+                         short_help="The first-divergence report for a bug ticket (md by default).",
+                         help="""Write the first-divergence report for a bug ticket.
+
+    The same analysis and exit status as `dumpdiff first-divergence`, in markdown by default
+    (`--format html` for a self-contained page with plots, `json` for everything the report
+    claims). Example: dumpdiff report ref/ dec/ --format html -o culprit.html""")
+
+
+main.add_command(_report_command())
+
+
 @main.command("index")
 @click.argument("dump", type=click.Path(path_type=str))
 @click.option("--rebuild", is_flag=True, help="Rebuild even when the index is fresh.")
@@ -231,6 +250,25 @@ def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment,
 
 from .cli_kl import add_kl_commands  # noqa: E402  (dumpdiff kl, kl calibrate, localize)
 add_kl_commands(main)
+
+
+@main.command("import-sglang")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@guarded
+def import_sglang_cmd(src, dst):
+    """Convert a dump of sglang's built-in dumper (.pt files) into a dumpdiff dump.
+
+    \b
+    SRC  <DUMPER_DIR>/<exp_name> of sglang.srt.debug_utils.dumper (non-intrusive mode 'all')
+    DST  a new folder: one pass per (rank, step), engine "sglang-builtin"
+    Files are read with torch.load(weights_only=True) only; a file it refuses is skipped and
+    counted. Then: dumpdiff first-divergence DST_REF DST_DEC. Exit 0 when written, 2 on trouble.
+    """
+    from .sglang_import import import_sglang
+    result = import_sglang(src, dst)
+    click.echo(result.describe(), nl=False)
+
 
 if __name__ == "__main__":
     main()

@@ -328,3 +328,10 @@ def test_html_renders_in_headless_chromium(reports, tmp_path):
     dom = chromium(binary, tmp_path / "profile-dom", "--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr[-800:]
     assert culprit["module"] in dom.stdout and "<svg" in dom.stdout
+
+
+def test_report_command_writes_markdown_by_default(reports, dumps, tmp_path):
+    target = tmp_path / "ticket.md"
+    code, out, err = dumpdiff("report", *dumps, "-o", target, "--no-progress")
+    assert code == 1 and out == "" and "wrote" in err
+    assert target.read_text(encoding="utf-8") == reports["md"]  # the same report first-divergence writes
