@@ -59,14 +59,17 @@ def row_errors(table: pd.DataFrame, a: Index, b: Index, pairs: pd.DataFrame, ato
     if differing.empty:
         return rows
     reader_a, reader_b = RowReader(a), RowReader(b)
+    where, found = [], {"rel": [], "abs": [], "exceeds": [], "eps": []}
     for (pass_a, pass_b, tensor), group in differing.groupby(["pass_a", "pass_b", "tensor"], sort=False):
         ref = reader_a.rows(int(pass_a), tensor, group["row_a"].tolist())
         test = reader_b.rows(int(pass_b), tensor, group["row_b"].tolist())
         rel, absolute, exceeds, eps = _compare_rows(ref, test, atol, rtol)
-        rows.loc[group.index, "rel"] = rel
-        rows.loc[group.index, "abs"] = absolute
-        rows.loc[group.index, "exceeds"] = exceeds
-        rows.loc[group.index, "eps"] = eps
+        where.append(group.index.to_numpy())
+        for key, value in zip(found, (rel, absolute, exceeds, np.full(len(group), eps))):
+            found[key].append(np.asarray(value))
+    index = np.concatenate(where)  # one assignment per column: .loc per group was the slow part
+    for key, values in found.items():
+        rows.loc[index, key] = np.concatenate(values)
     return rows
 
 

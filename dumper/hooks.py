@@ -165,6 +165,8 @@ class Dumper:
             if self._pass is None:
                 self.step += 1  # the engine step, counted even while idle
             if not self._active() or self._pass is not None:
+                if self._hook_handles and self._pass is None:
+                    self._detach_hooks()  # disabled again after a dump: back to one flag check
                 return original(*args, **kwargs)
             self._begin_pass(args, kwargs)
             try:

@@ -131,6 +131,11 @@ def test_disabled_hooks_cost_nothing_and_enable_later(tmp_path):
     handle.configure(enable=True)
     with torch.no_grad():
         model(torch.tensor([[1, 2]]))
+    assert any(m._forward_pre_hooks for m in model.modules())
+    handle.configure(enable=False)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]))
+    assert not any(m._forward_pre_hooks for m in model.modules())  # disabled again: idle again
     handle.remove()
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert "forward" not in model.__dict__
