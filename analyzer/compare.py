@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-import numpy as np
 import pandas as pd
 import torch
 

@@ -30,7 +30,7 @@ from .compare import row_table, strict_verdict
 from .diverge import check_same_model
 from .errors import DumpError
 from .index import Index, load_index
-from .load import Dump, PassFile, open_dump, show
+from .load import PassFile, open_dump, show
 from .repro_script import runtime, script_text
 
 MAX_ROWS = 64  # token rows of one pass pair replayed and compared

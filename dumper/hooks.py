@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import threading
 import weakref
 from typing import Any, Dict, List, Optional
