@@ -28,9 +28,7 @@ import time
 
 import torch
 
-from common import ROOT, dir_bytes, drop_caches, files_under, fmt_bytes, llama, n_params, result
-
-import dumper
+from common import ROOT, dir_bytes, drop_caches, dump_pair, files_under, fmt_bytes, llama, n_params, result
 
 
 def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, new_tokens: int, dtype=torch.float32,
@@ -41,17 +39,10 @@ def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, ne
     print(f"# dumping a random Llama of {n_params(model) / 1e6:.0f}M params ({dtype}), prompt {tokens} tokens, "
           f"{new_tokens} new tokens -> {work}", flush=True)
     prompt = torch.randint(3, 32000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
-    handle = dumper.install(model, dumper.DumperConfig(dir=work, cleanup_previous=True, **config))
     start = time.perf_counter()
-    with torch.no_grad():
-        handle.configure(enable=True, exp_name="dec")
-        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                do_sample=False)
-        handle.configure(exp_name="ref")
-        model(output)
-    handle.remove()
+    pair = dump_pair(model, work, prompt, new_tokens, device, **config)
     print(f"# dumped in {time.perf_counter() - start:.1f}s", flush=True)
-    return os.path.join(work, "ref"), os.path.join(work, "dec")
+    return pair
 
 
 def cli_measured(args, label: str, env=None) -> dict:

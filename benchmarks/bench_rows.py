@@ -22,20 +22,7 @@ import tempfile
 
 import torch
 
-from common import ROOT, dir_bytes, fmt_bytes, llama, result  # first: puts the repository on sys.path
-import dumper
-
-
-def dump_pair(model, root, prompt, new_tokens, device="cpu", **config):
-    handle = dumper.install(model, dumper.DumperConfig(dir=root, cleanup_previous=True, **config))
-    with torch.no_grad():
-        handle.configure(enable=True, exp_name="dec")
-        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                do_sample=False)
-        handle.configure(exp_name="ref")
-        model(output)
-    handle.remove()
-    return os.path.join(root, "ref"), os.path.join(root, "dec")
+from common import ROOT, dir_bytes, dump_pair, fmt_bytes, llama, result  # first: puts the repository on sys.path
 
 
 def first_divergence(ref, dec):

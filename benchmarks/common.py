@@ -121,3 +121,18 @@ def captured_bytes(pass_meta: dict) -> Dict[str, int]:
             if not tmeta.get("alias"):
                 stored += n
     return {"captured": seen, "stored_full_rows": stored}
+
+
+def dump_pair(model, root, prompt, new_tokens, device="cpu", **config):
+    """Dump 'dec' (generate: prefill + decode) and 'ref' (one prefill of prompt+output) under root."""
+    import dumper
+
+    handle = dumper.install(model, dumper.DumperConfig(dir=root, cleanup_previous=True, **config))
+    with torch.no_grad():
+        handle.configure(enable=True, exp_name="dec")
+        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                do_sample=False)
+        handle.configure(exp_name="ref")
+        model(output)
+    handle.remove()
+    return os.path.join(root, "ref"), os.path.join(root, "dec")
