@@ -19,7 +19,6 @@ import torch
 
 from .align import Alignment
 from .index import Index
-from .rowread import RowReader
 
 MAX_LISTED = 20
 
@@ -122,7 +121,7 @@ def _error_figures(call: str, mine: pd.DataFrame, table: pd.DataFrame, a: Index,
     tensor = outs["tensor"].iloc[0]
     chosen = outs[outs["tensor"] == tensor].merge(mine[["pair", "pass_a", "row_a"]], on="pair", suffixes=("", "_m"))
     chosen = chosen.iloc[: 512]  # bounded read: enough rows for the figures
-    reader_a, reader_b = RowReader(a), RowReader(b)
+    reader_a, reader_b = a.reader(), b.reader()
     ref = torch.cat([reader_a.rows(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_a"], chosen["row_a"])])
     test = torch.cat([reader_b.rows(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_b"], chosen["row_b"])])
     figures = error_stats(ref, test)

@@ -48,6 +48,14 @@ class Index:
         self.where = where
         for name in TABLES:
             setattr(self, name, tables[name])
+        self._reader = None
+
+    def reader(self):
+        """The RowReader of this index, built once: its lookup tables span every tensor row."""
+        if self._reader is None:
+            from .rowread import RowReader
+            self._reader = RowReader(self)
+        return self._reader
 
     def rank(self, rank: int) -> "Index":
         return Index(self.dump, {n: getattr(self, n)[getattr(self, n)["rank"] == rank] for n in TABLES}, self.where)

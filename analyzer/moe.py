@@ -28,7 +28,6 @@ import torch
 from .align import Alignment
 from .compare import call_order
 from .index import Index
-from .rowread import RowReader
 
 MAX_EXAMPLES = 8
 ROUTER_LEAF = re.compile(r"(^|\.)(gate|router)$")  # HF mlp.gate, block_sparse_moe.gate, ...router
@@ -66,7 +65,7 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame,
             found.append(entry)
             continue
         if reader_a is None:
-            reader_a, reader_b = RowReader(a), RowReader(b)
+            reader_a, reader_b = a.reader(), b.reader()
         flipped = []
         for (pass_a, pass_b), group in differing.groupby(["pass_a", "pass_b"], sort=True):
             sel_a = _selection(reader_a.rows(int(pass_a), chosen, group["row_a"].tolist()), k, bool(router["indices"]))

@@ -30,7 +30,6 @@ import torch
 from .align import Alignment
 from .compare import MAX_LISTED, call_order
 from .index import Index
-from .rowread import RowReader
 
 MIN_AMPLIFICATION = 30.0  # never call a 30x jump or less an introduced error
 MAD_FACTOR = 8.0
@@ -58,7 +57,7 @@ def row_errors(table: pd.DataFrame, a: Index, b: Index, pairs: pd.DataFrame, ato
     differing = rows[rows["differ"]]
     if differing.empty:
         return rows
-    reader_a, reader_b = RowReader(a), RowReader(b)
+    reader_a, reader_b = a.reader(), b.reader()
     where, found = [], {"rel": [], "abs": [], "exceeds": [], "eps": []}
     for (pass_a, pass_b, tensor), group in differing.groupby(["pass_a", "pass_b", "tensor"], sort=False):
         ref = reader_a.rows(int(pass_a), tensor, group["row_a"].tolist())

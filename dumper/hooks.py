@@ -60,6 +60,7 @@ class _Pass:
         self.order = 0
         self.tensors: Dict[str, torch.Tensor] = {}
         self.seen: Dict[tuple, tuple] = {}  # storage key -> (tensor name, weakref), for aliases
+        self.kept_index_by_device: Dict[torch.device, torch.Tensor] = {}
         self.n_seqs = len(info.last_rows)
         self.cuda_used = False
 
@@ -370,7 +371,7 @@ def _kept_index_on(current: _Pass, device: torch.device) -> torch.Tensor:
     index = current.kept_index
     if index.device == device:
         return index
-    cache = current.__dict__.setdefault("_kept_index_by_device", {})
+    cache = current.kept_index_by_device
     if device not in cache:
         cache[device] = index.to(device)
     return cache[device]
