@@ -55,6 +55,7 @@ CHILD = textwrap.dedent("""
                               "queued_at_exit": handle.passes_dumped - writer.passes_written}}), flush=True)
             os._exit(0) if os.environ.get("CHILD_HARD_EXIT") else sys.exit(0)  # no remove()
         out = model.generate(prompt_ids(prompt_len), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    handle.flush()  # the writer is a background thread: let it reach the limit before asking
     print(json.dumps({{"ids": out[0].tolist(), "stopped": handle.state()["stopped"]}}), flush=True)
     handle.remove()
 """).format(tests=TESTS)
@@ -237,6 +238,7 @@ def dump_generate(model, root, new, caplog, **config):
     with caplog.at_level(logging.INFO, logger="dumper"), torch.no_grad():
         out = model.generate(prompt_ids(24), max_new_tokens=new, min_new_tokens=new, do_sample=False)
         logits = model(out).logits  # a forward pass after the stop still computes the right thing
+    handle.flush()  # the stop happens on the writer thread: wait for it before reading the state
     state = handle.state()
     handle.remove()
     return out, logits, state
