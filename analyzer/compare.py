@@ -12,31 +12,135 @@ and the walk goes on.
 
 from __future__ import annotations
 
-from typing import Dict, List
+import dataclasses
+from typing import Dict, List, Optional
 
+import numpy as np
 import pandas as pd
-import torch
 
 from .align import Alignment
+from .dtypes import DType, to_float64
 from .index import Index
 
 MAX_LISTED = 20
 
 
-def row_table(alignment: Alignment, a: Index, b: Index) -> pd.DataFrame:
-    """One row per (pair, tensor) present on both sides, with both fingerprints."""
-    pairs = alignment.pairs[["pair", "pass_a", "row_a", "pass_b", "row_b"]]
-    cols = ["pass", "tensor", "row", "fp", "rowshape", "nonfinite"]
-    side_a = pairs.merge(a.rows[cols], left_on=["pass_a", "row_a"], right_on=["pass", "row"]).drop(columns=["pass", "row"])
-    side_b = pairs[["pair"]].merge(
-        pairs.merge(b.rows[cols], left_on=["pass_b", "row_b"], right_on=["pass", "row"]).drop(columns=["pass", "row"]),
-        on="pair")[["pair", "tensor", "fp", "rowshape", "nonfinite"]]
-    table = side_a.merge(side_b, on=["pair", "tensor"], suffixes=("_a", "_b"))
-    info = b.tensors[["pass", "tensor", "call", "io"]]
-    table = table.merge(info, left_on=["pass_b", "tensor"], right_on=["pass", "tensor"]).drop(columns=["pass"])
-    table["comparable"] = table["rowshape_a"] == table["rowshape_b"]
-    table["differ"] = table["comparable"] & (table["fp_a"] != table["fp_b"])
-    return table
+def _codes(column: pd.Series, vocabulary: pd.Index) -> np.ndarray:
+    """Each value's position in ``vocabulary``: the joins below run on integers, not strings."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        lookup = vocabulary.get_indexer(column.cat.categories)
+        return lookup[column.cat.codes.to_numpy()] if len(column) else np.zeros(0, np.int64)
+    return vocabulary.get_indexer(column)
+
+
+def _categories(column: pd.Series) -> pd.Index:
+    return pd.Index(column.cat.categories if isinstance(column.dtype, pd.CategoricalDtype) else column.unique())
+
+
+def _join(sorted_side: np.ndarray, probe: np.ndarray):
+    """(positions in sorted_side, positions in probe) of every pair of equal keys, many to many,
+    ordered by probe position, then by position in sorted_side."""
+    order = np.argsort(sorted_side, kind="stable")
+    keys = sorted_side[order]
+    start, end = np.searchsorted(keys, probe, "left"), np.searchsorted(keys, probe, "right")
+    counts = end - start
+    probe_pos = np.repeat(np.arange(len(probe)), counts)
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return order[np.repeat(start, counts) + within], probe_pos
+
+
+def _pair_entries(pass_of_pair: np.ndarray, row_of_pair: np.ndarray, rows: pd.DataFrame):
+    """(pair, entry) for every entry of an index's rows table on a pair's (pass, row), ordered
+    by pair, then entry."""
+    def key(passes, token_rows):
+        return (np.asarray(passes, np.int64) << 32) | (np.asarray(token_rows, np.int64) + 1)
+    entry, pair = _join(key(rows["pass"].to_numpy(), rows["row"].to_numpy()), key(pass_of_pair, row_of_pair))
+    return pair, entry
+
+
+@dataclasses.dataclass
+class RowTable:
+    """One entry per (pair, tensor) present on both sides, with both fingerprints, ordered by pair
+    then by the tensor's place in A. Columns are numpy arrays with names as integer codes: the
+    strict verdict never builds a million-row frame of strings (that took seconds). ``frame``
+    gives a pandas view of chosen entries for the passes that read tensor values."""
+    pairs: pd.DataFrame  # the alignment's pairs
+    columns: Dict[str, np.ndarray]  # pair, tcode, ccode, fp_a/b, shape_a/b, nonfinite_a/b, is_in, is_out, comparable, differ
+    tensors: np.ndarray  # tensor names by code
+    calls: pd.Index  # call names by code
+    shapes: np.ndarray  # row shape strings by code
+    io_of: np.ndarray  # "in" / "out" / "?" by tensor code
+    _all: Optional[pd.DataFrame] = None
+
+    def __len__(self) -> int:
+        return len(self.columns["pair"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def call_mask(self, call: str) -> np.ndarray:
+        code = self.calls.get_indexer([call])[0]
+        return self.columns["ccode"] == code
+
+    def tensor_mask(self, tensor: str) -> np.ndarray:
+        codes = np.nonzero(self.tensors == tensor)[0]
+        return self.columns["tcode"] == (codes[0] if len(codes) else -1)
+
+    def frame(self, mask: Optional[np.ndarray] = None) -> pd.DataFrame:
+        """The chosen entries (all when mask is None) as a DataFrame with names spelled out."""
+        if mask is None and self._all is not None:
+            return self._all
+        c = self.columns if mask is None else {k: v[mask] for k, v in self.columns.items()}
+        pick = self.pairs[["pass_a", "row_a", "pass_b", "row_b"]].to_numpy()[c["pair"]]
+
+        def names(vocabulary: np.ndarray, codes: np.ndarray) -> pd.Series:
+            # object, not pandas' inferred string type: converting a million names to it cost 0.7 s
+            return pd.Series(vocabulary[codes], dtype=object, copy=False)
+        frame = pd.DataFrame({
+            "pair": c["pair"], "pass_a": pick[:, 0], "row_a": pick[:, 1], "pass_b": pick[:, 2], "row_b": pick[:, 3],
+            "tensor": names(self.tensors, c["tcode"]), "fp_a": c["fp_a"], "fp_b": c["fp_b"],
+            "rowshape_a": names(self.shapes, c["shape_a"]), "rowshape_b": names(self.shapes, c["shape_b"]),
+            "nonfinite_a": c["nonfinite_a"], "nonfinite_b": c["nonfinite_b"],
+            "call": names(self.calls.to_numpy(dtype=object), c["ccode"]), "io": names(self.io_of, c["tcode"]),
+            "comparable": c["comparable"], "differ": c["differ"]})
+        if mask is None:
+            self._all = frame
+        return frame
+
+
+def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
+    """Join both sides' fingerprints on (pair, tensor), on integer codes."""
+    pairs = alignment.pairs
+    tensors = _categories(a.rows["tensor"]).union(_categories(b.rows["tensor"]))
+    shapes = _categories(a.rows["rowshape"]).union(_categories(b.rows["rowshape"]))
+    n_tensors = max(len(tensors), 1)
+    sides = {}
+    for side, index in (("a", a), ("b", b)):
+        pair, entry = _pair_entries(pairs[f"pass_{side}"].to_numpy(), pairs[f"row_{side}"].to_numpy(), index.rows)
+        rows = index.rows
+        sides[side] = {"k": pair.astype(np.int64) * n_tensors + _codes(rows["tensor"], tensors)[entry],
+                       "fp": rows["fp"].to_numpy()[entry], "shape": _codes(rows["rowshape"], shapes)[entry],
+                       "nonfinite": rows["nonfinite"].to_numpy()[entry]}
+    at_b, at_a = _join(sides["b"]["k"], sides["a"]["k"])  # in A's order: by pair, then A's tensor order
+    pair, tcode = np.divmod(sides["a"]["k"][at_a], n_tensors)
+    # Every tensor belongs to one call (its name is call.io.slot).
+    info = b.tensors.drop_duplicates("tensor")
+    info = info[info["tensor"].isin(tensors)]
+    call_of = np.full(len(tensors), -1, np.int64)
+    io_of = np.full(len(tensors), "", object)
+    calls = pd.Index(info["call"].unique())
+    where = tensors.get_indexer(info["tensor"])
+    call_of[where] = calls.get_indexer(info["call"])
+    io_of[where] = info["io"].to_numpy()
+    keep = call_of[tcode] >= 0
+    at_a, at_b, pair, tcode = at_a[keep], at_b[keep], pair[keep], tcode[keep]
+    columns = {"pair": pair, "tcode": tcode, "ccode": call_of[tcode]}
+    for name in ("fp", "shape", "nonfinite"):
+        columns[f"{name}_a"], columns[f"{name}_b"] = sides["a"][name][at_a], sides["b"][name][at_b]
+    columns["is_in"], columns["is_out"] = io_of[tcode] == "in", io_of[tcode] == "out"
+    columns["comparable"] = columns["shape_a"] == columns["shape_b"]
+    columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])
+    return RowTable(pairs, columns, tensors.to_numpy(dtype=object), calls, shapes.to_numpy(dtype=object), io_of)
 
 
 def call_order(index: Index) -> Dict[str, int]:
@@ -46,30 +150,65 @@ def call_order(index: Index) -> Dict[str, int]:
     return calls.groupby("call")["rank_in_pass"].min().sort_values().rank(method="first").astype(int).to_dict()
 
 
-def strict_verdict(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame = None) -> dict:
+def _per_call(table: RowTable, pairs: pd.DataFrame, b: Index) -> pd.DataFrame:
+    """One row per (pair, call): whether any input / output row differs, the call's completion
+    time in its pass (post) and its canonical order. Grouped on integers."""
+    calls = table.calls
+    n_calls = max(len(calls), 1)
+    key = table["pair"].astype(np.int64) * n_calls + table["ccode"]
+    differ = table["differ"]
+    uniq, inverse = np.unique(key, return_inverse=True)
+    in_differ = np.zeros(len(uniq), bool)
+    out_differ = np.zeros(len(uniq), bool)
+    in_differ[inverse[differ & table["is_in"]]] = True
+    out_differ[inverse[differ & table["is_out"]]] = True
+    pair, ccode = np.divmod(uniq, n_calls)
+    pass_b = pairs["pass_b"].to_numpy()[pair]
+    # post of (pass, call) from B's calls table
+    calls_b = b.calls[b.calls["call"].isin(calls)]
+    call_key = calls_b["pass"].to_numpy(np.int64) * n_calls + calls.get_indexer(calls_b["call"])
+    sorter = np.argsort(call_key, kind="stable")
+    at = np.searchsorted(call_key, pass_b.astype(np.int64) * n_calls + ccode, sorter=sorter)
+    at = sorter[np.clip(at, 0, max(len(sorter) - 1, 0))] if len(sorter) else np.zeros(len(uniq), np.int64)
+    found = call_key[at] == pass_b.astype(np.int64) * n_calls + ccode if len(sorter) else np.zeros(len(uniq), bool)
+    order = call_order(b)
+    order_of = np.array([order.get(c, 0) for c in calls], dtype=np.int64) if len(calls) else np.zeros(0, np.int64)
+    per = pd.DataFrame({"pair": pair, "pass_b": pass_b, "ccode": ccode, "in_differ": in_differ, "out_differ": out_differ,
+                        "post": calls_b["post"].to_numpy()[at] if len(sorter) else np.zeros(len(uniq), np.int64),
+                        "order": order_of[ccode]})
+    return per[found]
+
+
+def _call_info(b: Index, names) -> Dict[str, tuple]:
+    """call -> (module, cls) for the given call names."""
+    calls = b.calls[b.calls["call"].isin(list(names))].drop_duplicates("call")
+    return {c: (m, k) for c, m, k in zip(calls["call"], calls["module"], calls["cls"])}
+
+
+def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[RowTable] = None) -> dict:
     table = row_table(alignment, a, b) if table is None else table
     pairs = alignment.pairs.set_index("pair")
-    calls_b = b.calls[["pass", "call", "module", "cls", "pre", "post"]]
-    flags = table.assign(in_differ=table["differ"] & (table["io"] == "in"),
-                         out_differ=table["differ"] & (table["io"] == "out"))
-    per_call = flags.groupby(["pair", "pass_b", "call"])[["in_differ", "out_differ"]].any().reset_index()
-    per_call = per_call.merge(calls_b, left_on=["pass_b", "call"], right_on=["pass", "call"]).drop(columns=["pass"])
-    order = call_order(b)
-    per_call["order"] = per_call["call"].map(order)
-    culprits = per_call[per_call["out_differ"] & ~per_call["in_differ"]].sort_values(["pair", "post"])
+    calls = table.calls
+    per_call = _per_call(table, alignment.pairs, b)
+    origin = per_call["out_differ"].to_numpy() & ~per_call["in_differ"].to_numpy()
+    culprits = per_call[origin].sort_values(["pair", "post"], kind="stable")
     row_culprit = culprits.drop_duplicates("pair", keep="first")
-    dirty = per_call[per_call["out_differ"] | per_call["in_differ"]].sort_values(["pair", "post"])
+    dirty = per_call[per_call["out_differ"] | per_call["in_differ"]].sort_values(["pair", "post"], kind="stable")
     first_dirty = dirty.drop_duplicates("pair", keep="first").set_index("pair")
 
     verdict = {"rows_compared": int(len(pairs)), "rows_differing": int(dirty["pair"].nunique()),
                "not_comparable": not_comparable(table, a, b), "nonfinite": nonfinite(table),
                "culprit": None, "per_row": [], "groups": []}
-    verdict.update(calls_timeline(per_call))
+    verdict.update(calls_timeline(per_call, calls, b))
     if row_culprit.empty:
         if len(dirty):
             verdict["note"] = "rows differ but no hooked call has clean inputs and a dirty output; widen DUMPER_FILTER"
         return verdict
-    rows = row_culprit.merge(pairs[["seq", "pos", "id", "mode_a", "mode_b", "pass_a", "row_a"]], left_on="pair", right_index=True)
+    rows = row_culprit.assign(call=calls.to_numpy(dtype=object)[row_culprit["ccode"].to_numpy()]).merge(
+        pairs[["seq", "pos", "id", "mode_a", "mode_b", "pass_a", "row_a"]], left_on="pair", right_index=True)
+    info = _call_info(b, rows["call"].unique())
+    rows["module"] = rows["call"].map(lambda c: info[c][0])
+    rows["cls"] = rows["call"].map(lambda c: info[c][1])
     verdict["per_row"] = [
         {"seq": r.seq, "pos": int(r.pos), "id": int(r.id), "kind": r.mode_b, "ref_kind": r.mode_a, "culprit": r.call}
         for r in rows.sort_values(["seq", "pos"]).itertuples()]
@@ -81,9 +220,9 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame
     culprit = {"call": first, "module": groups.loc[first, "module"], "cls": groups.loc[first, "cls"],
                "rows": [{"seq": r.seq, "pos": int(r.pos), "kind": r.mode_b} for r in mine.itertuples()][:MAX_LISTED],
                "n_rows": int(len(mine))}
-    culprit["note"] = _own_code_note(mine, first_dirty, per_call)
-    later = per_call[(per_call["order"] > order[first]) & (per_call["in_differ"] | per_call["out_differ"])]
-    culprit["victims"] = int(later["call"].nunique())
+    culprit["note"] = _own_code_note(mine, first_dirty, calls)
+    later = per_call[(per_call["order"] > int(groups.loc[first, "order"])) & (per_call["in_differ"] | per_call["out_differ"])]
+    culprit["victims"] = int(later["ccode"].nunique())
     culprit.update(_error_figures(first, mine, table, a, b))
     verdict["culprit"] = culprit
     return verdict
@@ -92,39 +231,47 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame
 MAX_TIMELINE = 5000  # calls kept in the timeline; an MoE with hooked experts can have tens of thousands
 
 
-def calls_timeline(per_call: pd.DataFrame) -> dict:
+def calls_timeline(per_call: pd.DataFrame, calls: pd.Index, b: Index) -> dict:
     """Per hooked call, in execution order: rows compared, rows whose inputs / outputs differ, and
     rows where a difference arises in it (clean inputs, dirty output). Only fingerprints are used,
     no tensor bytes, so it stays cheap on huge dumps; the reports plot it."""
-    flags = per_call.assign(origin=per_call["out_differ"] & ~per_call["in_differ"])
-    calls = flags.groupby("call").agg(cls=("cls", "first"), order=("order", "min"), rows=("pair", "size"),
-                                      rows_in_differ=("in_differ", "sum"), rows_out_differ=("out_differ", "sum"),
-                                      rows_origin=("origin", "sum")).sort_values("order")
-    timeline = [{"call": call, "cls": c.cls, "order": int(c.order), "rows": int(c.rows),
-                 "rows_in_differ": int(c.rows_in_differ), "rows_out_differ": int(c.rows_out_differ),
-                 "rows_origin": int(c.rows_origin)} for call, c in calls.head(MAX_TIMELINE).iterrows()]
-    return {"calls_timeline": timeline, "calls_timeline_total": int(len(calls))}
+    n = len(calls)
+    ccode = per_call["ccode"].to_numpy()
+    in_d, out_d = per_call["in_differ"].to_numpy(), per_call["out_differ"].to_numpy()
+    counts = {"rows": np.bincount(ccode, minlength=n), "rows_in_differ": np.bincount(ccode, in_d, minlength=n),
+              "rows_out_differ": np.bincount(ccode, out_d, minlength=n),
+              "rows_origin": np.bincount(ccode, out_d & ~in_d, minlength=n)}
+    present = np.nonzero(counts["rows"])[0]
+    order = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(order, ccode, per_call["order"].to_numpy())
+    present = present[np.argsort(order[present], kind="stable")]
+    names = calls.to_numpy(dtype=object)
+    info = _call_info(b, names[present[:MAX_TIMELINE]])
+    timeline = [{"call": names[c], "cls": info[names[c]][1], "order": int(order[c]),
+                 **{k: int(v[c]) for k, v in counts.items()}} for c in present[:MAX_TIMELINE]]
+    return {"calls_timeline": timeline, "calls_timeline_total": int(len(present))}
 
 
-def _own_code_note(mine: pd.DataFrame, first_dirty: pd.DataFrame, per_call: pd.DataFrame):
+def _own_code_note(mine: pd.DataFrame, first_dirty: pd.DataFrame, calls: pd.Index):
     """Say so when the first difference appeared at a child's input, i.e. in the culprit's own code."""
     sample = mine.iloc[0]
     first = first_dirty.loc[sample["pair"]]
-    if first["call"] == sample["call"] or not first["in_differ"]:
+    first_call = calls[int(first["ccode"])]
+    if first_call == sample["call"] or not first["in_differ"]:
         return None
-    return (f"its hooked children ran clean up to {first['call']}, whose input already differs: the difference "
+    return (f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
             f"arises in {sample['call'].split('#')[0]}'s own code (not a hooked submodule) before that call")
 
 
-def _error_figures(call: str, mine: pd.DataFrame, table: pd.DataFrame, a: Index, b: Index) -> dict:
-    outs = table[(table["call"] == call) & (table["io"] == "out") & table["differ"] & table["pair"].isin(mine["pair"])]
+def _error_figures(call: str, mine: pd.DataFrame, table: RowTable, a: Index, b: Index) -> dict:
+    outs = table.frame(table.call_mask(call) & table["is_out"] & table["differ"] & np.isin(table["pair"], mine["pair"]))
     tensor = outs["tensor"].iloc[0]
     chosen = outs[outs["tensor"] == tensor].merge(mine[["pair", "pass_a", "row_a"]], on="pair", suffixes=("", "_m"))
     chosen = chosen.iloc[: 512]  # bounded read: enough rows for the figures
     reader_a, reader_b = a.reader(), b.reader()
-    ref = torch.cat([reader_a.rows(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_a"], chosen["row_a"])])
-    test = torch.cat([reader_b.rows(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_b"], chosen["row_b"])])
-    figures = error_stats(ref, test)
+    ref = [reader_a.bits(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_a"], chosen["row_a"])]
+    test = [reader_b.bits(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_b"], chosen["row_b"])]
+    figures = error_stats(np.concatenate([r for r, _ in ref]), np.concatenate([t for t, _ in test]), ref[0][1])
     figures["tensor"] = tensor
     figures["shapes"] = _shapes(call, chosen, a, b)
     return figures
@@ -141,42 +288,42 @@ def _shapes(call: str, chosen: pd.DataFrame, a: Index, b: Index) -> dict:
     return out
 
 
-def error_stats(ref: torch.Tensor, test: torch.Tensor) -> dict:
-    """max abs diff, max ulp diff and relative diff between two same-shaped float tensors."""
-    if not ref.is_floating_point():
-        differ = int((ref != test).sum())
-        return {"max_abs": float((ref.long() - test.long()).abs().max()), "max_ulp": None, "rel": None,
-                "elements_differ": differ, "dtype": str(ref.dtype)[6:]}
-    r64, t64 = ref.double(), test.double()
-    finite = torch.isfinite(r64) & torch.isfinite(t64)
-    diff = (r64 - t64).abs()[finite]
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    scale = float(r64[finite].abs().max()) if finite.any() else 0.0
-    return {"max_abs": max_abs, "max_ulp": ulp_distance(ref, test), "rel": max_abs / scale if scale else None,
-            "elements_differ": int((ref.view(_int_type(ref)) != test.view(_int_type(test))).sum()),
-            "elements": int(ref.numel()), "dtype": str(ref.dtype)[6:], "ref_absmax": scale}
+def error_stats(ref: np.ndarray, test: np.ndarray, dtype: DType) -> dict:
+    """max abs diff, max ulp diff and relative diff between two same-shaped arrays of elements held
+    as bits (see analyzer/dtypes.py)."""
+    differ = int((ref != test).sum())
+    if not dtype.floating:
+        values_r, values_t = (x.view(dtype.native).astype(np.int64) for x in (ref, test))
+        return {"max_abs": float(np.abs(values_r - values_t).max()) if ref.size else 0.0, "max_ulp": None,
+                "rel": None, "elements_differ": differ, "dtype": dtype.name}
+    r64, t64 = to_float64(ref, dtype), to_float64(test, dtype)
+    finite = np.isfinite(r64) & np.isfinite(t64)
+    diff = np.abs(r64 - t64)[finite]
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(r64[finite]).max()) if finite.any() else 0.0
+    return {"max_abs": max_abs, "max_ulp": ulp_distance(ref, test, dtype, finite), "rel": max_abs / scale if scale else None,
+            "elements_differ": differ, "elements": int(ref.size), "dtype": dtype.name, "ref_absmax": scale}
 
 
-def _int_type(t: torch.Tensor):
-    return {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.int8}[t.element_size()]
-
-
-def ulp_distance(ref: torch.Tensor, test: torch.Tensor) -> int:
-    """Largest number of representable floats between paired elements (NaN/Inf ignored)."""
-    def ordered(t):
-        bits = t.contiguous().view(_int_type(t)).long()
-        sign_mask = 1 << (t.element_size() * 8 - 1)
-        return torch.where(bits < 0, -(bits & (sign_mask - 1)), bits)
-    finite = torch.isfinite(ref) & torch.isfinite(test)
+def ulp_distance(ref: np.ndarray, test: np.ndarray, dtype: DType, finite: np.ndarray) -> int:
+    """Largest number of representable floats between paired finite elements."""
     if not finite.any():
         return 0
-    return int((ordered(ref) - ordered(test)).abs()[finite].max())
+    sign = 1 << (8 * dtype.size - 1)
+
+    def ordered(bits):  # sign-magnitude -> a line where neighbours differ by one
+        bits = bits[finite]
+        magnitude = (bits & dtype.bits(sign - 1)).astype(np.int64)
+        return np.where(bits & dtype.bits(sign), -magnitude, magnitude)
+    if dtype.size < 8:
+        return int(np.abs(ordered(ref) - ordered(test)).max())
+    return max(abs(int(x) - int(y)) for x, y in zip(ordered(ref), ordered(test)))  # beyond int64: Python ints
 
 
-def not_comparable(table: pd.DataFrame, a: Index, b: Index) -> List[dict]:
+def not_comparable(table: RowTable, a: Index, b: Index) -> List[dict]:
     """Calls with tensors that cannot be compared row by row, and why."""
     found = {}
-    shape_mismatch = table[~table["comparable"]].drop_duplicates("tensor")
+    shape_mismatch = table.frame(~table["comparable"]).drop_duplicates("tensor")
     for r in shape_mismatch.itertuples():
         found.setdefault(r.call, f"{r.tensor}: row shape {r.rowshape_a} vs {r.rowshape_b}")
     for index in (b, a):
@@ -186,8 +333,8 @@ def not_comparable(table: pd.DataFrame, a: Index, b: Index) -> List[dict]:
     return [{"call": c, "why": w} for c, w in list(found.items())[:MAX_LISTED * 5]]
 
 
-def nonfinite(table: pd.DataFrame) -> List[dict]:
-    bad = table[(table["nonfinite_a"] > 0) | (table["nonfinite_b"] > 0)]
+def nonfinite(table: RowTable) -> List[dict]:
+    bad = table.frame((table["nonfinite_a"] > 0) | (table["nonfinite_b"] > 0))
     summary = bad.groupby("tensor").agg(rows=("pair", "size"), a=("nonfinite_a", "sum"), b=("nonfinite_b", "sum"))
     return [{"tensor": t, "rows": int(r.rows), "nonfinite_a": int(r.a), "nonfinite_b": int(r.b)}
             for t, r in summary.head(MAX_LISTED).iterrows()]

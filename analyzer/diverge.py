@@ -10,8 +10,6 @@ from .compare import row_table, strict_verdict
 from .errors import DumpError
 from .index import load_index
 from .load import Dump, open_dump, show
-from .moe import routing_flips
-from .noise import noise_floor_by_call, noise_verdict, row_errors
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
 # engine's own cache), so it is only reported.
@@ -50,6 +48,8 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
         if noise_aware and verdict["rows_differing"]:
+            from .moe import routing_flips  # these read tensor values through torch: not under --strict-only
+            from .noise import noise_verdict
             verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r))
             verdict["summary"] = summarize(verdict)
         if noise_aware and verdict["rows_differing"]:  # reads router rows: not under --strict-only
@@ -69,6 +69,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
 
 def _repeat_floors(dump_a: Dump, repeat_path: str, progress: bool) -> dict:
     """Per rank, per call: the output error two runs of the same reference show anyway."""
+    from .noise import noise_floor_by_call, row_errors
     repeat = open_dump(repeat_path)
     check_same_model(dump_a, repeat, allow=False)
     index_a, index_r = load_index(dump_a, progress=progress), load_index(repeat, progress=progress)

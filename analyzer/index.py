@@ -29,15 +29,15 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import pandas as pd
-import torch
 
 from dumper import format as fmt
 
+from .dtypes import BY_CODE, DType
 from .errors import DumpError
 from .fingerprint import THREADS, as_signed, row_stats
 from .load import Dump, PassFile, show
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: XXH3 row fingerprints
 INDEX_DIR = "index"
 TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
 
@@ -181,7 +181,11 @@ def build_tables(dump: Dump, progress: bool = True) -> Dict[str, pd.DataFrame]:
             parts[name].append(frame)
         bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
     bar.close()
-    return {n: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame() for n, frames in parts.items()}
+    tables = {n: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame() for n, frames in parts.items()}
+    for column in ("tensor", "rowshape"):  # a million repeats of a few hundred names: stored and read as codes
+        if column in tables["rows"]:
+            tables["rows"][column] = tables["rows"][column].astype("category")
+    return tables
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -220,21 +224,21 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
             needed[stored] = None
     # Every stored tensor is read once, in the order its bytes lie in the file, by a read-ahead
     # thread, and hashed by a pool of threads while the next tensors are read.
-    def work(stored, tensor, release):
+    def work(stored, tensor, dtype, release):
         try:
-            return _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, in_pool=True)
+            return _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
         finally:
             release()
 
     if HASH_THREADS <= 1 or ref.nbytes < INLINE_PASS_BYTES:  # a decode step: handing off costs more
-        for stored, tensor, release in read_tensors(pf, list(needed), on_bytes):
-            stored_rows[stored] = work(stored, tensor, release)
+        for stored, tensor, dtype, release in read_tensors(pf, list(needed), on_bytes):
+            stored_rows[stored] = work(stored, tensor, dtype, release)
             del tensor
     else:
         pending: "collections.deque" = collections.deque()
         try:
-            for stored, tensor, release in read_tensors(pf, list(needed), on_bytes):
-                pending.append((stored, _tensor_pool().submit(work, stored, tensor, release)))
+            for stored, tensor, dtype, release in read_tensors(pf, list(needed), on_bytes):
+                pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, release)))
                 del tensor
                 while len(pending) > 2 * HASH_THREADS or (pending and pending[0][1].done()):
                     done, future = pending.popleft()
@@ -281,12 +285,12 @@ def token_rows_of(tmeta: dict, meta: dict, n_rows: int) -> Optional[List[int]]:
     return list(range(n_rows))
 
 
-def stored_row_view(tensor: torch.Tensor, tmeta: dict) -> torch.Tensor:
+def stored_row_view(tensor: np.ndarray, tmeta: dict) -> np.ndarray:
     """The stored tensor as [rows, ...]: token dims moved to the front and flattened."""
     if tmeta.get("selected"):
         return tensor
     dims = tmeta["token_dims"]
-    moved = tensor.movedim(dims, list(range(len(dims))))
+    moved = np.moveaxis(tensor, dims, list(range(len(dims))))
     return moved.reshape((-1,) + tuple(moved.shape[len(dims):]))
 
 
@@ -305,9 +309,10 @@ def _rows_frame(parts: List[tuple]) -> pd.DataFrame:
 
 
 def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
-                 tensor: Optional[torch.Tensor] = None, in_pool: bool = False):
+                 tensor: Optional[np.ndarray] = None, dtype: Optional[DType] = None):
     """(row columns, why it has no token rows or None, whether it holds the pass's token ids)."""
-    tensor = pf.tensor(stored) if tensor is None else tensor
+    if tensor is None:
+        tensor, dtype = pf.bits(stored)
     if list(tensor.shape) != list(tmeta["shape"]) and not tmeta.get("selected"):
         raise DumpError(f"{show(pf.ref.path)}: tensor {stored!r} has shape {list(tensor.shape)}, metadata says "
                         f"{tmeta['shape']}; the file is damaged")
@@ -322,20 +327,19 @@ def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int
     rows_of = np.asarray(token_rows, dtype=np.int64)
     keep = (rows_of < 0) | valid[np.clip(rows_of, 0, None)] if len(valid) else rows_of < 0
     srow = np.nonzero(keep)[0]
-    view = view[torch.from_numpy(srow)] if not keep.all() else view
+    view = view[srow] if not keep.all() else view
     kept_rows = rows_of[srow].astype(np.int32)
-    # One pass over the bytes: fingerprints, max |x|, inf/nan. Inside the tensor pool only a big
-    # tensor is also split over the hashing threads (the other workers hash other tensors).
-    fps, amax, nonfinite = row_stats(view, min_parallel_blocks=64 if in_pool else 4)
+    fps, amax, nonfinite = row_stats(view, dtype)  # fingerprints, max |x|, inf/nan
     if amax is None:
         amax = np.full(view.shape[0], np.nan)
     rest = tuple(s for s in view.shape[1:] if s != 1)
-    columns = {"row": kept_rows, "fp": as_signed(fps), "rowshape": f"{str(tensor.dtype)[6:]}{list(rest)}",
+    columns = {"row": kept_rows, "fp": as_signed(fps), "rowshape": f"{dtype.name}{list(rest)}",
                "amax": amax, "nonfinite": nonfinite, "srow": srow.astype(np.int32)}
     is_ids = bool(
-        why is None and token_rows != [-1] and not tensor.is_floating_point() and len(rest) == 0
-        and view.numel() == len(kept_rows)
-        and np.array_equal(view.reshape(-1).to(torch.int64).numpy(), np.asarray(meta["tokens"]["ids"])[kept_rows]))
+        why is None and token_rows != [-1] and dtype.kind == "int" and len(rest) == 0
+        and view.size == len(kept_rows)
+        and np.array_equal(view.reshape(-1).view(dtype.native).astype(np.int64),
+                           np.asarray(meta["tokens"]["ids"])[kept_rows]))
     return columns, why, is_ids
 
 
@@ -353,13 +357,8 @@ def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="dumpdiff-index")
         return _pool
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
 def _file_layout(path: str):
-    """{tensor name: (torch dtype, shape, first byte, end byte)} from a safetensors header, or None
+    """{tensor name: (DType, shape, first byte, end byte)} from a safetensors header, or None
     when the header is not one this reader understands (then safetensors reads the tensors)."""
     try:
         with open(path, "rb") as handle:
@@ -379,12 +378,12 @@ def _file_layout(path: str):
         if name == "__metadata__":
             continue
         try:
-            dtype = _ST_DTYPES[entry["dtype"]]
+            dtype = BY_CODE[entry["dtype"]]
             shape = [int(s) for s in entry["shape"]]
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             return None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
         if end - begin != nbytes or begin < 0 or start + end > file_size:
             return None
         layout[name] = (dtype, shape, start + begin, start + end)
@@ -392,16 +391,15 @@ def _file_layout(path: str):
 
 
 def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
-    """Yield (name, tensor, release) for every name, in file order. A thread reads ahead with
+    """Yield (name, bits, DType, release) for every name, in file order. A thread reads ahead with
     plain sequential reads (no memory map: the page cache is not charged to this process), so
     reading overlaps hashing. ``release()`` says the tensor is done with: its buffer is reused,
     and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release."""
     layout = _file_layout(pf.ref.path)
     if layout is None or any(name not in layout for name in names):
         for name in names:  # safetensors reads them and names what is wrong with the file
-            tensor = pf.tensor(name)
-            nbytes = tensor.numel() * tensor.element_size()
-            yield name, tensor, (lambda nbytes=nbytes: on_bytes and on_bytes(nbytes))
+            tensor, dtype = pf.bits(name)
+            yield name, tensor, dtype, (lambda nbytes=tensor.nbytes: on_bytes and on_bytes(nbytes))
         return
     order = sorted(names, key=lambda n: layout[n][2])
     results: "queue.Queue" = queue.Queue()
@@ -436,17 +434,17 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                         if not n:
                             raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
                         got += n
-                    tensor = torch.from_numpy(buffer[:nbytes]).view(dtype).reshape(shape) if nbytes else \
-                        torch.empty(shape, dtype=dtype)
-                    results.put((name, tensor, nbytes, buffer, None))
+                    tensor = buffer[:nbytes].view(dtype.bits).reshape(shape) if nbytes else \
+                        np.empty(shape, dtype=dtype.bits)
+                    results.put((name, tensor, dtype, nbytes, buffer, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-            results.put((None, None, 0, None, exc))
+            results.put((None, None, None, 0, None, exc))
 
     thread = threading.Thread(target=reader, name="dumpdiff-index-read", daemon=True)
     thread.start()
     try:
         for _ in order:
-            name, tensor, nbytes, buffer, error = results.get()
+            name, tensor, dtype, nbytes, buffer, error = results.get()
             if error is not None:
                 if isinstance(error, OSError):
                     raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
@@ -460,7 +458,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                 if on_bytes:
                     on_bytes(nbytes)
 
-            yield name, tensor, release
+            yield name, tensor, dtype, release
             del tensor
     finally:
         with cond:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from dumper import format as fmt
 
+from .dtypes import BY_CODE, DType
 from .errors import DumpError
 
 LOCK_FILE = ".lock"  # dumper/writer.py's lock file; its text says whether the writer closed the dump
@@ -177,18 +179,19 @@ def _unclosed_writer(rank_dir: str) -> Optional[str]:
     return state if state.startswith("writing") else None
 
 
-def _safe_open(path: str):
+def _safe_open(path: str, framework: str = "numpy"):
     """safe_open, also for a path with bytes that are not UTF-8 (safetensors accepts only UTF-8
-    paths): such a file is opened by us and handed over as /dev/fd/N, which needs no name."""
+    paths): such a file is opened by us and handed over as /dev/fd/N, which needs no name.
+    numpy by default: the "pt" framework imports torch (a second of start-up) at open."""
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
         fd = os.open(path, os.O_RDONLY)
         try:
-            return safe_open(f"/dev/fd/{fd}", framework="pt")  # safetensors opens and maps its own copy
+            return safe_open(f"/dev/fd/{fd}", framework=framework)  # safetensors opens and maps its own copy
         finally:
             os.close(fd)
-    return safe_open(path, framework="pt")
+    return safe_open(path, framework=framework)
 
 
 # --- the shape of pass metadata (dumper/format.py), checked once here so that every later stage
@@ -257,6 +260,7 @@ class PassFile:
 
     def __init__(self, ref: PassRef):
         self.ref = ref
+        self._torch_file = None
         try:
             self._file = _safe_open(ref.path)
             header = self._file.metadata() or {}
@@ -284,9 +288,28 @@ class PassFile:
         self.names = set(self._file.keys())
 
     def tensor(self, name: str):
-        if name not in self.names:
-            raise DumpError(f"{show(self.ref.path)}: tensor {name!r} listed in metadata is not in the file; the file is damaged")
+        """The tensor as torch (imported here, not before)."""
+        self._check(name)
         try:
-            return self._file.get_tensor(name)
+            if self._torch_file is None:
+                self._torch_file = _safe_open(self.ref.path, "pt")
+            return self._torch_file.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise DumpError(f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged") from None
+
+    def bits(self, name: str) -> Tuple[np.ndarray, DType]:
+        """The tensor's elements as unsigned-int bits in numpy, and its element type (no torch
+        unless numpy cannot read the type)."""
+        self._check(name)
+        try:
+            dtype = BY_CODE.get(self._file.get_slice(name).get_dtype())
+            if dtype is not None and dtype.native is not None:
+                return np.ascontiguousarray(self._file.get_tensor(name)).view(dtype.bits), dtype
+        except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
+            raise DumpError(f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged") from None
+        from .torchbits import from_torch  # bfloat16, float8: numpy has no such type
+        return from_torch(self.tensor(name))
+
+    def _check(self, name: str):
+        if name not in self.names:
+            raise DumpError(f"{show(self.ref.path)}: tensor {name!r} listed in metadata is not in the file; the file is damaged")

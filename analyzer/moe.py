@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from .align import Alignment
-from .compare import call_order
+from .compare import RowTable, call_order
 from .index import Index
 
 MAX_EXAMPLES = 8
@@ -36,7 +36,7 @@ CONFIG_K = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k", 
 _LAYER = re.compile(r"\.(\d+)(?=[.#]|$)")
 
 
-def routing_flips(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame, run: Optional[dict] = None) -> List[dict]:
+def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run: Optional[dict] = None) -> List[dict]:
     """One entry per router call whose output differs on some paired rows, in execution order."""
     routers = find_routers(b)
     if not routers:
@@ -48,8 +48,8 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame,
     found = []
     for router in sorted(routers, key=lambda r: order.get(r["call"], 0)):
         chosen = router["indices"] or router["logits"]
-        mine = table[(table["tensor"] == chosen) & table["comparable"]]
-        outs = table[table["call"].eq(router["call"]) & table["io"].eq("out") & table["differ"]]
+        mine = table.frame(table.tensor_mask(chosen) & table["comparable"])
+        outs = table.frame(table.call_mask(router["call"]) & table["is_out"] & table["differ"])
         differing = mine[mine["pair"].isin(outs["pair"])]
         if differing.empty:
             continue

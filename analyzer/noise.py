@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from .align import Alignment
-from .compare import MAX_LISTED, call_order
+from .compare import MAX_LISTED, RowTable, call_order
 from .index import Index
 
 MIN_AMPLIFICATION = 30.0  # never call a 30x jump or less an introduced error
@@ -47,9 +47,9 @@ def sample_pairs(pairs: pd.DataFrame, limit: int = MAX_PAIRS) -> pd.DataFrame:
     return pd.concat(parts).drop_duplicates("pair")
 
 
-def row_errors(table: pd.DataFrame, a: Index, b: Index, pairs: pd.DataFrame, atol=None, rtol=None) -> pd.DataFrame:
+def row_errors(table: RowTable, a: Index, b: Index, pairs: pd.DataFrame, atol=None, rtol=None) -> pd.DataFrame:
     """Per (pair, tensor): relative error, absolute error and (with tolerances) 'exceeds'."""
-    rows = table[table["comparable"] & table["pair"].isin(pairs["pair"])].copy()
+    rows = table.frame(table["comparable"] & np.isin(table["pair"], pairs["pair"].to_numpy()))
     rows["rel"] = 0.0
     rows["abs"] = 0.0
     rows["exceeds"] = False
@@ -125,7 +125,7 @@ def derive_threshold(calls: pd.DataFrame) -> dict:
     return {"amplification": threshold, "median": 10 ** median, "mad": mad, "samples": int(len(active))}
 
 
-def noise_verdict(alignment: Alignment, a: Index, b: Index, table: pd.DataFrame, atol=None, rtol=None,
+def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
                   floor_by_call: Optional[Dict[str, float]] = None) -> dict:
     pairs = sample_pairs(alignment.pairs)
     errors = row_errors(table, a, b, pairs, atol, rtol)

@@ -21,12 +21,13 @@ import json
 import os
 from typing import Dict, List, Optional
 
+import numpy as np
 import pandas as pd
 
 from dumper import format as fmt
 
 from .align import align, prove
-from .compare import row_table, strict_verdict
+from .compare import RowTable, row_table, strict_verdict
 from .diverge import check_same_model
 from .errors import DumpError
 from .index import Index, load_index
@@ -135,10 +136,10 @@ def _resolve_call(name: str, index: Index) -> Optional[str]:
     return mine["call"].iloc[0] if len(mine) else None
 
 
-def _rows_for(call: str, table: pd.DataFrame, pairs: pd.DataFrame):
+def _rows_for(call: str, table: RowTable, pairs: pd.DataFrame):
     """Pairs to replay: those where the call makes the difference (inputs identical, output not),
     else where its output differs, else any compared; all within the first pass pair, in row order."""
-    mine = table[table["call"] == call]
+    mine = table.frame(table.call_mask(call))
     flags = mine.assign(in_differ=mine["differ"] & (mine["io"] == "in"), out_differ=mine["differ"] & (mine["io"] == "out"))
     per = flags.groupby("pair")[["in_differ", "out_differ"]].any().reset_index()
     origin = per[per["out_differ"] & ~per["in_differ"]]
@@ -237,8 +238,8 @@ def _srows(rows: pd.DataFrame, tensor: str, token_rows: List[int]) -> Optional[L
     return [int(found.loc[r]) for r in token_rows]
 
 
-def _compared_output(call: str, pairs: pd.DataFrame, table: pd.DataFrame, index: Index) -> str:
-    outs = table[(table["call"] == call) & (table["io"] == "out") & table["pair"].isin(pairs["pair"])]
+def _compared_output(call: str, pairs: pd.DataFrame, table: RowTable, index: Index) -> str:
+    outs = table.frame(table.call_mask(call) & table["is_out"] & np.isin(table["pair"], pairs["pair"].to_numpy()))
     differing = outs[outs["differ"]]
     if len(differing):
         return differing["tensor"].iloc[0]

@@ -17,10 +17,11 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 import pandas as pd
-import torch
 
+from .dtypes import DType
 from .index import Index, _file_layout, stored_row_view
 from .load import PassFile
+from .torchbits import to_torch
 
 CACHE_BYTES = 512 << 20
 
@@ -43,17 +44,21 @@ class RowReader:
         self._limit = cache_bytes
         self.bytes_read = 0
 
-    def rows(self, pass_id: int, tensor: str, token_rows) -> torch.Tensor:
-        """[len(token_rows), ...] for one tensor of one pass."""
+    def rows(self, pass_id: int, tensor: str, token_rows):
+        """[len(token_rows), ...] torch tensor for one tensor of one pass."""
+        return to_torch(*self.bits(pass_id, tensor, token_rows))
+
+    def bits(self, pass_id: int, tensor: str, token_rows) -> Tuple[np.ndarray, DType]:
+        """([len(token_rows), ...] elements as unsigned-int bits, element type) for one tensor of one pass."""
         srow = self._srow_map(pass_id, tensor)
         picks = [srow[int(r)] for r in token_rows]
         stored, dims, selected = self._meta[(pass_id, tensor)]
         entry = self._entry(pass_id, stored)
         leading = dims is not None and (selected or list(dims) == list(range(len(dims))))
         if entry is None or not leading:
-            view = self._whole_view(pass_id, stored, dims, selected)
-            return view[torch.tensor(picks, dtype=torch.long)]
-        return self._read_rows(pass_id, stored, entry, 1 if selected else len(dims), picks)
+            view, dtype = self._whole_view(pass_id, stored, dims, selected)
+            return view[np.asarray(picks, dtype=np.int64)], dtype
+        return self._read_rows(pass_id, stored, entry, 1 if selected else len(dims), picks), entry[0]
 
     # --- where rows are -----------------------------------------------------------------------
     def _srow_map(self, pass_id: int, tensor: str) -> Dict[int, int]:
@@ -81,7 +86,7 @@ class RowReader:
         return layout.get(stored) if layout else None
 
     # --- reading --------------------------------------------------------------------------------
-    def _read_rows(self, pass_id: int, stored: str, entry, k: int, picks: List[int]) -> torch.Tensor:
+    def _read_rows(self, pass_id: int, stored: str, entry, k: int, picks: List[int]) -> np.ndarray:
         dtype, shape, begin, end = entry
         row_shape = tuple(shape[k:])
         n_rows = int(np.prod(shape[:k], dtype=np.int64))
@@ -102,8 +107,8 @@ class RowReader:
                     first, count = need[start], stop - start
                     buffer = np.empty(count * row_bytes, dtype=np.uint8)
                     _pread_into(fd, buffer, begin + first * row_bytes)
-                    block = torch.from_numpy(buffer).view(dtype).reshape((count,) + row_shape) if row_bytes else \
-                        torch.empty((count,) + row_shape, dtype=dtype)
+                    block = buffer.view(dtype.bits).reshape((count,) + row_shape) if row_bytes else \
+                        np.empty((count,) + row_shape, dtype=dtype.bits)
                     for i in range(count):
                         have[first + i] = block[i]
                     self.bytes_read += buffer.nbytes
@@ -112,19 +117,20 @@ class RowReader:
             finally:
                 os.close(fd)
             self._evict()
-        return torch.stack([have[p] for p in picks]) if picks else torch.empty((0,) + row_shape, dtype=dtype)
+        return np.stack([have[p] for p in picks]) if picks else np.empty((0,) + row_shape, dtype=dtype.bits)
 
-    def _whole_view(self, pass_id: int, stored: str, dims, selected: bool) -> torch.Tensor:
+    def _whole_view(self, pass_id: int, stored: str, dims, selected: bool) -> Tuple[np.ndarray, DType]:
         slot = self._slot((pass_id, stored), "view")
         if slot.get("view") is None:
             pass_file = self._files.get(pass_id)
             if pass_file is None:
                 pass_file = self._files[pass_id] = PassFile(self._refs[pass_id])
-            data = pass_file.tensor(stored)
-            self.bytes_read += data.numel() * data.element_size()
-            slot["view"] = stored_row_view(data, {"token_dims": dims, "selected": selected}) if dims is not None \
+            data, dtype = pass_file.bits(stored)
+            self.bytes_read += data.nbytes
+            view = stored_row_view(data, {"token_dims": dims, "selected": selected}) if dims is not None \
                 else data.reshape((1,) + tuple(data.shape))
-            self._cached += data.numel() * data.element_size()
+            slot["view"] = (view, dtype)
+            self._cached += data.nbytes
             self._evict()
         return slot["view"]
 
@@ -139,8 +145,8 @@ class RowReader:
         while self._cached > self._limit and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             if old["view"] is not None:
-                self._cached -= old["view"].numel() * old["view"].element_size()
-            self._cached -= sum(r.numel() * r.element_size() for r in old["rows"].values())
+                self._cached -= old["view"][0].nbytes
+            self._cached -= sum(r.nbytes for r in old["rows"].values())
 
 
 def _pread_into(fd: int, buffer: np.ndarray, offset: int):

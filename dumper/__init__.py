@@ -10,6 +10,13 @@ The dumper never imports the analyzer; both share only ``dumper.format``.
 """
 
 from .config import ConfigError, DumperConfig
-from .hooks import Dumper, install
+
+
+def __getattr__(name):
+    # The hooks need torch; dumper.format (shared with the analyzer) must not pull it in.
+    if name in ("Dumper", "install"):
+        from . import hooks
+        return getattr(hooks, name)
+    raise AttributeError(f"module 'dumper' has no attribute {name!r}")
 
 __all__ = ["ConfigError", "Dumper", "DumperConfig", "install"]
