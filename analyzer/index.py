@@ -252,7 +252,7 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
             concurrent.futures.wait([future for _, future in pending])
     for call in meta["calls"]:
         call_rows.append({"call": call["call"], "module": call["module"], "cls": call["cls"], "pre": call["pre"],
-                          "post": call["post"] if call["post"] is not None else -1,
+                          "post": call["post"] if call.get("post") is not None else -1,  # absent = never finished
                           "skipped": json.dumps(call.get("skipped", {})) if call.get("skipped") else None})
         for name, tmeta in call["tensors"].items():
             parsed = fmt.TENSOR_NAME_RE.match(name)
