@@ -66,25 +66,20 @@ class RowTable:
     gives a pandas view of chosen entries for the passes that read tensor values."""
     pairs: pd.DataFrame  # the alignment's pairs
     columns: Dict[str, np.ndarray]  # pair, tcode, ccode, fp_a/b, shape_a/b, nonfinite_a/b, is_in, is_out, comparable, differ
-    tensors: np.ndarray  # tensor names by code
+    tensors: pd.Index  # tensor names by code
     calls: pd.Index  # call names by code
     shapes: np.ndarray  # row shape strings by code
     io_of: np.ndarray  # "in" / "out" / "?" by tensor code
     _all: Optional[pd.DataFrame] = None
 
-    def __len__(self) -> int:
-        return len(self.columns["pair"])
-
     def __getitem__(self, name: str) -> np.ndarray:
         return self.columns[name]
 
     def call_mask(self, call: str) -> np.ndarray:
-        code = self.calls.get_indexer([call])[0]
-        return self.columns["ccode"] == code
+        return self.columns["ccode"] == self.calls.get_indexer([call])[0]  # -1 (unknown) matches nothing
 
     def tensor_mask(self, tensor: str) -> np.ndarray:
-        codes = np.nonzero(self.tensors == tensor)[0]
-        return self.columns["tcode"] == (codes[0] if len(codes) else -1)
+        return self.columns["tcode"] == self.tensors.get_indexer([tensor])[0]
 
     def frame(self, mask: Optional[np.ndarray] = None) -> pd.DataFrame:
         """The chosen entries (all when mask is None) as a DataFrame with names spelled out."""
@@ -98,7 +93,7 @@ class RowTable:
             return pd.Series(vocabulary[codes], dtype=object, copy=False)
         frame = pd.DataFrame({
             "pair": c["pair"], "pass_a": pick[:, 0], "row_a": pick[:, 1], "pass_b": pick[:, 2], "row_b": pick[:, 3],
-            "tensor": names(self.tensors, c["tcode"]), "fp_a": c["fp_a"], "fp_b": c["fp_b"],
+            "tensor": names(self.tensors.to_numpy(dtype=object), c["tcode"]), "fp_a": c["fp_a"], "fp_b": c["fp_b"],
             "rowshape_a": names(self.shapes, c["shape_a"]), "rowshape_b": names(self.shapes, c["shape_b"]),
             "nonfinite_a": c["nonfinite_a"], "nonfinite_b": c["nonfinite_b"],
             "call": names(self.calls.to_numpy(dtype=object), c["ccode"]), "io": names(self.io_of, c["tcode"]),
@@ -140,7 +135,7 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
     columns["is_in"], columns["is_out"] = io_of[tcode] == "in", io_of[tcode] == "out"
     columns["comparable"] = columns["shape_a"] == columns["shape_b"]
     columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])
-    return RowTable(pairs, columns, tensors.to_numpy(dtype=object), calls, shapes.to_numpy(dtype=object), io_of)
+    return RowTable(pairs, columns, tensors, calls, shapes.to_numpy(dtype=object), io_of)
 
 
 def call_order(index: Index) -> Dict[str, int]:
@@ -150,7 +145,7 @@ def call_order(index: Index) -> Dict[str, int]:
     return calls.groupby("call")["rank_in_pass"].min().sort_values().rank(method="first").astype(int).to_dict()
 
 
-def _per_call(table: RowTable, pairs: pd.DataFrame, b: Index) -> pd.DataFrame:
+def _per_call(table: RowTable, b: Index) -> pd.DataFrame:
     """One row per (pair, call): whether any input / output row differs, the call's completion
     time in its pass (post) and its canonical order. Grouped on integers."""
     calls = table.calls
@@ -163,20 +158,16 @@ def _per_call(table: RowTable, pairs: pd.DataFrame, b: Index) -> pd.DataFrame:
     in_differ[inverse[differ & table["is_in"]]] = True
     out_differ[inverse[differ & table["is_out"]]] = True
     pair, ccode = np.divmod(uniq, n_calls)
-    pass_b = pairs["pass_b"].to_numpy()[pair]
-    # post of (pass, call) from B's calls table
+    pass_b = table.pairs["pass_b"].to_numpy(np.int64)[pair]
+    # Each (pass, call) with B's calls table entry, for its post; one without is left out.
     calls_b = b.calls[b.calls["call"].isin(calls)]
-    call_key = calls_b["pass"].to_numpy(np.int64) * n_calls + calls.get_indexer(calls_b["call"])
-    sorter = np.argsort(call_key, kind="stable")
-    at = np.searchsorted(call_key, pass_b.astype(np.int64) * n_calls + ccode, sorter=sorter)
-    at = sorter[np.clip(at, 0, max(len(sorter) - 1, 0))] if len(sorter) else np.zeros(len(uniq), np.int64)
-    found = call_key[at] == pass_b.astype(np.int64) * n_calls + ccode if len(sorter) else np.zeros(len(uniq), bool)
+    at_calls, at = _join(calls_b["pass"].to_numpy(np.int64) * n_calls + calls.get_indexer(calls_b["call"]),
+                         pass_b * n_calls + ccode)
     order = call_order(b)
-    order_of = np.array([order.get(c, 0) for c in calls], dtype=np.int64) if len(calls) else np.zeros(0, np.int64)
-    per = pd.DataFrame({"pair": pair, "pass_b": pass_b, "ccode": ccode, "in_differ": in_differ, "out_differ": out_differ,
-                        "post": calls_b["post"].to_numpy()[at] if len(sorter) else np.zeros(len(uniq), np.int64),
-                        "order": order_of[ccode]})
-    return per[found]
+    order_of = np.array([order.get(c, 0) for c in calls], dtype=np.int64)
+    return pd.DataFrame({"pair": pair[at], "pass_b": pass_b[at], "ccode": ccode[at], "in_differ": in_differ[at],
+                         "out_differ": out_differ[at], "post": calls_b["post"].to_numpy()[at_calls],
+                         "order": order_of[ccode[at]]})
 
 
 def _call_info(b: Index, names) -> Dict[str, tuple]:
@@ -189,7 +180,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     table = row_table(alignment, a, b) if table is None else table
     pairs = alignment.pairs.set_index("pair")
     calls = table.calls
-    per_call = _per_call(table, alignment.pairs, b)
+    per_call = _per_call(table, b)
     origin = per_call["out_differ"].to_numpy() & ~per_call["in_differ"].to_numpy()
     culprits = per_call[origin].sort_values(["pair", "post"], kind="stable")
     row_culprit = culprits.drop_duplicates("pair", keep="first")
