@@ -15,20 +15,24 @@ stops the analysis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-import pandas as pd
 
+from .columns import Columns
 from .errors import DumpError
 from .index import Index
+from .keyjoin import lookup, row_key
+
+PAIR_COLUMNS = ("pair", "pass_a", "row_a", "pass_b", "row_b", "seq", "pos", "id", "pos_a", "id_a", "mode_a", "mode_b")
 
 
 @dataclasses.dataclass
 class Alignment:
-    pairs: pd.DataFrame  # pair, pass_a, row_a, pass_b, row_b, seq, pos, id, mode_a, mode_b
+    cols: Columns  # one entry per pair of rows, PAIR_COLUMNS, ordered by (pass_b, row_b)
     unaligned_b: int  # rows of B with no partner in A
     unkeyed_b: int  # rows of B whose sequence history has gaps (prefix unknown)
     rows_b: int
@@ -36,30 +40,39 @@ class Alignment:
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
     conflicts: List[str] = dataclasses.field(default_factory=list)
 
+    @functools.cached_property
+    def pairs(self):
+        """The pairs as a pandas frame, for the passes that read tensor values."""
+        return self.cols.to_pandas()
 
-def row_keys(index: Index) -> pd.DataFrame:
-    """Valid token rows with their prefix key (None where the sequence history has a gap)."""
-    tokens = index.tokens[index.tokens["valid"]].sort_values(["pass", "row"])
+
+def row_keys(index: Index) -> Tuple[Columns, List[str]]:
+    """Valid token rows, ordered by (pass, row), with their prefix key (None where the sequence
+    history has a gap); and the conflicts found (two token ids at one position)."""
+    tokens = index.cols("tokens")
+    tokens = tokens.take(tokens["valid"].astype(bool))
+    tokens = tokens.take(np.lexsort((tokens["row"], tokens["pass"])))
     history: Dict[str, Dict[int, int]] = {}
     conflicts = []
-    for seq, pos, tok in zip(tokens["seq"], tokens["pos"], tokens["id"]):
+    firsts: Dict[tuple, int] = {}
+    for pass_id, seq, pos, tok in tokens.rows(("pass", "seq", "pos", "id")):
         known = history.setdefault(seq, {})
-        if known.setdefault(int(pos), int(tok)) != int(tok):
+        if known.setdefault(pos, tok) != tok:
             conflicts.append(f"sequence {seq} has two token ids at position {pos}")
-    firsts = tokens.groupby(["pass", "seq"])["pos"].min()
-    with_prefix = index.seqs.dropna(subset=["prefix_ids"])
-    for pass_id, seq, raw in zip(with_prefix["pass"], with_prefix["seq"], with_prefix["prefix_ids"]):
+        firsts[(pass_id, seq)] = min(firsts.get((pass_id, seq), pos), pos)
+    for pass_id, seq, raw in index.cols("seqs").rows(("pass", "seq", "prefix_ids")):
+        if raw is None:
+            continue
         prefix = json.loads(raw)
         start = int(firsts.get((pass_id, seq), len(prefix))) - len(prefix)
         known = history.setdefault(seq, {})
         for offset, tok in enumerate(prefix):
             known.setdefault(start + offset, int(tok))
     keys_by_seq = {seq: _prefix_keys(known) for seq, known in history.items()}
-    keys = [keys_by_seq[s][p] if p < len(keys_by_seq[s]) else None for s, p in zip(tokens["seq"], tokens["pos"])]
-    out = tokens[["pass", "row", "seq", "pos", "id", "mode"]].copy()
-    out["key"] = keys
-    out.attrs["conflicts"] = conflicts
-    return out
+    keys = np.empty(len(tokens), dtype=object)
+    keys[:] = [keys_by_seq[s][p] if p < len(keys_by_seq[s]) else None for s, p in tokens.rows(("seq", "pos"))]
+    out = Columns({n: tokens[n] for n in ("pass", "row", "seq", "pos", "id", "mode")} | {"key": keys})
+    return out, conflicts
 
 
 def _prefix_keys(known: Dict[int, int]) -> List[bytes]:
@@ -74,31 +87,32 @@ def _prefix_keys(known: Dict[int, int]) -> List[bytes]:
 
 
 def align(a: Index, b: Index) -> Alignment:
-    keys_a, keys_b = row_keys(a), row_keys(b)
-    conflicts = keys_a.attrs.get("conflicts", []) + keys_b.attrs.get("conflicts", [])
-    ref = keys_a.dropna(subset=["key"]).drop_duplicates("key", keep="last")
-    test = keys_b.dropna(subset=["key"])
-    pairs = test.merge(ref, on="key", suffixes=("_b", "_a"))
-    pairs = pairs.rename(columns={"seq_b": "seq", "pos_b": "pos", "id_b": "id"})
-    pairs = pairs.sort_values(["pass_b", "row_b"]).reset_index(drop=True)
-    pairs["pair"] = np.arange(len(pairs))
-    result = Alignment(
-        pairs=pairs[["pair", "pass_a", "row_a", "pass_b", "row_b", "seq", "pos", "id", "pos_a", "id_a", "mode_a", "mode_b"]],
-        unaligned_b=len(test) - len(pairs), unkeyed_b=len(keys_b) - len(test), rows_b=len(keys_b), conflicts=conflicts)
-    return result
+    (keys_a, conflicts_a), (keys_b, conflicts_b) = row_keys(a), row_keys(b)
+    last_in_a = {key: i for i, key in enumerate(keys_a["key"].tolist()) if key is not None}  # the last row wins
+    keyed_b = np.array([key is not None for key in keys_b["key"].tolist()], dtype=bool)
+    partner = np.array([last_in_a.get(key, -1) if key is not None else -1 for key in keys_b["key"].tolist()],
+                       dtype=np.int64)
+    at_b = np.nonzero(partner >= 0)[0]  # B is in (pass, row) order already
+    at_a = partner[at_b]
+    cols = Columns({"pair": np.arange(len(at_b)), "pass_a": keys_a["pass"][at_a], "row_a": keys_a["row"][at_a],
+                    "pass_b": keys_b["pass"][at_b], "row_b": keys_b["row"][at_b], "seq": keys_b["seq"][at_b],
+                    "pos": keys_b["pos"][at_b], "id": keys_b["id"][at_b], "pos_a": keys_a["pos"][at_a],
+                    "id_a": keys_a["id"][at_a], "mode_a": keys_a["mode"][at_a], "mode_b": keys_b["mode"][at_b]})
+    return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
+                     rows_b=len(keys_b), conflicts=conflicts_a + conflicts_b)
 
 
 def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, trust: bool = False) -> Alignment:
     """Check the alignment; raise DumpError (exit 2) with the reason when it does not hold."""
-    pairs = alignment.pairs
+    pairs = alignment.cols
     if alignment.conflicts:
         raise DumpError(f"cannot align: {alignment.conflicts[0]}; the dump mixes requests under one sequence key")
-    if pairs.empty:
+    if not len(pairs):
         raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0); "
                         "were both dumps made from the same prompt? dump the reference prefill of prompt+output")
-    bad = pairs[(pairs["id"] != pairs["id_a"]) | (pairs["pos"] != pairs["pos_a"])]
-    if len(bad):
-        raise DumpError(f"alignment broken: {len(bad)} paired rows differ in token id or position")
+    bad = int(((pairs["id"] != pairs["id_a"]) | (pairs["pos"] != pairs["pos_a"])).sum())
+    if bad:
+        raise DumpError(f"alignment broken: {bad} paired rows differ in token id or position")
     alignment.proof.append(f"{len(pairs)} token rows of {label_b} paired with {label_a}: token ids and positions equal")
     if trust:
         alignment.proof.append("embedding check skipped (--trust-alignment)")
@@ -110,41 +124,54 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
                         "ids); widen DUMPER_FILTER to include it, or pass --trust-alignment")
     if emb_a[0] != emb_b[0]:
         raise DumpError(f"the dumps embed tokens in different modules ({emb_a[0]} vs {emb_b[0]}); are they of the same model?")
-    rows_a = _tensor_fps(a, emb_a[1], pairs, "a")
-    rows_b = _tensor_fps(b, emb_b[1], pairs, "b")
-    both = rows_a.merge(rows_b, on="pair", suffixes=("_a", "_b"))
-    differ = both[both["fp_a"] != both["fp_b"]]
-    if both.empty:
+    fp_a, fp_b = _tensor_fps(a, emb_a[1], pairs, "a"), _tensor_fps(b, emb_b[1], pairs, "b")
+    both = (fp_a[1] >= 0) & (fp_b[1] >= 0)  # pairs whose embedding row is in both dumps
+    differ = np.nonzero(both & (fp_a[0] != fp_b[0]))[0]
+    if not both.any():
         raise DumpError("cannot prove the alignment: the embedding output has no token rows in common between the dumps")
     if len(differ):
-        first = pairs.set_index("pair").loc[differ["pair"].iloc[0]]
-        raise DumpError(f"alignment proof failed: embedding output ({emb_b[0]}) differs on {len(differ)} of {len(both)} "
-                        f"paired rows (first: sequence {first['seq']}, position {first['pos']}); the dumps are of different "
-                        "weights or the rows are misaligned; no verdict is given")
+        first = differ[0]
+        raise DumpError(f"alignment proof failed: embedding output ({emb_b[0]}) differs on {len(differ)} of {int(both.sum())} "
+                        f"paired rows (first: sequence {pairs['seq'][first]}, position {pairs['pos'][first]}); the dumps are of "
+                        "different weights or the rows are misaligned; no verdict is given")
     alignment.embedding = emb_b[0]
-    alignment.proof.append(f"embedding output ({emb_b[0]}) bit-identical on all {len(both)} paired rows")
+    alignment.proof.append(f"embedding output ({emb_b[0]}) bit-identical on all {int(both.sum())} paired rows")
     return alignment
 
 
 def embedding_call(index: Index):
     """(module path, output tensor name) of the first call that turns token ids into floats."""
-    tensors = index.tensors
-    takes_ids = tensors[(tensors["io"] == "in") & tensors["is_ids"]]
-    if takes_ids.empty:
+    tensors = index.cols("tensors")
+    if not len(tensors):
         return None
-    calls = index.calls.merge(takes_ids[["pass", "call"]].drop_duplicates(), on=["pass", "call"])
-    float_outs = tensors[(tensors["io"] == "out") & tensors["dtype"].str.contains("float")
-                         & (tensors["token_dims"] != "null")]
-    for call in calls.sort_values(["pass", "post"]).itertuples(index=False):
-        outs = float_outs[float_outs["call"] == call.call]
-        if len(outs):
-            return call.module, outs["tensor"].iloc[0]
+    io = tensors["io"]
+    takes_ids = set(zip(tensors["pass"][(io == "in") & tensors["is_ids"].astype(bool)].tolist(),
+                        tensors["call"][(io == "in") & tensors["is_ids"].astype(bool)].tolist()))
+    if not takes_ids:
+        return None
+    calls = index.cols("calls")
+    chosen = np.array([(p, c) in takes_ids for p, c in calls.rows(("pass", "call"))], dtype=bool)
+    calls = calls.take(chosen)
+    calls = calls.take(np.lexsort((calls["post"], calls["pass"])))
+    is_float_out = np.array([io_ == "out" and "float" in str(d) and t != "null" for io_, d, t in
+                             tensors.rows(("io", "dtype", "token_dims"))], dtype=bool)
+    float_outs = tensors.take(is_float_out)
+    first_out: Dict[str, str] = {}
+    for call, tensor in float_outs.rows(("call", "tensor")):
+        first_out.setdefault(call, tensor)
+    for module, call in calls.rows(("module", "call")):
+        if call in first_out:
+            return module, first_out[call]
     return None
 
 
-def _tensor_fps(index: Index, tensor: str, pairs: pd.DataFrame, side: str) -> pd.DataFrame:
-    """Fingerprints of one tensor on each pair's row of one side."""
-    rows = index.rows[index.rows["tensor"] == tensor]
-    merged = pairs[["pair", f"pass_{side}", f"row_{side}"]].merge(
-        rows, left_on=[f"pass_{side}", f"row_{side}"], right_on=["pass", "row"])
-    return merged[["pair", "fp"]]
+def _tensor_fps(index: Index, tensor: str, pairs: Columns, side: str):
+    """(fingerprint, position in the rows table or -1) of one tensor on each pair's row of one side."""
+    rows = index.cols("rows")
+    codes, vocabulary = rows.codes("tensor")
+    code = np.nonzero(vocabulary == tensor)[0]
+    mine = np.nonzero(codes == code[0])[0] if len(code) else np.zeros(0, np.int64)
+    at = lookup(row_key(rows["pass"][mine], rows["row"][mine]), row_key(pairs[f"pass_{side}"], pairs[f"row_{side}"]))
+    found = np.where(at >= 0, mine[np.clip(at, 0, None)] if len(mine) else -1, -1)
+    fps = np.where(found >= 0, rows["fp"][np.clip(found, 0, None)] if len(rows) else 0, 0)
+    return fps, found

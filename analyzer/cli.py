@@ -175,8 +175,8 @@ def index_cmd(dump, rebuild, no_progress):
     from .load import open_dump
     index = load_index(open_dump(dump), rebuild=rebuild, progress=not no_progress)
     from .load import show
-    click.echo(f"{show(index.where)}: {len(index.tokens)} token rows, {len(index.calls)} calls, "
-               f"{len(index.tensors)} tensors, {len(index.rows)} tensor rows")
+    click.echo(f"{show(index.where)}: {len(index.cols('tokens'))} token rows, {len(index.cols('calls'))} calls, "
+               f"{len(index.cols('tensors'))} tensors, {len(index.cols('rows'))} tensor rows")
 
 
 def _parse_setting(text: str):

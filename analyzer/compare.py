@@ -5,9 +5,12 @@ For each aligned token row, hooked calls are walked in completion (post-hook) or
 module wins over the parents that contain it. A call whose inputs already differ is a victim.
 If the first difference shows up in a call's *input*, the code that made it is not hooked; the
 walk then reaches the enclosing call (clean inputs, dirty output), which is named, with a note
-saying the difference arose in its own code before that child. Tensors without alignable token
+saying the difference arises in its own code before that child. Tensors without alignable token
 rows (MoE dispatch buffers, padded buffers) are not comparable; they are listed with the reason
 and the walk goes on.
+
+Everything here works on numpy columns (analyzer/columns.py) and integer codes: the strict
+verdict never imports pandas or torch, and never builds a million-row frame of strings.
 """
 
 from __future__ import annotations
@@ -16,204 +19,290 @@ import dataclasses
 from typing import Dict, List, Optional
 
 import numpy as np
-import pandas as pd
 
 from .align import Alignment
+from .columns import Columns
 from .dtypes import DType, to_float64
 from .index import Index
+from .keyjoin import join, row_key
 
 MAX_LISTED = 20
-
-
-def _codes(column: pd.Series, vocabulary: pd.Index) -> np.ndarray:
-    """Each value's position in ``vocabulary``: the joins below run on integers, not strings."""
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        lookup = vocabulary.get_indexer(column.cat.categories)
-        return lookup[column.cat.codes.to_numpy()] if len(column) else np.zeros(0, np.int64)
-    return vocabulary.get_indexer(column)
-
-
-def _categories(column: pd.Series) -> pd.Index:
-    return pd.Index(column.cat.categories if isinstance(column.dtype, pd.CategoricalDtype) else column.unique())
-
-
-def _join(sorted_side: np.ndarray, probe: np.ndarray):
-    """(positions in sorted_side, positions in probe) of every pair of equal keys, many to many,
-    ordered by probe position, then by position in sorted_side."""
-    order = np.argsort(sorted_side, kind="stable")
-    keys = sorted_side[order]
-    start, end = np.searchsorted(keys, probe, "left"), np.searchsorted(keys, probe, "right")
-    counts = end - start
-    probe_pos = np.repeat(np.arange(len(probe)), counts)
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return order[np.repeat(start, counts) + within], probe_pos
-
-
-def _pair_entries(pass_of_pair: np.ndarray, row_of_pair: np.ndarray, rows: pd.DataFrame):
-    """(pair, entry) for every entry of an index's rows table on a pair's (pass, row), ordered
-    by pair, then entry."""
-    def key(passes, token_rows):
-        return (np.asarray(passes, np.int64) << 32) | (np.asarray(token_rows, np.int64) + 1)
-    entry, pair = _join(key(rows["pass"].to_numpy(), rows["row"].to_numpy()), key(pass_of_pair, row_of_pair))
-    return pair, entry
 
 
 @dataclasses.dataclass
 class RowTable:
     """One entry per (pair, tensor) present on both sides, with both fingerprints, ordered by pair
-    then by the tensor's place in A. Columns are numpy arrays with names as integer codes: the
-    strict verdict never builds a million-row frame of strings (that took seconds). ``frame``
-    gives a pandas view of chosen entries for the passes that read tensor values."""
-    pairs: pd.DataFrame  # the alignment's pairs
+    then by the tensor's place in A. Columns are numpy arrays with names as integer codes.
+    ``frame`` gives a pandas view of chosen entries for the passes that read tensor values."""
+    pairs: Columns  # the alignment's pairs
     columns: Dict[str, np.ndarray]  # pair, tcode, ccode, fp_a/b, shape_a/b, nonfinite_a/b, is_in, is_out, comparable, differ
-    tensors: pd.Index  # tensor names by code
-    calls: pd.Index  # call names by code
+    tensors: np.ndarray  # tensor names by code
+    calls: np.ndarray  # call names by code
     shapes: np.ndarray  # row shape strings by code
     io_of: np.ndarray  # "in" / "out" / "?" by tensor code
-    _all: Optional[pd.DataFrame] = None
+
+    def __post_init__(self):
+        self._call_code = {c: i for i, c in enumerate(self.calls.tolist())}
+        self._tensor_code = {t: i for i, t in enumerate(self.tensors.tolist())}
+        self._all = None
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.columns[name]
 
     def call_mask(self, call: str) -> np.ndarray:
-        return self.columns["ccode"] == self.calls.get_indexer([call])[0]  # -1 (unknown) matches nothing
+        return self.columns["ccode"] == self._call_code.get(call, -1)  # -1 (unknown) matches nothing
 
     def tensor_mask(self, tensor: str) -> np.ndarray:
-        return self.columns["tcode"] == self.tensors.get_indexer([tensor])[0]
+        return self.columns["tcode"] == self._tensor_code.get(tensor, -1)
 
-    def frame(self, mask: Optional[np.ndarray] = None) -> pd.DataFrame:
-        """The chosen entries (all when mask is None) as a DataFrame with names spelled out."""
+    def entries(self, mask: Optional[np.ndarray] = None) -> Columns:
+        """The chosen entries with names spelled out, as numpy columns."""
+        c = self.columns if mask is None else {k: v[mask] for k, v in self.columns.items()}
+        pick = c["pair"]
+        return Columns({
+            "pair": c["pair"], "pass_a": self.pairs["pass_a"][pick], "row_a": self.pairs["row_a"][pick],
+            "pass_b": self.pairs["pass_b"][pick], "row_b": self.pairs["row_b"][pick],
+            "tensor": self.tensors[c["tcode"]], "fp_a": c["fp_a"], "fp_b": c["fp_b"],
+            "rowshape_a": self.shapes[c["shape_a"]], "rowshape_b": self.shapes[c["shape_b"]],
+            "nonfinite_a": c["nonfinite_a"], "nonfinite_b": c["nonfinite_b"],
+            "call": self.calls[c["ccode"]], "io": self.io_of[c["tcode"]],
+            "comparable": c["comparable"], "differ": c["differ"]})
+
+    def frame(self, mask: Optional[np.ndarray] = None):
+        """The chosen entries (all when mask is None) as a pandas DataFrame."""
         if mask is None and self._all is not None:
             return self._all
-        c = self.columns if mask is None else {k: v[mask] for k, v in self.columns.items()}
-        pick = self.pairs[["pass_a", "row_a", "pass_b", "row_b"]].to_numpy()[c["pair"]]
-
-        def names(vocabulary: np.ndarray, codes: np.ndarray) -> pd.Series:
-            # object, not pandas' inferred string type: converting a million names to it cost 0.7 s
-            return pd.Series(vocabulary[codes], dtype=object, copy=False)
-        frame = pd.DataFrame({
-            "pair": c["pair"], "pass_a": pick[:, 0], "row_a": pick[:, 1], "pass_b": pick[:, 2], "row_b": pick[:, 3],
-            "tensor": names(self.tensors.to_numpy(dtype=object), c["tcode"]), "fp_a": c["fp_a"], "fp_b": c["fp_b"],
-            "rowshape_a": names(self.shapes, c["shape_a"]), "rowshape_b": names(self.shapes, c["shape_b"]),
-            "nonfinite_a": c["nonfinite_a"], "nonfinite_b": c["nonfinite_b"],
-            "call": names(self.calls.to_numpy(dtype=object), c["ccode"]), "io": names(self.io_of, c["tcode"]),
-            "comparable": c["comparable"], "differ": c["differ"]})
+        frame = self.entries(mask).to_pandas()
         if mask is None:
             self._all = frame
         return frame
 
 
+def _vocabulary(*arrays: np.ndarray) -> np.ndarray:
+    """The sorted distinct strings of several vocabularies, as an object array."""
+    merged = np.unique(np.concatenate([np.asarray(a, dtype=object) for a in arrays]).astype(str))
+    return merged.astype(object)
+
+
+def _recode(codes: np.ndarray, vocabulary: np.ndarray, into: np.ndarray) -> np.ndarray:
+    """Codes into ``vocabulary`` as codes into the sorted ``into``."""
+    return np.searchsorted(into.astype(str), vocabulary.astype(str))[codes] if len(vocabulary) else codes
+
+
+DENSE_CELLS = 32 << 20  # token rows x tensors up to which the join is done in a dense grid
+
+
 def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
     """Join both sides' fingerprints on (pair, tensor), on integer codes."""
-    pairs = alignment.pairs
-    tensors = _categories(a.rows["tensor"]).union(_categories(b.rows["tensor"]))
-    shapes = _categories(a.rows["rowshape"]).union(_categories(b.rows["rowshape"]))
-    n_tensors = max(len(tensors), 1)
-    sides = {}
-    for side, index in (("a", a), ("b", b)):
-        pair, entry = _pair_entries(pairs[f"pass_{side}"].to_numpy(), pairs[f"row_{side}"].to_numpy(), index.rows)
-        rows = index.rows
-        sides[side] = {"k": pair.astype(np.int64) * n_tensors + _codes(rows["tensor"], tensors)[entry],
-                       "fp": rows["fp"].to_numpy()[entry], "shape": _codes(rows["rowshape"], shapes)[entry],
-                       "nonfinite": rows["nonfinite"].to_numpy()[entry]}
-    at_b, at_a = _join(sides["b"]["k"], sides["a"]["k"])  # in A's order: by pair, then A's tensor order
-    pair, tcode = np.divmod(sides["a"]["k"][at_a], n_tensors)
-    # Every tensor belongs to one call (its name is call.io.slot).
-    info = b.tensors.drop_duplicates("tensor")
-    info = info[info["tensor"].isin(tensors)]
+    pairs = alignment.cols
+    rows = {"a": a.cols("rows"), "b": b.cols("rows")}
+    tensor_codes = {s: r.codes("tensor") for s, r in rows.items()}
+    shape_codes = {s: r.codes("rowshape") for s, r in rows.items()}
+    tensors = _vocabulary(*(v for _, v in tensor_codes.values()))
+    shapes = _vocabulary(*(v for _, v in shape_codes.values()))
+    tcodes = {s: _recode(*tensor_codes[s], tensors) for s in rows}
+    found = _join_in_grid(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors))
+    pair, tcode, entry_a, entry_b = found if found is not None else _join_on_keys(pairs, rows, tcodes, len(tensors))
+    # Every tensor belongs to one call (its name is call.io.slot); B's tensors table says which.
+    info = b.cols("tensors")
     call_of = np.full(len(tensors), -1, np.int64)
     io_of = np.full(len(tensors), "", object)
-    calls = pd.Index(info["call"].unique())
-    where = tensors.get_indexer(info["tensor"])
-    call_of[where] = calls.get_indexer(info["call"])
-    io_of[where] = info["io"].to_numpy()
+    calls, call_code = [], {}
+    seen = set()
+    tensor_code = {t: i for i, t in enumerate(tensors.tolist())}
+    for tensor, call, io in info.rows(("tensor", "call", "io")):
+        code = tensor_code.get(tensor)
+        if tensor in seen or code is None:
+            continue
+        seen.add(tensor)
+        if call not in call_code:
+            call_code[call] = len(calls)
+            calls.append(call)
+        call_of[code], io_of[code] = call_code[call], io
     keep = call_of[tcode] >= 0
-    at_a, at_b, pair, tcode = at_a[keep], at_b[keep], pair[keep], tcode[keep]
+    entry_a, entry_b, pair, tcode = entry_a[keep], entry_b[keep], pair[keep], tcode[keep]
     columns = {"pair": pair, "tcode": tcode, "ccode": call_of[tcode]}
-    for name in ("fp", "shape", "nonfinite"):
-        columns[f"{name}_a"], columns[f"{name}_b"] = sides["a"][name][at_a], sides["b"][name][at_b]
+    for name in ("fp", "nonfinite"):
+        columns[f"{name}_a"], columns[f"{name}_b"] = rows["a"][name][entry_a], rows["b"][name][entry_b]
+    for side, entry in (("a", entry_a), ("b", entry_b)):
+        columns[f"shape_{side}"] = _recode(*shape_codes[side], shapes)[entry]
     columns["is_in"], columns["is_out"] = io_of[tcode] == "in", io_of[tcode] == "out"
     columns["comparable"] = columns["shape_a"] == columns["shape_b"]
     columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])
-    return RowTable(pairs, columns, tensors, calls, shapes.to_numpy(dtype=object), io_of)
+    return RowTable(pairs, columns, tensors, np.array(calls, dtype=object), shapes, io_of)
+
+
+def _join_on_keys(pairs: Columns, rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray], n_tensors: int):
+    """(pair, tensor code, entry in A's rows, entry in B's rows) of every tensor row present on both
+    sides of a pair, by pair, then A's entry order: the general join, on sorted integer keys."""
+    n_tensors = max(n_tensors, 1)
+    keys, entries = {}, {}
+    for side, r in rows.items():
+        # every entry of the side's rows table on a pair's (pass, row), ordered by pair, then entry
+        entry, pair = join(row_key(r["pass"], r["row"]), row_key(pairs[f"pass_{side}"], pairs[f"row_{side}"]))
+        keys[side], entries[side] = pair.astype(np.int64) * n_tensors + tcodes[side][entry], entry
+    at_b, at_a = join(keys["b"], keys["a"])
+    pair, tcode = np.divmod(keys["a"][at_a], n_tensors)
+    return pair, tcode, entries["a"][at_a], entries["b"][at_b]
+
+
+def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray],
+                  n_tensors: int):
+    """The same join through a dense grid of (token row, tensor) -> entry per side: no sorting of a
+    million keys. None when the grid would be too large or a cell holds two entries."""
+    grids, gids = {}, {}
+    for side, r in rows.items():
+        tokens = indexes[side].cols("tokens")
+        passes, counts = np.unique(tokens["pass"], return_counts=True)
+        n_gid = int(counts.sum())
+        if not n_gid or max(n_gid, len(pairs)) * max(n_tensors, 1) > DENSE_CELLS:
+            return None
+        if passes[0] < 0 or passes[-1] > 64 * n_gid + (1 << 16):
+            return None  # pass numbers far apart: no lookup array
+        slot = np.full(int(passes[-1]) + 2, len(passes), np.int64)  # pass number -> place; unknown: one past
+        slot[passes] = np.arange(len(passes))
+        offsets = np.r_[np.cumsum(counts) - counts, -1]
+        counts = np.r_[counts, 0]
+
+        def gid(pass_ids, token_rows):  # a dense number per (pass, token row); -1 for none
+            at = slot[np.clip(pass_ids, -1, len(slot) - 1)]
+            return np.where((token_rows >= 0) & (token_rows < counts[at]), offsets[at] + token_rows, -1)
+        entry_gid = gid(r["pass"], r["row"])
+        placed = np.nonzero(entry_gid >= 0)[0]
+        cells = entry_gid[placed] * n_tensors + tcodes[side][placed]
+        grid = np.full(n_gid * n_tensors, -1, np.int64)
+        grid[cells] = placed
+        if not np.array_equal(grid[cells], placed):  # a (row, tensor) twice: the general join handles it
+            return None
+        grids[side] = grid.reshape(n_gid, n_tensors)
+        gids[side] = gid(pairs[f"pass_{side}"], pairs[f"row_{side}"])
+    if (gids["a"] < 0).any() or (gids["b"] < 0).any():
+        return None
+    at_a = grids["a"][gids["a"]]
+    last = np.iinfo(np.int64).max
+    at_a = np.sort(np.where(at_a >= 0, at_a, last), axis=1)  # each pair's entries in A's order
+    pair, _ = np.nonzero(at_a != last)
+    entry_a = at_a[at_a != last]
+    tcode = tcodes["a"][entry_a]
+    entry_b = grids["b"][gids["b"][pair], tcode]
+    if (entry_b >= 0).all():
+        return pair, tcode, entry_a, entry_b
+    both = entry_b >= 0
+    return pair[both], tcode[both], entry_a[both], entry_b[both]
 
 
 def call_order(index: Index) -> Dict[str, int]:
-    """Canonical completion order of call names (the same structure repeats in every pass)."""
-    calls = index.calls.copy()
-    calls["rank_in_pass"] = calls.groupby("pass")["post"].rank(method="first")
-    return calls.groupby("call")["rank_in_pass"].min().sort_values().rank(method="first").astype(int).to_dict()
+    """Canonical completion order of call names (the same structure repeats in every pass): each
+    call's earliest place in a pass, by completion; ties by name."""
+    calls = index.cols("calls")
+    if not len(calls):
+        return {}
+    by_pass = np.lexsort((np.arange(len(calls)), calls["post"], calls["pass"]))
+    passes = calls["pass"][by_pass]
+    starts = np.r_[0, np.nonzero(np.diff(passes))[0] + 1]
+    place = np.arange(len(by_pass)) - np.repeat(starts, np.diff(np.r_[starts, len(by_pass)]))
+    best: Dict[str, int] = {}
+    for call, rank in zip(calls["call"][by_pass].tolist(), place.tolist()):
+        if rank < best.get(call, len(by_pass)):
+            best[call] = rank
+    ranked = sorted(best, key=lambda c: (best[c], c))
+    return {c: i + 1 for i, c in enumerate(ranked)}
 
 
-def _per_call(table: RowTable, b: Index) -> pd.DataFrame:
-    """One row per (pair, call): whether any input / output row differs, the call's completion
+def _per_call(table: RowTable, b: Index) -> Columns:
+    """One entry per (pair, call): whether any input / output row differs, the call's completion
     time in its pass (post) and its canonical order. Grouped on integers."""
     calls = table.calls
     n_calls = max(len(calls), 1)
     key = table["pair"].astype(np.int64) * n_calls + table["ccode"]
     differ = table["differ"]
-    uniq, inverse = np.unique(key, return_inverse=True)
-    in_differ = np.zeros(len(uniq), bool)
-    out_differ = np.zeros(len(uniq), bool)
-    in_differ[inverse[differ & table["is_in"]]] = True
-    out_differ[inverse[differ & table["is_out"]]] = True
-    pair, ccode = np.divmod(uniq, n_calls)
-    pass_b = table.pairs["pass_b"].to_numpy(np.int64)[pair]
+    n_cells = (int(table["pair"][-1]) + 1 if len(key) else 0) * n_calls  # the table is ordered by pair
+    if n_cells <= DENSE_CELLS:  # count per (pair, call) cell: no sort
+        present = np.nonzero(np.bincount(key, minlength=n_cells))[0]
+        in_differ = np.bincount(key[differ & table["is_in"]], minlength=n_cells)[present] > 0
+        out_differ = np.bincount(key[differ & table["is_out"]], minlength=n_cells)[present] > 0
+    else:
+        present, inverse = np.unique(key, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        in_differ = np.zeros(len(present), bool)
+        out_differ = np.zeros(len(present), bool)
+        in_differ[inverse[differ & table["is_in"]]] = True
+        out_differ[inverse[differ & table["is_out"]]] = True
+    pair, ccode = np.divmod(present, n_calls)
+    pass_b = table.pairs["pass_b"].astype(np.int64)[pair]
     # Each (pass, call) with B's calls table entry, for its post; one without is left out.
-    calls_b = b.calls[b.calls["call"].isin(calls)]
-    at_calls, at = _join(calls_b["pass"].to_numpy(np.int64) * n_calls + calls.get_indexer(calls_b["call"]),
-                         pass_b * n_calls + ccode)
+    calls_b = b.cols("calls")
+    code_of = {c: i for i, c in enumerate(calls.tolist())}
+    codes_b = np.array([code_of.get(c, -1) for c in calls_b["call"].tolist()], dtype=np.int64)
+    known = codes_b >= 0
+    at_calls, at = join(calls_b["pass"][known].astype(np.int64) * n_calls + codes_b[known], pass_b * n_calls + ccode)
     order = call_order(b)
-    order_of = np.array([order.get(c, 0) for c in calls], dtype=np.int64)
-    return pd.DataFrame({"pair": pair[at], "pass_b": pass_b[at], "ccode": ccode[at], "in_differ": in_differ[at],
-                         "out_differ": out_differ[at], "post": calls_b["post"].to_numpy()[at_calls],
-                         "order": order_of[ccode[at]]})
+    order_of = np.array([order.get(c, 0) for c in calls.tolist()], dtype=np.int64)
+    return Columns({"pair": pair[at], "pass_b": pass_b[at], "ccode": ccode[at], "in_differ": in_differ[at],
+                    "out_differ": out_differ[at], "post": calls_b["post"][known][at_calls],
+                    "order": order_of[ccode[at]]})
+
+
+def _first_per_pair(per_call: Columns, mask: np.ndarray) -> Columns:
+    """Of the chosen (pair, call) entries, the earliest completed call of each pair, by pair."""
+    chosen = per_call.take(mask)
+    chosen = chosen.take(np.lexsort((chosen["post"], chosen["pair"])))
+    first = np.r_[True, chosen["pair"][1:] != chosen["pair"][:-1]] if len(chosen) else np.zeros(0, bool)
+    return chosen.take(first)
 
 
 def _call_info(b: Index, names) -> Dict[str, tuple]:
     """call -> (module, cls) for the given call names."""
-    calls = b.calls[b.calls["call"].isin(list(names))].drop_duplicates("call")
-    return {c: (m, k) for c, m, k in zip(calls["call"], calls["module"], calls["cls"])}
+    wanted, info = set(names), {}
+    for call, module, cls in b.cols("calls").rows(("call", "module", "cls")):
+        if call in wanted and call not in info:
+            info[call] = (module, cls)
+    return info
 
 
 def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[RowTable] = None) -> dict:
     table = row_table(alignment, a, b) if table is None else table
-    pairs = alignment.pairs.set_index("pair")
+    pairs = alignment.cols
     calls = table.calls
     per_call = _per_call(table, b)
-    origin = per_call["out_differ"].to_numpy() & ~per_call["in_differ"].to_numpy()
-    culprits = per_call[origin].sort_values(["pair", "post"], kind="stable")
-    row_culprit = culprits.drop_duplicates("pair", keep="first")
-    dirty = per_call[per_call["out_differ"] | per_call["in_differ"]].sort_values(["pair", "post"], kind="stable")
-    first_dirty = dirty.drop_duplicates("pair", keep="first").set_index("pair")
+    in_d, out_d = per_call["in_differ"], per_call["out_differ"]
+    row_culprit = _first_per_pair(per_call, out_d & ~in_d)
+    first_dirty = _first_per_pair(per_call, out_d | in_d)
 
-    verdict = {"rows_compared": int(len(pairs)), "rows_differing": int(dirty["pair"].nunique()),
+    compared = int(np.count_nonzero(np.diff(table["pair"])) + 1) if len(table["pair"]) else 0  # ordered by pair
+    verdict = {"rows_compared": compared, "rows_unstored": int(len(pairs)) - compared, "rows_differing": int(len(first_dirty)),
                "not_comparable": not_comparable(table, a, b), "nonfinite": nonfinite(table),
                "culprit": None, "per_row": [], "groups": []}
     verdict.update(calls_timeline(per_call, calls, b))
-    if row_culprit.empty:
-        if len(dirty):
+    if not len(row_culprit):
+        if len(first_dirty):
             verdict["note"] = "rows differ but no hooked call has clean inputs and a dirty output; widen DUMPER_FILTER"
         return verdict
-    rows = row_culprit.assign(call=calls.to_numpy(dtype=object)[row_culprit["ccode"].to_numpy()]).merge(
-        pairs[["seq", "pos", "id", "mode_a", "mode_b", "pass_a", "row_a"]], left_on="pair", right_index=True)
-    info = _call_info(b, rows["call"].unique())
-    rows["module"] = rows["call"].map(lambda c: info[c][0])
-    rows["cls"] = rows["call"].map(lambda c: info[c][1])
-    verdict["per_row"] = [
-        {"seq": r.seq, "pos": int(r.pos), "id": int(r.id), "kind": r.mode_b, "ref_kind": r.mode_a, "culprit": r.call}
-        for r in rows.sort_values(["seq", "pos"]).itertuples()]
-    groups = rows.groupby("call").agg(rows=("pair", "size"), order=("order", "min"), module=("module", "first"),
-                                      cls=("cls", "first")).sort_values("order")
-    verdict["groups"] = [{"call": call, "module": g.module, "cls": g.cls, "rows": int(g.rows)} for call, g in groups.iterrows()]
-    first = groups.index[0]
-    mine = rows[rows["call"] == first]
-    culprit = {"call": first, "module": groups.loc[first, "module"], "cls": groups.loc[first, "cls"],
-               "rows": [{"seq": r.seq, "pos": int(r.pos), "kind": r.mode_b} for r in mine.itertuples()][:MAX_LISTED],
+    at = row_culprit["pair"]  # pair numbers are positions in pairs
+    rows = Columns({"pair": at, "call": calls[row_culprit["ccode"]], "order": row_culprit["order"],
+                    **{k: pairs[k][at] for k in ("seq", "pos", "mode_a", "mode_b", "pass_a", "row_a", "pass_b", "row_b")}})
+    info = _call_info(b, set(rows["call"].tolist()))
+    by_place = np.lexsort((rows["pos"], rows["seq"].astype(str)))
+    verdict["per_row"] = [{"seq": s, "pos": int(p), "id": int(i), "kind": k, "ref_kind": rk, "culprit": c}
+                          for s, p, i, k, rk, c in zip(rows["seq"][by_place].tolist(), rows["pos"][by_place].tolist(),
+                                                       pairs["id"][at][by_place].tolist(), rows["mode_b"][by_place].tolist(),
+                                                       rows["mode_a"][by_place].tolist(), rows["call"][by_place].tolist())]
+    group_order: Dict[str, int] = {}
+    group_rows: Dict[str, int] = {}
+    for call, order in zip(rows["call"].tolist(), rows["order"].tolist()):
+        group_order[call] = min(group_order.get(call, order), order)
+        group_rows[call] = group_rows.get(call, 0) + 1
+    ranked = sorted(group_order, key=lambda c: (group_order[c], c))
+    verdict["groups"] = [{"call": c, "module": info[c][0], "cls": info[c][1], "rows": group_rows[c]} for c in ranked]
+    first = ranked[0]
+    mine = rows.take(rows["call"] == first)
+    culprit = {"call": first, "module": info[first][0], "cls": info[first][1],
+               "rows": [{"seq": s, "pos": int(p), "kind": k} for s, p, k in
+                        zip(*(mine[n][:MAX_LISTED].tolist() for n in ("seq", "pos", "mode_b")))],
                "n_rows": int(len(mine))}
-    culprit["note"] = _own_code_note(mine, first_dirty, calls)
-    later = per_call[(per_call["order"] > int(groups.loc[first, "order"])) & (per_call["in_differ"] | per_call["out_differ"])]
-    culprit["victims"] = int(later["ccode"].nunique())
+    culprit["note"] = _own_code_note(first, int(mine["pair"][0]), first_dirty, calls)
+    later = (per_call["order"] > group_order[first]) & (in_d | out_d)
+    culprit["victims"] = int(len(np.unique(per_call["ccode"][later])))
     culprit.update(_error_figures(first, mine, table, a, b))
     verdict["culprit"] = culprit
     return verdict
@@ -222,60 +311,58 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
 MAX_TIMELINE = 5000  # calls kept in the timeline; an MoE with hooked experts can have tens of thousands
 
 
-def calls_timeline(per_call: pd.DataFrame, calls: pd.Index, b: Index) -> dict:
+def calls_timeline(per_call: Columns, calls: np.ndarray, b: Index) -> dict:
     """Per hooked call, in execution order: rows compared, rows whose inputs / outputs differ, and
     rows where a difference arises in it (clean inputs, dirty output). Only fingerprints are used,
     no tensor bytes, so it stays cheap on huge dumps; the reports plot it."""
     n = len(calls)
-    ccode = per_call["ccode"].to_numpy()
-    in_d, out_d = per_call["in_differ"].to_numpy(), per_call["out_differ"].to_numpy()
+    ccode = per_call["ccode"]
+    in_d, out_d = per_call["in_differ"], per_call["out_differ"]
     counts = {"rows": np.bincount(ccode, minlength=n), "rows_in_differ": np.bincount(ccode, in_d, minlength=n),
               "rows_out_differ": np.bincount(ccode, out_d, minlength=n),
               "rows_origin": np.bincount(ccode, out_d & ~in_d, minlength=n)}
     present = np.nonzero(counts["rows"])[0]
     order = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(order, ccode, per_call["order"].to_numpy())
+    np.minimum.at(order, ccode, per_call["order"])
     present = present[np.argsort(order[present], kind="stable")]
-    names = calls.to_numpy(dtype=object)
-    info = _call_info(b, names[present[:MAX_TIMELINE]])
-    timeline = [{"call": names[c], "cls": info[names[c]][1], "order": int(order[c]),
+    info = _call_info(b, calls[present[:MAX_TIMELINE]].tolist())
+    timeline = [{"call": calls[c], "cls": info[calls[c]][1], "order": int(order[c]),
                  **{k: int(v[c]) for k, v in counts.items()}} for c in present[:MAX_TIMELINE]]
     return {"calls_timeline": timeline, "calls_timeline_total": int(len(present))}
 
 
-def _own_code_note(mine: pd.DataFrame, first_dirty: pd.DataFrame, calls: pd.Index):
+def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray):
     """Say so when the first difference appeared at a child's input, i.e. in the culprit's own code."""
-    sample = mine.iloc[0]
-    first = first_dirty.loc[sample["pair"]]
-    first_call = calls[int(first["ccode"])]
-    if first_call == sample["call"] or not first["in_differ"]:
+    at = int(np.searchsorted(first_dirty["pair"], pair))
+    first_call = calls[int(first_dirty["ccode"][at])]
+    if first_call == call or not first_dirty["in_differ"][at]:
         return None
     return (f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
-            f"arises in {sample['call'].split('#')[0]}'s own code (not a hooked submodule) before that call")
+            f"arises in {call.split('#')[0]}'s own code (not a hooked submodule) before that call")
 
 
-def _error_figures(call: str, mine: pd.DataFrame, table: RowTable, a: Index, b: Index) -> dict:
-    outs = table.frame(table.call_mask(call) & table["is_out"] & table["differ"] & np.isin(table["pair"], mine["pair"]))
-    tensor = outs["tensor"].iloc[0]
-    chosen = outs[outs["tensor"] == tensor].merge(mine[["pair", "pass_a", "row_a"]], on="pair", suffixes=("", "_m"))
-    chosen = chosen.iloc[: 512]  # bounded read: enough rows for the figures
+def _error_figures(call: str, mine: Columns, table: RowTable, a: Index, b: Index) -> dict:
+    outs = table.entries(table.call_mask(call) & table["is_out"] & table["differ"] & np.isin(table["pair"], mine["pair"]))
+    tensor = outs["tensor"][0]
+    chosen = outs.take(np.nonzero(outs["tensor"] == tensor)[0][:512])  # bounded read: enough rows for the figures
     reader_a, reader_b = a.reader(), b.reader()
-    ref = [reader_a.bits(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_a"], chosen["row_a"])]
-    test = [reader_b.bits(int(p), tensor, [int(r)]) for p, r in zip(chosen["pass_b"], chosen["row_b"])]
+    ref = [reader_a.bits(p, tensor, [r]) for p, r in zip(chosen["pass_a"].tolist(), chosen["row_a"].tolist())]
+    test = [reader_b.bits(p, tensor, [r]) for p, r in zip(chosen["pass_b"].tolist(), chosen["row_b"].tolist())]
     figures = error_stats(np.concatenate([r for r, _ in ref]), np.concatenate([t for t, _ in test]), ref[0][1])
     figures["tensor"] = tensor
-    figures["shapes"] = _shapes(call, chosen, a, b)
+    figures["shapes"] = _shapes(call, int(chosen["pass_a"][0]), int(chosen["pass_b"][0]), a, b)
     return figures
 
 
-def _shapes(call: str, chosen: pd.DataFrame, a: Index, b: Index) -> dict:
-    pass_a, pass_b = int(chosen["pass_a"].iloc[0]), int(chosen["pass_b"].iloc[0])
+def _shapes(call: str, pass_a: int, pass_b: int, a: Index, b: Index) -> dict:
     out = {}
     for side, index, pass_id in (("a", a, pass_a), ("b", b, pass_b)):
-        tensors = index.tensors[(index.tensors["pass"] == pass_id) & (index.tensors["call"] == call)]
-        tokens = index.tokens[(index.tokens["pass"] == pass_id) & index.tokens["valid"]]
-        out[side] = {"pass": pass_id, "M": int(len(tokens)),
-                     "tensors": {t[len(call) + 1:]: s for t, s in zip(tensors["tensor"], tensors["shape"])}}
+        tensors = index.cols("tensors")
+        mine = (tensors["pass"] == pass_id) & (tensors["call"] == call)
+        tokens = index.cols("tokens")
+        out[side] = {"pass": pass_id, "M": int(((tokens["pass"] == pass_id) & tokens["valid"].astype(bool)).sum()),
+                     "tensors": {t[len(call) + 1:]: s for t, s in zip(tensors["tensor"][mine].tolist(),
+                                                                      tensors["shape"][mine].tolist())}}
     return out
 
 
@@ -314,18 +401,28 @@ def ulp_distance(ref: np.ndarray, test: np.ndarray, dtype: DType, finite: np.nda
 def not_comparable(table: RowTable, a: Index, b: Index) -> List[dict]:
     """Calls with tensors that cannot be compared row by row, and why."""
     found = {}
-    shape_mismatch = table.frame(~table["comparable"]).drop_duplicates("tensor")
-    for r in shape_mismatch.itertuples():
-        found.setdefault(r.call, f"{r.tensor}: row shape {r.rowshape_a} vs {r.rowshape_b}")
+    mismatched = table.entries(~table["comparable"])
+    seen = set()
+    for tensor, call, shape_a, shape_b in mismatched.rows(("tensor", "call", "rowshape_a", "rowshape_b")):
+        if tensor not in seen:
+            seen.add(tensor)
+            found.setdefault(call, f"{tensor}: row shape {shape_a} vs {shape_b}")
     for index in (b, a):
-        no_rows = index.tensors[index.tensors["why"].notna()].drop_duplicates("tensor")
-        for r in no_rows.itertuples():
-            found.setdefault(r.call, f"{r.tensor}: {r.why}")
+        seen = set()
+        for tensor, call, why in index.cols("tensors").rows(("tensor", "call", "why")):
+            if why is not None and why == why and tensor not in seen:  # why == why: not NaN
+                seen.add(tensor)
+                found.setdefault(call, f"{tensor}: {why}")
     return [{"call": c, "why": w} for c, w in list(found.items())[:MAX_LISTED * 5]]
 
 
 def nonfinite(table: RowTable) -> List[dict]:
-    bad = table.frame((table["nonfinite_a"] > 0) | (table["nonfinite_b"] > 0))
-    summary = bad.groupby("tensor").agg(rows=("pair", "size"), a=("nonfinite_a", "sum"), b=("nonfinite_b", "sum"))
-    return [{"tensor": t, "rows": int(r.rows), "nonfinite_a": int(r.a), "nonfinite_b": int(r.b)}
-            for t, r in summary.head(MAX_LISTED).iterrows()]
+    bad = table.entries((table["nonfinite_a"] > 0) | (table["nonfinite_b"] > 0))
+    summary: Dict[str, list] = {}
+    for tensor, in_a, in_b in bad.rows(("tensor", "nonfinite_a", "nonfinite_b")):
+        entry = summary.setdefault(tensor, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += in_a
+        entry[2] += in_b
+    return [{"tensor": t, "rows": r, "nonfinite_a": int(x), "nonfinite_b": int(y)}
+            for t, (r, x, y) in sorted(summary.items())[:MAX_LISTED]]

@@ -38,8 +38,8 @@ def row_stats(rows: np.ndarray, dtype: DType, magnitudes: bool = True
     not asked), non-finite count per row int32) of an [n, ...] array holding ``dtype`` elements as
     bits (``dtype.bits``) or as bytes."""
     n = rows.shape[0]
-    data = np.ascontiguousarray(rows).reshape(n, -1)
-    flat = data.reshape(-1).view(np.uint8)
+    per_row = int(np.prod(rows.shape[1:], dtype=np.int64))  # not reshape(n, -1): no rows, or empty rows, is valid
+    flat = np.ascontiguousarray(rows).reshape(n * per_row).view(np.uint8)
     width = flat.size // n if n else 0
     seed = _seed(width, dtype)
     digest, view = xxhash.xxh3_64_intdigest, memoryview(flat)
@@ -47,24 +47,25 @@ def row_stats(rows: np.ndarray, dtype: DType, magnitudes: bool = True
     nonfinite = np.zeros(n, dtype=np.int32)
     if not (magnitudes and dtype.floating):
         return fps, None, nonfinite
-    elems = flat.view(dtype.bits).reshape(n, -1)
-    if elems.shape[1] == 0:
+    elems = flat.view(dtype.bits).reshape(n, per_row)
+    if per_row == 0 or n == 0:
         return fps, np.zeros(n), nonfinite
     return (fps,) + _magnitudes(elems, dtype, nonfinite)
 
 
 def _magnitudes(elems: np.ndarray, dtype: DType, nonfinite: np.ndarray):
-    """(largest finite |x| per row, non-finite count per row)."""
+    """(largest finite |x| per row, non-finite count per row) of float elements held as bits."""
     mask, max_bits = magnitude_mask(dtype)
-    if dtype.native is not None:  # max and min of the values: two SIMD reads, no temporary
-        values = elems.view(dtype.native)
-        with np.errstate(invalid="ignore", over="ignore"):
-            amax = np.maximum(values.max(axis=1), -values.min(axis=1)).astype(np.float64)
-        bad = np.nonzero(~np.isfinite(amax))[0]  # NaN propagates, inf is largest: such rows, exactly
-    else:  # |x| orders as its bits without the sign bit
-        top = np.bitwise_and(elems, mask).max(axis=1)
-        amax = to_float64(top, dtype)
-        bad = np.nonzero(top > max_bits)[0]
+    sign = int(mask) + 1
+    # Floats are sign-magnitude: among the non-negative elements the largest bits, read as signed
+    # integers, are the largest |x|; among the negative ones the largest unsigned bits are. Two
+    # integer max reductions over the row, no temporary array, for every float type alike.
+    largest_bits = elems.max(axis=1).astype(np.int64) if dtype.size < 8 else elems.max(axis=1)
+    largest_signed = elems.view(f"i{dtype.size}").max(axis=1)
+    negative = np.where(largest_bits >= sign, largest_bits - sign, 0)
+    top = np.maximum(negative, np.where(largest_signed >= 0, largest_signed, 0)).astype(dtype.bits)
+    amax = to_float64(top, dtype)
+    bad = np.nonzero(top > max_bits)[0]  # an inf or NaN in the row: such rows, exactly
     if len(bad):
         bits = np.bitwise_and(elems[bad], mask)
         finite = bits <= max_bits

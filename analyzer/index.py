@@ -28,10 +28,10 @@ import threading
 from typing import Dict, List, Optional
 
 import numpy as np
-import pandas as pd
 
 from dumper import format as fmt
 
+from .columns import Columns
 from .dtypes import BY_CODE, DType
 from .errors import DumpError
 from .fingerprint import THREADS, as_signed, row_stats
@@ -43,12 +43,47 @@ TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
 
 
 class Index:
-    def __init__(self, dump: Dump, tables: Dict[str, pd.DataFrame], where: str):
+    """The five tables of one dump (or of one rank of it). ``index.tokens`` etc. are pandas frames,
+    made on first use; ``index.cols("tokens")`` is the same table as numpy columns, which the
+    strict verdict reads (it never imports pandas)."""
+
+    def __init__(self, dump: Dump, tables: dict, where: str, rank: Optional[int] = None, shared: dict = None):
         self.dump = dump
         self.where = where
-        for name in TABLES:
-            setattr(self, name, tables[name])
+        self._tables = tables  # name -> pyarrow Table (read from disk) or pandas DataFrame (just built)
+        self._rank = rank
+        self._shared = {} if shared is None else shared  # whole-dump conversions, kept for every rank
+        self._frames: Dict[str, object] = {}
+        self._cols: Dict[str, Columns] = {}
         self._reader = None
+
+    def frame(self, name: str):
+        if name not in self._frames:
+            whole = self._shared.get(("frame", name))
+            if whole is None:
+                table = self._tables[name]
+                whole = self._shared[("frame", name)] = table if _is_frame(table) else table.to_pandas()
+            self._frames[name] = whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
+        return self._frames[name]
+
+    def cols(self, name: str) -> Columns:
+        if name not in self._cols:
+            whole = self._shared.get(("cols", name))
+            if whole is None:
+                table = self._tables[name]
+                if _is_frame(table):
+                    import pyarrow as pa
+                    table = pa.Table.from_pandas(table, preserve_index=False)
+                whole = self._shared[("cols", name)] = Columns.from_arrow(table)
+            one_rank = self._rank is None or len(self.dump.ranks) == 1 or "rank" not in whole
+            self._cols[name] = whole if one_rank else _rows_of_rank(whole, self._rank)
+        return self._cols[name]
+
+    tokens = property(lambda self: self.frame("tokens"))
+    seqs = property(lambda self: self.frame("seqs"))
+    calls = property(lambda self: self.frame("calls"))
+    tensors = property(lambda self: self.frame("tensors"))
+    rows = property(lambda self: self.frame("rows"))
 
     def reader(self):
         """The RowReader of this index, built once: its lookup tables span every tensor row."""
@@ -58,7 +93,21 @@ class Index:
         return self._reader
 
     def rank(self, rank: int) -> "Index":
-        return Index(self.dump, {n: getattr(self, n)[getattr(self, n)["rank"] == rank] for n in TABLES}, self.where)
+        return Index(self.dump, self._tables, self.where, rank, self._shared)
+
+
+def _rows_of_rank(table: Columns, rank: int) -> Columns:
+    """A rank's entries; a view when they lie together (tables are built rank by rank), not a copy."""
+    at = np.nonzero(table["rank"] == rank)[0]
+    if len(at) == len(table):
+        return table
+    if len(at) and at[-1] - at[0] + 1 == len(at):
+        return table.take(slice(int(at[0]), int(at[-1]) + 1))
+    return table.take(at)
+
+
+def _is_frame(table) -> bool:
+    return hasattr(table, "iloc")
 
 
 def index_location(dump: Dump) -> str:
@@ -110,7 +159,7 @@ def load_index(dump: Dump, rebuild: bool = False, progress: bool = True) -> Inde
     return Index(dump, tables, where)
 
 
-def _read_fresh(where: str, stamp: dict) -> Optional[Dict[str, pd.DataFrame]]:
+def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
     try:
         with open(os.path.join(where, "stamp.json")) as handle:
             if json.load(handle) != stamp:
@@ -133,9 +182,10 @@ def _warn(dump: Dump):
         logging.getLogger("dumpdiff").warning("warning: %s", note)
 
 
-def _read_table(path: str) -> pd.DataFrame:
+def _read_table(path: str):
+    import pyarrow.parquet as pq
     with open(path, "rb") as handle:
-        return pd.read_parquet(handle)
+        return pq.ParquetFile(handle).read()  # not read_table: its dataset layer imports pandas
 
 
 def _write_tables(where: str, tables: Dict[str, pd.DataFrame], stamp: dict):
@@ -164,6 +214,7 @@ def _write_tables(where: str, tables: Dict[str, pd.DataFrame], stamp: dict):
 
 
 def build_tables(dump: Dump, progress: bool = True) -> Dict[str, pd.DataFrame]:
+    import pandas as pd
     parts: Dict[str, List[pd.DataFrame]] = {n: [] for n in TABLES}
     refs = [ref for rank in dump.ranks.values() for ref in rank.passes]
     total = sum(ref.nbytes for ref in refs)
@@ -196,6 +247,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
     """The five tables' rows for one pass file; ``on_bytes(n)`` reports tensor bytes as they are done."""
+    import pandas as pd
     meta, ref = pf.meta, pf.ref
     tokens = meta["tokens"]
     n_rows = len(tokens["ids"])
@@ -296,6 +348,7 @@ def stored_row_view(tensor: np.ndarray, tmeta: dict) -> np.ndarray:
 
 def _rows_frame(parts: List[tuple]) -> pd.DataFrame:
     """One frame from every tensor's row columns, built once (not a frame per tensor)."""
+    import pandas as pd
     lengths = np.array([len(columns["row"]) for _, columns in parts], dtype=np.int64)
     names = np.array([name for name, _ in parts], dtype=object)
     shapes = np.array([columns["rowshape"] for _, columns in parts], dtype=object)

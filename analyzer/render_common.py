@@ -11,7 +11,7 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .report import fmt_num
+from .report import fmt_num, unstored_text
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -139,6 +139,8 @@ def alignment_items(result: dict, verdict: dict) -> List[Tuple[bool, str]]:
         items.append((False, f"{align['unaligned_b']} rows of {clean(result['b']['label'])} have no partner in "
                              f"{clean(result['a']['label'])} and {align['unkeyed_b']} have an unknown prefix: "
                              "not compared"))
+    if verdict.get("rows_unstored"):
+        items.append((False, unstored_text(verdict)))
     return items
 
 

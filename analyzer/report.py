@@ -32,6 +32,11 @@ def shapes_line(culprit: dict, labels) -> str:
     return "\n    ".join(parts)
 
 
+def unstored_text(verdict: dict) -> str:
+    return (f"{verdict['rows_unstored']} paired rows have no dumped tensor row on both sides (row selection, "
+            "DUMPER_POSITIONS or DUMPER_LAST_ROWS): not compared")
+
+
 def culprit_lines(culprit: dict, labels, rows_compared: int) -> List[str]:
     rows = ", ".join(f"{r['seq']}@{r['pos']} ({r['kind']})" for r in culprit["rows"][:6])
     more = "" if culprit["n_rows"] <= 6 else f", ... {culprit['n_rows'] - 6} more"
@@ -101,6 +106,8 @@ def to_text(result: dict) -> str:
         if align["unaligned_b"] or align["unkeyed_b"]:
             out.append(f"  - {align['unaligned_b']} rows of {labels[1]} have no partner in {labels[0]}, "
                        f"{align['unkeyed_b']} have an unknown prefix; they are not compared")
+        if verdict.get("rows_unstored"):
+            out.append(f"  - {unstored_text(verdict)}")
         out.append(f"rows differing: {verdict['rows_differing']} of {verdict['rows_compared']}")
         if verdict["culprit"]:
             out += culprit_lines(verdict["culprit"], labels, verdict["rows_compared"])

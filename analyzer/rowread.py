@@ -16,7 +16,6 @@ from collections import OrderedDict
 from typing import Dict, List, Tuple
 
 import numpy as np
-import pandas as pd
 
 from .dtypes import DType
 from .index import Index, _file_layout, stored_row_view
@@ -29,12 +28,11 @@ CACHE_BYTES = 512 << 20
 class RowReader:
     def __init__(self, index: Index, cache_bytes: int = CACHE_BYTES):
         self.index = index
-        rank_ids = index.tokens["rank"].unique()
+        rank_ids = np.unique(index.cols("tokens")["rank"]).tolist()
         self._refs = {p.pass_id: p for r in rank_ids for p in index.dump.ranks[int(r)].passes}
-        tensors = index.tensors
         self._meta: Dict[Tuple[int, str], tuple] = {
-            (int(p), t): (s, json.loads(d), bool(sel))
-            for p, t, s, d, sel in zip(tensors["pass"], tensors["tensor"], tensors["stored"], tensors["token_dims"], tensors["selected"])}
+            (p, t): (s, json.loads(d), bool(sel))
+            for p, t, s, d, sel in index.cols("tensors").rows(("pass", "tensor", "stored", "token_dims", "selected"))}
         self._by_tensor = None  # tensor name -> positions in index.rows, built on first use
         self._srow: Dict[Tuple[int, str], Dict[int, int]] = {}
         self._layouts: Dict[int, object] = {}
@@ -66,12 +64,13 @@ class RowReader:
         found = self._srow.get(key)
         if found is None:
             if self._by_tensor is None:
-                rows = self.index.rows
-                codes, names = pd.factorize(rows["tensor"])
-                order = np.argsort(codes, kind="stable")
+                rows = self.index.cols("rows")
+                codes, names = rows.codes("tensor")
+                narrow = codes.astype(np.int16 if len(names) < 1 << 15 else np.int32)  # 16 bits: a radix sort
+                order = np.argsort(narrow, kind="stable")
                 ends = np.cumsum(np.bincount(codes, minlength=len(names)))
-                self._by_tensor = ({str(n): i for i, n in enumerate(names)}, order, ends, rows["pass"].to_numpy(),
-                                   rows["row"].to_numpy(), rows["srow"].to_numpy())
+                self._by_tensor = ({str(n): i for i, n in enumerate(names)}, order, ends, rows["pass"], rows["row"],
+                                   rows["srow"])
             lookup, order, ends, passes, token_rows, stored_rows = self._by_tensor
             code = lookup.get(tensor)
             positions = order[(ends[code - 1] if code else 0):ends[code]] if code is not None else order[:0]

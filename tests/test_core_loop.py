@@ -45,6 +45,28 @@ def test_text_report_names_culprit_shapes_and_errors(llama_dir, tmp_path):
     assert "M=28" in out and "max ulp" in out and "victims:" in out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_selected_dumps_give_the_full_dumps_verdict(llama_dir, tmp_path, dtype):
+    """DUMPER_POSITIONS=T: keeps no row of the decode run's prefill (a pass of zero stored rows)
+    and only the last k rows of the reference: the verdict on those rows is the full dumps'."""
+    model = load_model(llama_dir, dtype)
+    if dtype == torch.bfloat16:
+        plant_batch_variant(model, layer=2)  # bf16 is bit-identical here: plant the difference
+    prompt = prompt_ids(24)
+    ref, dec, _ = dump_pair(model, tmp_path / "full", prompt, new_tokens=6)
+    sel_ref, sel_dec, _ = dump_pair(model, tmp_path / "selected", prompt, new_tokens=6, positions="24:")
+    _, full = first_divergence_json(ref, dec)
+    code, selected = first_divergence_json(sel_ref, sel_dec)
+    assert code == 1
+    verdict = selected["ranks"]["0"]
+    assert verdict["rows_compared"] == 5 and verdict["rows_unstored"] == 24  # decode rows 24..28 of 29 paired
+    assert selected["culprit"]["call"] == full["culprit"]["call"]
+    assert selected["culprit"]["max_abs"] == full["culprit"]["max_abs"]
+    assert {r["pos"] for r in verdict["per_row"]} == {r["pos"] for r in full["ranks"]["0"]["per_row"] if r["pos"] >= 24}
+    code, out, err = dumpdiff("first-divergence", sel_ref, sel_dec, "--no-progress")
+    assert code == 1 and "24 paired rows have no dumped tensor row on both sides" in out, err
+
+
 class SplitKLinear(torch.nn.Linear):
     """A batch-variant GEMM, as real kernels are: over one token row it sums K in two halves."""
 
