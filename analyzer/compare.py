@@ -84,9 +84,9 @@ def _vocabulary(*arrays: np.ndarray) -> np.ndarray:
     return merged.astype(object)
 
 
-def _recode(codes: np.ndarray, vocabulary: np.ndarray, into: np.ndarray) -> np.ndarray:
-    """Codes into ``vocabulary`` as codes into the sorted ``into``."""
-    return np.searchsorted(into.astype(str), vocabulary.astype(str))[codes] if len(vocabulary) else codes
+def _recode(vocabulary: np.ndarray, into: np.ndarray) -> np.ndarray:
+    """For each code into ``vocabulary``, the code of the same string in the sorted ``into``."""
+    return np.searchsorted(into.astype(str), vocabulary.astype(str)) if len(vocabulary) else np.zeros(0, np.int64)
 
 
 DENSE_CELLS = 32 << 20  # token rows x tensors up to which the join is done in a dense grid
@@ -100,7 +100,7 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
     shape_codes = {s: r.codes("rowshape") for s, r in rows.items()}
     tensors = _vocabulary(*(v for _, v in tensor_codes.values()))
     shapes = _vocabulary(*(v for _, v in shape_codes.values()))
-    tcodes = {s: _recode(*tensor_codes[s], tensors) for s in rows}
+    tcodes = {s: _recode(vocabulary, tensors)[codes] for s, (codes, vocabulary) in tensor_codes.items()}
     found = _join_in_grid(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors))
     pair, tcode, entry_a, entry_b = found if found is not None else _join_on_keys(pairs, rows, tcodes, len(tensors))
     # Every tensor belongs to one call (its name is call.io.slot); B's tensors table says which.
@@ -125,8 +125,9 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
     for name in ("fp", "nonfinite"):
         columns[f"{name}_a"], columns[f"{name}_b"] = rows["a"][name][entry_a], rows["b"][name][entry_b]
     for side, entry in (("a", entry_a), ("b", entry_b)):
-        columns[f"shape_{side}"] = _recode(*shape_codes[side], shapes)[entry]
-    columns["is_in"], columns["is_out"] = io_of[tcode] == "in", io_of[tcode] == "out"
+        codes, vocabulary = shape_codes[side]
+        columns[f"shape_{side}"] = _recode(vocabulary, shapes)[codes[entry]]
+    columns["is_in"], columns["is_out"] = (io_of == "in")[tcode], (io_of == "out")[tcode]  # on codes, not strings
     columns["comparable"] = columns["shape_a"] == columns["shape_b"]
     columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])
     return RowTable(pairs, columns, tensors, np.array(calls, dtype=object), shapes, io_of)
@@ -170,7 +171,7 @@ def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Col
         entry_gid = gid(r["pass"], r["row"])
         placed = np.nonzero(entry_gid >= 0)[0]
         cells = entry_gid[placed] * n_tensors + tcodes[side][placed]
-        grid = np.full(n_gid * n_tensors, -1, np.int64)
+        grid = np.full(n_gid * n_tensors, -1, np.int32 if len(r) < 1 << 31 else np.int64)  # half the memory
         grid[cells] = placed
         if not np.array_equal(grid[cells], placed):  # a (row, tensor) twice: the general join handles it
             return None
@@ -178,11 +179,10 @@ def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Col
         gids[side] = gid(pairs[f"pass_{side}"], pairs[f"row_{side}"])
     if (gids["a"] < 0).any() or (gids["b"] < 0).any():
         return None
-    at_a = grids["a"][gids["a"]]
-    last = np.iinfo(np.int64).max
-    at_a = np.sort(np.where(at_a >= 0, at_a, last), axis=1)  # each pair's entries in A's order
-    pair, _ = np.nonzero(at_a != last)
-    entry_a = at_a[at_a != last]
+    at_a = np.sort(grids["a"][gids["a"]], axis=1)  # each pair's entries in A's order, the -1s (none) first
+    present = at_a >= 0
+    pair = np.repeat(np.arange(len(at_a)), present.sum(axis=1))
+    entry_a = at_a[present]
     tcode = tcodes["a"][entry_a]
     entry_b = grids["b"][gids["b"][pair], tcode]
     if (entry_b >= 0).all():

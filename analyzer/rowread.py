@@ -30,10 +30,11 @@ class RowReader:
         self.index = index
         rank_ids = np.unique(index.cols("tokens")["rank"]).tolist()
         self._refs = {p.pass_id: p for r in rank_ids for p in index.dump.ranks[int(r)].passes}
-        self._meta: Dict[Tuple[int, str], tuple] = {
-            (p, t): (s, json.loads(d), bool(sel))
-            for p, t, s, d, sel in index.cols("tensors").rows(("pass", "tensor", "stored", "token_dims", "selected"))}
-        self._by_tensor = None  # tensor name -> positions in index.rows, built on first use
+        tensors = index.cols("tensors")
+        self._tensors = tensors
+        self._where = {key: i for i, key in enumerate(tensors.rows(("pass", "tensor")))}  # (pass, tensor) -> entry
+        self._meta: Dict[Tuple[int, str], tuple] = {}
+        self._by_tensor = None  # how to find a tensor's positions in index.rows, built on first use
         self._srow: Dict[Tuple[int, str], Dict[int, int]] = {}
         self._layouts: Dict[int, object] = {}
         self._files: Dict[int, PassFile] = {}
@@ -50,7 +51,7 @@ class RowReader:
         """([len(token_rows), ...] elements as unsigned-int bits, element type) for one tensor of one pass."""
         srow = self._srow_map(pass_id, tensor)
         picks = [srow[int(r)] for r in token_rows]
-        stored, dims, selected = self._meta[(pass_id, tensor)]
+        stored, dims, selected = self._tensor_meta(pass_id, tensor)
         entry = self._entry(pass_id, stored)
         leading = dims is not None and (selected or list(dims) == list(range(len(dims))))
         if entry is None or not leading:
@@ -59,24 +60,44 @@ class RowReader:
         return self._read_rows(pass_id, stored, entry, 1 if selected else len(dims), picks), entry[0]
 
     # --- where rows are -----------------------------------------------------------------------
+    def _tensor_meta(self, pass_id: int, tensor: str) -> tuple:
+        """(stored tensor name, token dims, row-selected) of one tensor of one pass."""
+        key = (pass_id, tensor)
+        if key not in self._meta:
+            at = self._where[key]
+            self._meta[key] = (self._tensors["stored"][at], json.loads(self._tensors["token_dims"][at]),
+                               bool(self._tensors["selected"][at]))
+        return self._meta[key]
+
     def _srow_map(self, pass_id: int, tensor: str) -> Dict[int, int]:
+        """token row -> row of the stored view, for one tensor of one pass."""
         key = (pass_id, tensor)
         found = self._srow.get(key)
         if found is None:
-            if self._by_tensor is None:
-                rows = self.index.cols("rows")
-                codes, names = rows.codes("tensor")
-                narrow = codes.astype(np.int16 if len(names) < 1 << 15 else np.int32)  # 16 bits: a radix sort
-                order = np.argsort(narrow, kind="stable")
-                ends = np.cumsum(np.bincount(codes, minlength=len(names)))
-                self._by_tensor = ({str(n): i for i, n in enumerate(names)}, order, ends, rows["pass"], rows["row"],
-                                   rows["srow"])
-            lookup, order, ends, passes, token_rows, stored_rows = self._by_tensor
-            code = lookup.get(tensor)
-            positions = order[(ends[code - 1] if code else 0):ends[code]] if code is not None else order[:0]
-            positions = positions[passes[positions] == pass_id]
-            found = self._srow[key] = dict(zip(token_rows[positions].tolist(), stored_rows[positions].tolist()))
+            rows = self.index.cols("rows")
+            positions = self._positions_of(tensor)
+            positions = positions[rows["pass"][positions] == pass_id]
+            found = self._srow[key] = dict(zip(rows["row"][positions].tolist(), rows["srow"][positions].tolist()))
         return found
+
+    def _positions_of(self, tensor: str) -> np.ndarray:
+        """Where a tensor's rows are in the rows table. The first few tensors are looked up by a
+        scan; a reader asked for more (the noise pass reads hundreds) sorts the table once."""
+        codes, names = self.index.cols("rows").codes("tensor")
+        if self._by_tensor is None:
+            self._by_tensor = {"lookup": {str(n): i for i, n in enumerate(names)}, "scans": 0}
+        by = self._by_tensor
+        code = by["lookup"].get(tensor)
+        if code is None:
+            return np.zeros(0, np.int64)
+        if by["scans"] < 4:
+            by["scans"] += 1
+            return np.nonzero(codes == code)[0]
+        if "order" not in by:
+            narrow = codes.astype(np.int16 if len(names) < 1 << 15 else np.int32)  # 16 bits: a radix sort
+            by["order"] = np.argsort(narrow, kind="stable")
+            by["ends"] = np.cumsum(np.bincount(codes, minlength=len(names)))
+        return by["order"][(by["ends"][code - 1] if code else 0):by["ends"][code]]
 
     def _entry(self, pass_id: int, stored: str):
         if pass_id not in self._layouts:

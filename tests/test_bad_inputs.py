@@ -232,3 +232,22 @@ def test_dumps_of_different_dtypes_are_refused(dumps, tmp_path):
     _, dec_bf16, _ = dump_pair(model, tmp_path / "d", PROMPT, new_tokens=4, min_free_bytes=0)
     one_line_error(dumpdiff("first-divergence", ref, dec_bf16, "--no-progress"),
                    "the dumps differ in dtype ('float32' vs 'bfloat16')", "--allow-mismatch")
+
+
+def test_damaged_index_is_one_line_and_rebuild_index_recovers(dumps, tmp_path):
+    """The index is read a column at a time; a damaged rows table says so and how to recover."""
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+    code, _, err = dumpdiff("index", dec, "--no-progress")
+    assert code == 0, err
+    rows = os.path.join(dec, "index", "rows.parquet")
+    import pyarrow.parquet as pq
+    chunk = pq.ParquetFile(rows).metadata.row_group(0).column(1)  # the fingerprints, which every verdict reads
+    assert chunk.path_in_schema == "fp"
+    with open(rows, "r+b") as handle:  # the column data, not the footer: the damage shows when read
+        handle.seek(chunk.data_page_offset)
+        handle.write(b"\xff" * min(256, chunk.total_compressed_size))
+    one_line_error(dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress"),
+                   "rows.parquet: cannot be read", "rerun with --rebuild-index")
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress", "--rebuild-index")
+    assert code in (0, 1) and "alignment proof: OK" in out, err
