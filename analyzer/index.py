@@ -261,11 +261,25 @@ def build_tables(dump: Dump, progress: bool = True) -> Dict[str, pd.DataFrame]:
             parts[name].append(frame)
         bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
     bar.close()
-    tables = {n: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame() for n, frames in parts.items()}
-    for column in ("tensor", "rowshape"):  # a million repeats of a few hundred names: stored and read as codes
-        if column in tables["rows"]:
-            tables["rows"][column] = tables["rows"][column].astype("category")
+    tables = {n: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+              for n, frames in parts.items() if n != "rows"}
+    tables["rows"] = _concat_rows(parts["rows"])
     return tables
+
+
+def _concat_rows(frames):
+    """The passes' rows frames as one; the name columns stay codes (concatenating categoricals of
+    different categories would spell out a million strings, seconds under pandas 3)."""
+    import pandas as pd
+    from pandas.api.types import union_categoricals
+    if not frames:
+        return pd.DataFrame()
+    order = list(frames[0].columns)
+    joined = {c: union_categoricals([f[c] for f in frames]) for c in NAME_COLUMNS}
+    rows = pd.concat([f.drop(columns=list(NAME_COLUMNS)) for f in frames], ignore_index=True)
+    for column, values in joined.items():
+        rows[column] = values
+    return rows[order]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -348,8 +362,7 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
                                 "is_ids": is_ids,
                                 "why": why})
             row_parts.append((name, columns))
-    rows = _rows_frame(row_parts) if row_parts else pd.DataFrame(
-        columns=["row", "fp", "rowshape", "amax", "nonfinite", "srow", "tensor"])
+    rows = _rows_frame(row_parts)
     return {"tokens": token_frame, "seqs": seq_frame,
             "calls": pd.DataFrame(call_rows, columns=["call", "module", "cls", "pre", "post", "skipped"]).assign(**base),
             "tensors": pd.DataFrame(tensor_rows).assign(**base), "rows": rows.assign(**base)}
@@ -375,19 +388,25 @@ def stored_row_view(tensor: np.ndarray, tmeta: dict) -> np.ndarray:
     return moved.reshape((-1,) + tuple(moved.shape[len(dims):]))
 
 
+NAME_COLUMNS = ("rowshape", "tensor")  # a few hundred names repeated over a million rows: kept as codes
+
+
 def _rows_frame(parts: List[tuple]) -> pd.DataFrame:
     """One frame from every tensor's row columns, built once (not a frame per tensor)."""
     import pandas as pd
     lengths = np.array([len(columns["row"]) for _, columns in parts], dtype=np.int64)
-    names = np.array([name for name, _ in parts], dtype=object)
-    shapes = np.array([columns["rowshape"] for _, columns in parts], dtype=object)
-    return pd.DataFrame({"row": np.concatenate([c["row"] for _, c in parts]),
-                         "fp": np.concatenate([c["fp"] for _, c in parts]),
-                         "rowshape": np.repeat(shapes, lengths),
-                         "amax": np.concatenate([c["amax"] for _, c in parts]),
-                         "nonfinite": np.concatenate([c["nonfinite"] for _, c in parts]),
-                         "srow": np.concatenate([c["srow"] for _, c in parts]),
-                         "tensor": np.repeat(names, lengths)})
+
+    def concat(key, dtype):
+        return np.concatenate([c[key] for _, c in parts]) if parts else np.zeros(0, dtype)
+
+    def repeated(values: List[str]):  # one name per tensor, as codes repeated over its rows
+        categories, codes = np.unique(np.array(values, dtype=str), return_inverse=True)
+        return pd.Categorical.from_codes(np.repeat(codes.reshape(-1), lengths),
+                                         categories=pd.Index(categories.astype(object), dtype=object))
+    return pd.DataFrame({"row": concat("row", np.int32), "fp": concat("fp", np.int64),
+                         "rowshape": repeated([c["rowshape"] for _, c in parts]),
+                         "amax": concat("amax", np.float64), "nonfinite": concat("nonfinite", np.int32),
+                         "srow": concat("srow", np.int32), "tensor": repeated([name for name, _ in parts])})
 
 
 def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
