@@ -1,7 +1,7 @@
 """Point 5: the whole performance story on a GPU, in one run (an H200, bf16, random weights).
 
-A random HF Llama built from a config (hidden 2048, 16 layers, 16 heads, 8 kv heads,
-intermediate 5632, vocab 32000: 1.1B parameters) in bf16, a prefill of 2048 tokens and decode
+A random HF Llama built from a config (common.GPU_LLAMA: hidden 2048, 20 layers, 16 heads, 8 kv
+heads, intermediate 5632, vocab 32000: 1.07B parameters) in bf16, a prefill of 2048 tokens and decode
 steps. Every figure is a ratio against a baseline of the same run:
 
 * off      installed with dumping disabled / no hooks, per forward (interleaved)     <= 1.01
@@ -29,7 +29,8 @@ import traceback
 
 import torch
 
-from common import RESULTS, ROOT, captured_bytes, files_under, fmt_bytes, llama, median, n_params, result  # first: puts the repository on sys.path
+from common import (GPU_LLAMA, RESULTS, ROOT, captured_bytes, files_under, fmt_bytes, llama, median, n_params,  # first: puts
+                    result)  # the repository on sys.path
 import dumper
 
 
@@ -161,11 +162,13 @@ def main(argv=None):
                      intermediate_size=512, vocab_size=1024)
         tokens, new_tokens = 128, 4
     else:
-        shape = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                     intermediate_size=5632, vocab_size=32000)
+        shape = dict(GPU_LLAMA)
         tokens, new_tokens = 2048, 16
-    model = llama(dtype, device, max_position_embeddings=4096, **shape)
+    model = llama(dtype, device, **{"max_position_embeddings": 4096, **shape})
     print(f"# model: random Llama {n_params(model) / 1e9:.2f}B params, {dtype}, {tokens}-token prefill", flush=True)
+    if not args.small:
+        result("GPU model size (parameters)", n_params(model) / 1e9, ">= 1", n_params(model) >= 1e9, "B",
+               f"random HF Llama, {dtype}, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}")
     ids = torch.randint(3, shape["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     for _ in range(3):
         timed_forward(model, ids, device)

@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from common import llama, median, n_params, result, sync
+from common import GPU_LLAMA, llama, median, n_params, result, sync
 
 import time
 
@@ -49,8 +49,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda:
-        model = llama(torch.bfloat16, args.device, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-                      num_key_value_heads=8, intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096)
+        model = llama(torch.bfloat16, args.device, **GPU_LLAMA)
         tokens, rounds, block = args.tokens or 2048, args.rounds or 12, args.block or 10
     else:
         model = llama(torch.float32, hidden_size=256, num_hidden_layers=8, intermediate_size=688,
