@@ -3,3 +3,9 @@
 Runs anywhere: it reads safetensors, JSON and parquet, and never imports an inference engine.
 The only dumper code it shares is the format module (``dumper.format``).
 """
+
+import os as _os
+
+# The analyzer does no matrix work in numpy; numpy's BLAS would otherwise start a thread per core
+# at import, a visible part of a verdict's start-up on a many-core host. A user's setting wins.
+_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

@@ -105,6 +105,14 @@ class Columns:
         return pd.DataFrame(frame, index=pd.RangeIndex(self._length))
 
 
+def _numpy_dtype(kind) -> np.dtype:
+    """numpy's type for an arrow integer or float type (arrow's own to_pandas_dtype imports pandas)."""
+    import pyarrow as pa
+    if pa.types.is_floating(kind):
+        return np.dtype(f"f{kind.bit_width // 8}")
+    return np.dtype(f"{'i' if pa.types.is_signed_integer(kind) else 'u'}{kind.bit_width // 8}")
+
+
 def _joined(parts):
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -118,7 +126,7 @@ def _array(chunk) -> np.ndarray:
         return np.unpackbits(bits, bitorder="little")[chunk.offset:chunk.offset + len(chunk)].astype(bool)
     floating = pa.types.is_floating(kind)
     if (pa.types.is_integer(kind) and not chunk.null_count) or floating:
-        dtype = np.dtype(kind.to_pandas_dtype())
+        dtype = _numpy_dtype(kind)
         values = np.frombuffer(chunk.buffers()[1], dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
         if chunk.null_count:  # floats only: a null is NaN, as pandas reads it
             valid = np.unpackbits(np.frombuffer(chunk.buffers()[0], np.uint8), bitorder="little")

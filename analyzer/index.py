@@ -211,7 +211,7 @@ class LazyParquet:
 
     def _read(self, columns):
         try:
-            return self._file.read(columns=columns)
+            return self._file.read(columns=columns, use_threads=False)  # one column: no thread pool to start
         except (OSError, ValueError) as exc:
             raise DumpError(f"{show(self._path)}: cannot be read ({exc}); the index is damaged: "
                             "rerun with --rebuild-index") from None

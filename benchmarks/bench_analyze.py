@@ -76,6 +76,17 @@ def median_run(prepare, args, label: str, runs: int = 3) -> dict:
     return chosen
 
 
+def start_floor(runs: int = 3) -> float:
+    """Median seconds to start Python and import what the strict verdict needs: its floor here."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import numpy, pyarrow.parquet, click"], check=True,
+                       env={"OPENBLAS_NUM_THREADS": "1", **os.environ})  # as the analyzer sets it
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def read_cat(files) -> float:
     start = time.perf_counter()
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
@@ -176,6 +187,9 @@ def run(args, ref, dec):
         result(f"index build peak RSS ({proto})", max(idx_a["max_rss_mb"], idx_b["max_rss_mb"]), "bounded (info)", None,
                "MB", f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}")
         t_read = min(t_cat, t_py)
+        t_floor = start_floor()
+        result(f"info: starting Python with numpy, pyarrow and click / read both dumps once ({proto})",
+               t_floor / t_read, "info", None, "x", f"{t_floor:.2f}s: below this no Python command line answers")
         for label, rec in (("--strict-only", strict), ("noise-aware (default)", noise)):
             verdict = json.loads(rec["stdout"]) if rec["stdout"].strip().startswith("{") else {}
             culprit = (verdict.get("culprit") or {}).get("call")

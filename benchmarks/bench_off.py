@@ -39,6 +39,12 @@ def forward_times(model, ids, n: int, device: str) -> list:
     return times
 
 
+def paired_ratio(blocks: list, baselines: list) -> float:
+    """Median over rounds of (median of a round's block / median of the same round's baseline
+    block): the machine's drift over a run (GPU clocks, other tenants) moves both alike."""
+    return median([median(b) / median(a) for b, a in zip(blocks, baselines)])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -60,21 +66,21 @@ def main(argv=None):
           f"{rounds} rounds x {block} forwards per state", flush=True)
     forward_times(model, ids, 5, args.device)  # warm-up
 
-    base, off, idle_after, wrapped = [], [], [], []
+    base, off, idle_after, wrapped = [], [], [], []  # one list of forward times per round and state
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             order = ("base", "off", "wrap") if r % 2 == 0 else ("wrap", "off", "base")
             for state in order:
                 if state == "base":
-                    base += forward_times(model, ids, block, args.device)
+                    base.append(forward_times(model, ids, block, args.device))
                 elif state == "off":
                     handle = dumper.install(model, dumper.DumperConfig(enable=False, dir=tmp, exp_name="off"))
-                    off += forward_times(model, ids, block, args.device)
+                    off.append(forward_times(model, ids, block, args.device))
                     handle.remove()
                 elif args.variants:  # a bare pass-through wrapper of the root forward: the floor
                     original = model.forward
                     model.forward = functools.wraps(original)(lambda *a, **k: original(*a, **k))
-                    wrapped += forward_times(model, ids, block, args.device)
+                    wrapped.append(forward_times(model, ids, block, args.device))
                     del model.forward
         # After a dump: hooks were attached by the enabled pass, then dumping was disabled.
         handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name="after", filter="layers\\.0\\."
@@ -85,9 +91,9 @@ def main(argv=None):
         handle.flush()
         base2 = []
         for r in range(max(rounds // 2, 4)):
-            idle_after += forward_times(model, ids, block, args.device)
+            idle_after.append(forward_times(model, ids, block, args.device))
             handle.remove()
-            base2 += forward_times(model, ids, block, args.device)
+            base2.append(forward_times(model, ids, block, args.device))
             handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name=f"after{r}"))
             with torch.no_grad():
                 model(ids[:, :8])
@@ -95,21 +101,23 @@ def main(argv=None):
             handle.flush()
         handle.remove()
 
-    t_base, t_off = median(base), median(off)
-    ratio = t_off / t_base
+    def flat(blocks):
+        return [t for b in blocks for t in b]
+    t_base, t_off = median(flat(base)), median(flat(off))
+    ratio = paired_ratio(off, base)
     where = "GPU" if cuda else "CPU"
     print(f"# no hooks {t_base * 1e3:.3f} ms/forward, installed+disabled {t_off * 1e3:.3f} ms/forward", flush=True)
     result(f"off: installed, disabled / no hooks ({where})", ratio, "<= 1.01", ratio <= 1.01, "x",
-           f"median forward {t_base * 1e3:.2f} ms vs {t_off * 1e3:.2f} ms, {len(base)} forwards each",
-           base_ms=t_base * 1e3, off_ms=t_off * 1e3)
+           f"median of {len(base)} per-round ratios; median forward {t_base * 1e3:.2f} ms vs {t_off * 1e3:.2f} ms, "
+           f"{len(flat(base))} forwards each", base_ms=t_base * 1e3, off_ms=t_off * 1e3)
     if wrapped:
-        result(f"info: a bare root-forward wrapper / no hooks ({where})", median(wrapped) / t_base, "info", None, "x",
-               f"median forward {median(wrapped) * 1e3:.3f} ms")
-    t_base2, t_after = median(base2), median(idle_after)
-    ratio2 = t_after / t_base2
+        result(f"info: a bare root-forward wrapper / no hooks ({where})", paired_ratio(wrapped, base), "info", None, "x",
+               f"median forward {median(flat(wrapped)) * 1e3:.3f} ms")
+    t_base2, t_after = median(flat(base2)), median(flat(idle_after))
+    ratio2 = paired_ratio(idle_after, base2)
     result(f"off after a dump (enable=False again) / no hooks ({where})", ratio2, "<= 1.01 (info)", ratio2 <= 1.01, "x",
-           f"median forward {t_base2 * 1e3:.2f} ms vs {t_after * 1e3:.2f} ms; the first forward after disabling "
-           "detaches the per-module hooks", base_ms=t_base2 * 1e3, off_ms=t_after * 1e3)
+           f"median of {len(base2)} per-round ratios; median forward {t_base2 * 1e3:.2f} ms vs {t_after * 1e3:.2f} ms; "
+           "the first forward after disabling detaches the per-module hooks", base_ms=t_base2 * 1e3, off_ms=t_after * 1e3)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from analyzer.compare import error_stats
 from analyzer.dtypes import of_torch, to_float64
 from analyzer.fingerprint import fingerprints, row_stats
 from analyzer.torchbits import from_torch, to_torch
-from helpers import ROOT, dump_pair, make_tiny_llama, load_model, prompt_ids
+from helpers import ROOT, dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -73,18 +73,22 @@ def test_error_figures_match_torch(dtype):
     assert figures["dtype"] == str(dtype).replace("torch.", "") and figures["max_ulp"] >= 1
 
 
-def test_strict_verdict_never_imports_torch(tmp_path):
-    """--strict-only answers from the index and the culprit's bytes: no second of torch start-up."""
+def test_strict_verdict_never_imports_torch_or_pandas(tmp_path):
+    """--strict-only answers from the index and the culprit's bytes: no second of torch start-up,
+    and (the indexes built) no third of a second of pandas."""
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=4)
+    for dump in (ref, dec):
+        assert dumpdiff("index", dump, "--no-progress")[0] == 0
     probe = ("import json, runpy, sys\n"
              "sys.argv = ['dumpdiff', 'first-divergence', sys.argv[1], sys.argv[2], '--strict-only', '--format', "
              "'json', '--no-progress']\n"
              "try:\n    runpy.run_module('analyzer.cli', run_name='__main__')\n"
              "except SystemExit as exc:\n    code = exc.code\n"
-             "print(json.dumps({'exit': code, 'torch': 'torch' in sys.modules}), file=sys.stderr)\n")
+             "print(json.dumps({'exit': code, 'torch': 'torch' in sys.modules, 'pandas': 'pandas' in sys.modules}), "
+             "file=sys.stderr)\n")
     proc = subprocess.run([sys.executable, "-c", probe, ref, dec], capture_output=True, text=True, cwd=ROOT)
     status = json.loads(proc.stderr.strip().splitlines()[-1])
     verdict = json.loads(proc.stdout)
-    assert status == {"exit": 1, "torch": False}, proc.stderr[-2000:]
+    assert status == {"exit": 1, "torch": False, "pandas": False}, proc.stderr[-2000:]
     assert verdict["culprit"]["call"] and verdict["culprit"]["max_abs"] > 0
