@@ -160,23 +160,25 @@ main.add_command(_report_command())
 
 
 @main.command("index")
-@click.argument("dump", type=click.Path(path_type=str))
+@click.argument("dumps", nargs=-1, required=True, metavar="DUMP...", type=click.Path(path_type=str))
 @click.option("--rebuild", is_flag=True, help="Rebuild even when the index is fresh.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @guarded
-def index_cmd(dump, rebuild, no_progress):
-    """Build the parquet index of DUMP (one row per tensor row, with its fingerprint).
+def index_cmd(dumps, rebuild, no_progress):
+    """Build the parquet index of each DUMP (one row per tensor row, with its fingerprint).
 
     The index is written to DUMP/index/ (or ~/.cache/dumpdiff/index/ when DUMP is read-only)
     as tokens, seqs, calls, tensors and rows tables, readable by pandas and duckdb. Later
-    commands reuse it while the dump's manifest is unchanged.
+    commands reuse it while the dump's manifest is unchanged. Every DUMP is checked before
+    any is indexed; give both dumps of a comparison to pay the start-up once.
     """
     from .index import load_index
-    from .load import open_dump
-    index = load_index(open_dump(dump), rebuild=rebuild, progress=not no_progress)
-    from .load import show
-    click.echo(f"{show(index.where)}: {len(index.cols('tokens'))} token rows, {len(index.cols('calls'))} calls, "
-               f"{len(index.cols('tensors'))} tensors, {len(index.cols('rows'))} tensor rows")
+    from .load import open_dump, show
+    opened = [open_dump(dump) for dump in dumps]
+    for dump in opened:
+        index = load_index(dump, rebuild=rebuild, progress=not no_progress)
+        click.echo(f"{show(index.where)}: {len(index.cols('tokens'))} token rows, {len(index.cols('calls'))} calls, "
+                   f"{len(index.cols('tensors'))} tensors, {len(index.cols('rows'))} tensor rows")
 
 
 def _parse_setting(text: str):

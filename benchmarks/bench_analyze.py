@@ -154,10 +154,8 @@ def run(args, ref, dec):
         prepare()
         t_py = read_python(files)
         prepare()
-        idx_a = cli_measured(["index", ref, "--rebuild"], f"{proto}: index ref")
-        prepare()
-        idx_b = cli_measured(["index", dec, "--rebuild"], f"{proto}: index dec")
-        t_index = idx_a["seconds"] + idx_b["seconds"]
+        idx = cli_measured(["index", ref, dec, "--rebuild"], f"{proto}: index ref dec (one command)")
+        t_index = idx["seconds"]
         # The same build in this process (imports already paid): the index work alone.
         from analyzer.index import load_index
         from analyzer.load import open_dump
@@ -171,20 +169,20 @@ def run(args, ref, dec):
                             f"{proto}: first-divergence --strict-only")
         noise = median_run(prepare, ["first-divergence", ref, dec, "--format", "json", "--no-progress"],
                            f"{proto}: first-divergence (noise-aware)")
-        rows[proto] = dict(t_cat=t_cat, t_py=t_py, t_index=t_index, idx=(idx_a, idx_b), strict=strict, noise=noise)
+        rows[proto] = dict(t_cat=t_cat, t_py=t_py, t_index=t_index, idx=idx, strict=strict, noise=noise)
         bw_cat, bw_py, bw_index = total / t_cat, total / t_py, total / t_index
         print(f"# {proto}: cat {fmt_bytes(bw_cat)}/s, python read {fmt_bytes(bw_py)}/s, index {fmt_bytes(bw_index)}/s",
               flush=True)
         best_read = max(bw_cat, bw_py)
         target = ">= 0.70" if proto == "cold" else "info (page cache)"  # warm: memcpy speed, see below
-        result(f"index build bandwidth, dumpdiff index CLI / sequential read ({proto})", bw_index / best_read, target,
+        result(f"index build bandwidth, `dumpdiff index REF DEC` CLI / sequential read ({proto})", bw_index / best_read, target,
                bw_index / best_read >= 0.70 if proto == "cold" else None, "x", f"index {fmt_bytes(bw_index)}/s vs read {fmt_bytes(best_read)}/s "
                f"(cat {fmt_bytes(bw_cat)}/s, python {fmt_bytes(bw_py)}/s) over {fmt_bytes(total)}")
         bw_inproc = total / t_inproc
         result(f"index build bandwidth, in-process (no imports) / sequential read ({proto})", bw_inproc / best_read,
                target, bw_inproc / best_read >= 0.70 if proto == "cold" else None, "x", f"index {fmt_bytes(bw_inproc)}/s vs read "
                f"{fmt_bytes(best_read)}/s; the CLI adds {t_index - t_inproc:.1f}s of start-up and imports in all")
-        result(f"index build peak RSS ({proto})", max(idx_a["max_rss_mb"], idx_b["max_rss_mb"]), "bounded (info)", None,
+        result(f"index build peak RSS ({proto})", idx["max_rss_mb"], "bounded (info)", None,
                "MB", f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}")
         t_read = min(t_cat, t_py)
         t_floor = start_floor()

@@ -78,8 +78,8 @@ def test_strict_verdict_never_imports_torch_or_pandas(tmp_path):
     and (the indexes built) no third of a second of pandas."""
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=4)
-    for dump in (ref, dec):
-        assert dumpdiff("index", dump, "--no-progress")[0] == 0
+    code, out, err = dumpdiff("index", ref, dec, "--no-progress")  # both in one command
+    assert code == 0 and out.count("tensor rows") == 2, err
     probe = ("import json, runpy, sys\n"
              "sys.argv = ['dumpdiff', 'first-divergence', sys.argv[1], sys.argv[2], '--strict-only', '--format', "
              "'json', '--no-progress']\n"
