@@ -40,7 +40,7 @@ class Columns:
             return
         import pyarrow as pa
         column = self._arrow.column(name)
-        if pa.types.is_dictionary(column.type):
+        if pa.types.is_dictionary(column.type) and not column.null_count:
             column = column.unify_dictionaries() if column.num_chunks > 1 else column
             chunks = column.chunks
             vocabulary = _array(chunks[0].dictionary) if chunks else np.zeros(0, object)
@@ -124,11 +124,10 @@ def _array(chunk) -> np.ndarray:
     if pa.types.is_boolean(kind) and not chunk.null_count:
         bits = np.frombuffer(chunk.buffers()[1], np.uint8)
         return np.unpackbits(bits, bitorder="little")[chunk.offset:chunk.offset + len(chunk)].astype(bool)
-    floating = pa.types.is_floating(kind)
-    if (pa.types.is_integer(kind) and not chunk.null_count) or floating:
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         dtype = _numpy_dtype(kind)
         values = np.frombuffer(chunk.buffers()[1], dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
-        if chunk.null_count:  # floats only: a null is NaN, as pandas reads it
+        if chunk.null_count:  # a null is NaN (integers become floats), as pandas reads it
             valid = np.unpackbits(np.frombuffer(chunk.buffers()[0], np.uint8), bitorder="little")
             values = np.where(valid[chunk.offset:chunk.offset + len(chunk)].astype(bool), values, np.nan)
         return values

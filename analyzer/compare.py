@@ -89,7 +89,7 @@ def _recode(vocabulary: np.ndarray, into: np.ndarray) -> np.ndarray:
     return np.searchsorted(into.astype(str), vocabulary.astype(str)) if len(vocabulary) else np.zeros(0, np.int64)
 
 
-DENSE_CELLS = 32 << 20  # token rows x tensors up to which the join is done in a dense grid
+DENSE_CELLS = 8 << 20  # token rows x tensors up to which joins use dense grids (tens of MB at most)
 
 
 def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
@@ -193,7 +193,8 @@ def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Col
 
 def call_order(index: Index) -> Dict[str, int]:
     """Canonical completion order of call names (the same structure repeats in every pass): each
-    call's earliest place in a pass, by completion; ties by name."""
+    call's earliest place in a pass, by completion; ties (passes that hook different calls) by
+    where the call first completed, (pass, post), then by name."""
     calls = index.cols("calls")
     if not len(calls):
         return {}
@@ -201,10 +202,12 @@ def call_order(index: Index) -> Dict[str, int]:
     passes = calls["pass"][by_pass]
     starts = np.r_[0, np.nonzero(np.diff(passes))[0] + 1]
     place = np.arange(len(by_pass)) - np.repeat(starts, np.diff(np.r_[starts, len(by_pass)]))
-    best: Dict[str, int] = {}
-    for call, rank in zip(calls["call"][by_pass].tolist(), place.tolist()):
-        if rank < best.get(call, len(by_pass)):
-            best[call] = rank
+    best: Dict[str, tuple] = {}
+    for call, rank, first in zip(calls["call"][by_pass].tolist(), place.tolist(), range(len(by_pass))):
+        if call not in best:
+            best[call] = (rank, first)  # first: where it first completed, in (pass, post) order
+        elif rank < best[call][0]:
+            best[call] = (rank, best[call][1])
     ranked = sorted(best, key=lambda c: (best[c], c))
     return {c: i + 1 for i, c in enumerate(ranked)}
 
@@ -217,10 +220,15 @@ def _per_call(table: RowTable, b: Index) -> Columns:
     key = table["pair"].astype(np.int64) * n_calls + table["ccode"]
     differ = table["differ"]
     n_cells = (int(table["pair"][-1]) + 1 if len(key) else 0) * n_calls  # the table is ordered by pair
-    if n_cells <= DENSE_CELLS:  # count per (pair, call) cell: no sort
-        present = np.nonzero(np.bincount(key, minlength=n_cells))[0]
-        in_differ = np.bincount(key[differ & table["is_in"]], minlength=n_cells)[present] > 0
-        out_differ = np.bincount(key[differ & table["is_out"]], minlength=n_cells)[present] > 0
+    if n_cells <= DENSE_CELLS:  # a flag per (pair, call) cell: no sort, a byte per cell
+
+        def cells(where):
+            flags = np.zeros(n_cells, bool)
+            flags[key[where] if where is not None else key] = True
+            return flags
+        present = np.nonzero(cells(None))[0]
+        in_differ = cells(differ & table["is_in"])[present]
+        out_differ = cells(differ & table["is_out"])[present]
     else:
         present, inverse = np.unique(key, return_inverse=True)
         inverse = inverse.reshape(-1)

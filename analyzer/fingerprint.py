@@ -62,8 +62,9 @@ def _magnitudes(elems: np.ndarray, dtype: DType, nonfinite: np.ndarray):
     # integer max reductions over the row, no temporary array, for every float type alike.
     largest_bits = elems.max(axis=1).astype(np.int64) if dtype.size < 8 else elems.max(axis=1)
     largest_signed = elems.view(f"i{dtype.size}").max(axis=1)
-    negative = np.where(largest_bits >= sign, largest_bits - sign, 0)
-    top = np.maximum(negative, np.where(largest_signed >= 0, largest_signed, 0)).astype(dtype.bits)
+    negative = np.where(largest_bits >= sign, largest_bits - sign, 0).astype(dtype.bits)
+    positive = np.where(largest_signed >= 0, largest_signed, 0).astype(dtype.bits)
+    top = np.maximum(negative, positive)  # same unsigned type: no detour through float64 (64-bit rows)
     amax = to_float64(top, dtype)
     bad = np.nonzero(top > max_bits)[0]  # an inf or NaN in the row: such rows, exactly
     if len(bad):

@@ -37,7 +37,7 @@ from .errors import DumpError
 from .fingerprint import THREADS, as_signed, row_stats
 from .load import Dump, PassFile, show
 
-INDEX_VERSION = 2  # 2: XXH3 row fingerprints
+INDEX_VERSION = 3  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it)
 INDEX_DIR = "index"
 TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
 
