@@ -119,7 +119,7 @@ def _read_run(run_path: str) -> dict:
     try:
         with open(run_path, "rb") as handle:
             run = json.loads(handle.read().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise DumpError(f"{show(run_path)}: not valid JSON ({exc}); the dump is damaged, dump again") from None
     if not isinstance(run, dict) or run.get("format") != fmt.FORMAT_NAME:
         raise DumpError(f"{show(run_path)}: not a dumpdiff run file; give the experiment folder <DUMPER_DIR>/<exp_name>")
@@ -145,8 +145,10 @@ def _read_rank(rank: int, rank_dir: str) -> RankDump:
                 continue
             try:
                 entry = json.loads(line.decode("utf-8"))
-                pass_id, name, nbytes = int(entry["pass"]), str(entry["file"]), int(entry["bytes"])
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                pass_id, name, nbytes = entry["pass"], entry["file"], entry["bytes"]
+                if not (_int(pass_id) and _str(name) and _int(nbytes)):  # json reads Infinity, 1e999, 1.5 too
+                    raise ValueError("not a manifest entry")
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
                 if number >= len(lines) - 1:  # only the last line can be torn by a crash
                     torn += 1
                     continue
@@ -274,7 +276,7 @@ class PassFile:
             # JSON escapes can smuggle in lone surrogates ("\udcff") that no later stage (parquet, the
             # report) can encode; refuse them here, with the file's name, instead of failing later.
             json.dumps(self.meta, ensure_ascii=False).encode("utf-8")
-        except ValueError:
+        except (ValueError, RecursionError):
             raise DumpError(f"{show(ref.path)}: pass metadata is not valid JSON or holds invalid text; "
                             "the file is damaged") from None
         if not isinstance(self.meta, dict):

@@ -85,6 +85,13 @@ def manifest_names_missing_file(dec, tmp):
     return dec
 
 
+def manifest_size_infinity(dec, tmp):
+    entries = read_manifest(dec)
+    entries[0]["bytes"] = float("inf")  # json writes Infinity, and Python's json reads it back (found by the fuzzer)
+    write_manifest(dec, entries)
+    return dec
+
+
 def manifest_names_outside_file(dec, tmp):
     entries = read_manifest(dec)
     entries[0]["file"] = "../../ref/rank0/pass-000000.safetensors"
@@ -143,6 +150,7 @@ ERRORS = [
     (truncated_manifest_edited, ["pass-000002.safetensors: corrupt pass file", "not fully covered"]),
     (manifest_names_missing_file, ["names pass-000001.safetensors but that file is missing"]),
     (manifest_names_outside_file, ["not a pass file in this folder"]),
+    (manifest_size_infinity, ["line 1 is not a manifest entry", "dump again"]),
     (future_format, ["newer than this dumpdiff reads", "upgrade dumpdiff"]),
     (run_json_garbage, ["run.json: not valid JSON"]),
     (tensor_name_not_utf8, ["pass-000001.safetensors: corrupt pass file", "invalid UTF-8"]),
