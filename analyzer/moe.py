@@ -22,7 +22,6 @@ import os
 import re
 from typing import List, Optional
 
-import pandas as pd
 import torch
 
 from .align import Alignment
