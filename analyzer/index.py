@@ -325,7 +325,9 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
         finally:
             release()
 
-    if HASH_THREADS <= 1 or ref.nbytes < INLINE_PASS_BYTES:  # a decode step: handing off costs more
+    if ref.nbytes < INLINE_PASS_BYTES:  # a decode step: hundreds of one-row tensors, hashed together
+        stored_rows.update(_small_pass_rows(pf, list(needed), tensor_metas, n_rows, valid, on_bytes))
+    elif HASH_THREADS <= 1:
         for stored, tensor, dtype, release in read_tensors(pf, list(needed), on_bytes):
             stored_rows[stored] = work(stored, tensor, dtype, release)
             del tensor
@@ -412,6 +414,13 @@ def _rows_frame(parts: List[tuple]) -> pd.DataFrame:
 def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
                  tensor: Optional[np.ndarray] = None, dtype: Optional[DType] = None):
     """(row columns, why it has no token rows or None, whether it holds the pass's token ids)."""
+    kept = _kept_rows(pf, stored, tmeta, meta, n_rows, valid, tensor, dtype)
+    return _row_columns(kept, meta, row_stats(kept["view"], kept["dtype"]))
+
+
+def _kept_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
+               tensor: Optional[np.ndarray] = None, dtype: Optional[DType] = None) -> dict:
+    """A tensor's rows to index ([rows, ...], the valid token rows only) and where they come from."""
     if tensor is None:
         tensor, dtype = pf.bits(stored)
     if list(tensor.shape) != list(tmeta["shape"]) and not tmeta.get("selected"):
@@ -428,20 +437,81 @@ def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int
     rows_of = np.asarray(token_rows, dtype=np.int64)
     keep = (rows_of < 0) | valid[np.clip(rows_of, 0, None)] if len(valid) else rows_of < 0
     srow = np.nonzero(keep)[0]
-    view = view[srow] if not keep.all() else view
-    kept_rows = rows_of[srow].astype(np.int32)
-    fps, amax, nonfinite = row_stats(view, dtype)  # fingerprints, max |x|, inf/nan
+    return {"view": view[srow] if not keep.all() else view, "dtype": dtype, "kept_rows": rows_of[srow].astype(np.int32),
+            "srow": srow, "why": why, "token_rows": token_rows != [-1]}
+
+
+def _row_columns(kept: dict, meta: dict, stats) -> tuple:
+    """(row columns, why, is_ids) of one tensor from its kept rows and their row_stats."""
+    view, dtype, kept_rows = kept["view"], kept["dtype"], kept["kept_rows"]
+    fps, amax, nonfinite = stats  # fingerprints, max |x|, inf/nan
     if amax is None:
         amax = np.full(view.shape[0], np.nan)
     rest = tuple(s for s in view.shape[1:] if s != 1)
     columns = {"row": kept_rows, "fp": as_signed(fps), "rowshape": f"{dtype.name}{list(rest)}",
-               "amax": amax, "nonfinite": nonfinite, "srow": srow.astype(np.int32)}
+               "amax": amax, "nonfinite": nonfinite, "srow": kept["srow"].astype(np.int32)}
     is_ids = bool(
-        why is None and token_rows != [-1] and dtype.kind == "int" and len(rest) == 0
+        kept["why"] is None and kept["token_rows"] and dtype.kind == "int" and len(rest) == 0
         and view.size == len(kept_rows)
         and np.array_equal(view.reshape(-1).view(dtype.native).astype(np.int64),
                            np.asarray(meta["tokens"]["ids"])[kept_rows]))
-    return columns, why, is_ids
+    return columns, kept["why"], is_ids
+
+
+def _read_whole(pf: PassFile, names: List[str]):
+    """(layout, the file's bytes) of a small pass file read at once; None when its header is not
+    one this reader follows (then read_tensors lets safetensors name the trouble)."""
+    layout = _file_layout(pf.ref.path)
+    if layout is None or any(layout.get(name) is None for name in names):
+        return None
+    try:
+        with open(pf.ref.path, "rb") as handle:
+            data = np.frombuffer(handle.read(), dtype=np.uint8)
+    except OSError as exc:
+        raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
+    if len(data) != layout.file_size:
+        raise DumpError(f"{show(pf.ref.path)}: changed while being read; copy the dump again")
+    return layout, data
+
+
+def _small_pass_rows(pf: PassFile, names: List[str], tensor_metas: dict, n_rows: int, valid: np.ndarray,
+                     on_bytes=None) -> Dict[str, tuple]:
+    """_tensor_rows of every tensor of a small pass (a decode step: hundreds of one-row tensors),
+    with row_stats called once per (dtype, row shape) instead of once per tensor: per-call numpy
+    overhead was most of a decode pass's indexing. The same fingerprints, row by row."""
+    meta = pf.meta
+    kept: Dict[str, dict] = {}
+    whole = _read_whole(pf, names)  # one read, no reader thread: the file is small
+    if whole is None:
+        for stored, tensor, dtype, release in read_tensors(pf, names, on_bytes):
+            try:
+                rows = _kept_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
+                rows["view"] = np.array(rows["view"])  # a copy: the read buffer is reused after release()
+                kept[stored] = rows
+            finally:
+                release()
+            del tensor
+    else:
+        layout, data = whole
+        for stored in names:
+            dtype, shape, begin, end = layout.get(stored)
+            tensor = data[begin:end].view(dtype.bits).reshape(shape)
+            kept[stored] = _kept_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
+        if on_bytes:
+            on_bytes(sum(layout.get(n)[3] - layout.get(n)[2] for n in names))
+    groups: Dict[tuple, List[str]] = {}
+    for stored, rows in kept.items():
+        groups.setdefault((rows["dtype"].name, rows["view"].shape[1:]), []).append(stored)
+    out = {}
+    for members in groups.values():
+        views = [kept[m]["view"] for m in members]
+        fps, amax, nonfinite = row_stats(np.concatenate(views), kept[members[0]]["dtype"])
+        ends = np.cumsum([len(v) for v in views])
+        for member, end, length in zip(members, ends, (len(v) for v in views)):
+            part = slice(end - length, end)
+            out[member] = _row_columns(kept[member], meta, (fps[part], None if amax is None else amax[part],
+                                                            nonfinite[part]))
+    return out
 
 
 # --- reading pass files for the index: sequential, read ahead, bounded memory --------------------
@@ -464,6 +534,7 @@ class FileLayout:
 
     def __init__(self, header: dict, data_start: int, file_size: int):
         self._header, self._start, self._size = header, data_start, file_size
+        self.file_size = file_size
         self._entries: Dict[str, Optional[tuple]] = {}
 
     def get(self, name: str):
