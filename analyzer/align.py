@@ -27,12 +27,11 @@ from .errors import DumpError
 from .index import Index
 from .keyjoin import lookup, row_key
 
-PAIR_COLUMNS = ("pair", "pass_a", "row_a", "pass_b", "row_b", "seq", "pos", "id", "pos_a", "id_a", "mode_a", "mode_b")
 
 
 @dataclasses.dataclass
 class Alignment:
-    cols: Columns  # one entry per pair of rows, PAIR_COLUMNS, ordered by (pass_b, row_b)
+    cols: Columns  # per pair of rows: pair, pass/row/pos/id/mode of each side, seq; by (pass_b, row_b)
     unaligned_b: int  # rows of B with no partner in A
     unkeyed_b: int  # rows of B whose sequence history has gaps (prefix unknown)
     rows_b: int
@@ -144,9 +143,8 @@ def embedding_call(index: Index):
     tensors = index.cols("tensors")
     if not len(tensors):
         return None
-    io = tensors["io"]
-    takes_ids = set(zip(tensors["pass"][(io == "in") & tensors["is_ids"].astype(bool)].tolist(),
-                        tensors["call"][(io == "in") & tensors["is_ids"].astype(bool)].tolist()))
+    ids_in = (tensors["io"] == "in") & tensors["is_ids"].astype(bool)
+    takes_ids = set(zip(tensors["pass"][ids_in].tolist(), tensors["call"][ids_in].tolist()))
     if not takes_ids:
         return None
     calls = index.cols("calls")

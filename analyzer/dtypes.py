@@ -85,9 +85,3 @@ def to_float64(bits: np.ndarray, dtype: DType) -> np.ndarray:
         return _e4m3_table()[bits]
     raise ValueError(f"no float values for {dtype.name}")
 
-
-def as_values(bits: np.ndarray, dtype: DType) -> np.ndarray:
-    """Bits -> a numpy array of the element's values: its own type where numpy has one, else float64."""
-    if dtype.native is not None:
-        return np.ascontiguousarray(bits).view(dtype.native)
-    return to_float64(bits, dtype)

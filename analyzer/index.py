@@ -458,12 +458,15 @@ def _row_columns(kept: dict, meta: dict, stats) -> tuple:
     return columns, kept["why"], is_ids
 
 
-def _read_whole(pf: PassFile, names: List[str]):
-    """(layout, the file's bytes) of a small pass file read at once; None when its header is not
-    one this reader follows (then read_tensors lets safetensors name the trouble)."""
-    layout = _file_layout(pf.ref.path)
-    if layout is None or any(layout.get(name) is None for name in names):
-        return None
+def _whole_file_tensors(pf: PassFile, names: List[str]):
+    """Yield (name, bits, DType) of a small pass file read with one read and sliced by its header;
+    where the header is not one this reader follows, safetensors reads each tensor (and names
+    what is wrong with the file)."""
+    layout = _usable_layout(pf, names)
+    if layout is None:
+        for name in names:
+            yield (name,) + pf.bits(name)
+        return
     try:
         with open(pf.ref.path, "rb") as handle:
             data = np.frombuffer(handle.read(), dtype=np.uint8)
@@ -471,7 +474,9 @@ def _read_whole(pf: PassFile, names: List[str]):
         raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
     if len(data) != layout.file_size:
         raise DumpError(f"{show(pf.ref.path)}: changed while being read; copy the dump again")
-    return layout, data
+    for name in names:
+        dtype, shape, begin, end = layout.get(name)
+        yield name, data[begin:end].view(dtype.bits).reshape(shape), dtype
 
 
 def _small_pass_rows(pf: PassFile, names: List[str], tensor_metas: dict, n_rows: int, valid: np.ndarray,
@@ -481,24 +486,10 @@ def _small_pass_rows(pf: PassFile, names: List[str], tensor_metas: dict, n_rows:
     overhead was most of a decode pass's indexing. The same fingerprints, row by row."""
     meta = pf.meta
     kept: Dict[str, dict] = {}
-    whole = _read_whole(pf, names)  # one read, no reader thread: the file is small
-    if whole is None:
-        for stored, tensor, dtype, release in read_tensors(pf, names, on_bytes):
-            try:
-                rows = _kept_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
-                rows["view"] = np.array(rows["view"])  # a copy: the read buffer is reused after release()
-                kept[stored] = rows
-            finally:
-                release()
-            del tensor
-    else:
-        layout, data = whole
-        for stored in names:
-            dtype, shape, begin, end = layout.get(stored)
-            tensor = data[begin:end].view(dtype.bits).reshape(shape)
-            kept[stored] = _kept_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
+    for stored, tensor, dtype in _whole_file_tensors(pf, names):  # no reader thread: the file is small
+        kept[stored] = _kept_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
         if on_bytes:
-            on_bytes(sum(layout.get(n)[3] - layout.get(n)[2] for n in names))
+            on_bytes(tensor.nbytes)
     groups: Dict[tuple, List[str]] = {}
     for stored, rows in kept.items():
         groups.setdefault((rows["dtype"].name, rows["view"].shape[1:]), []).append(stored)
@@ -533,8 +524,7 @@ class FileLayout:
     asked for (a reader of a few rows needs one or two of hundreds)."""
 
     def __init__(self, header: dict, data_start: int, file_size: int):
-        self._header, self._start, self._size = header, data_start, file_size
-        self.file_size = file_size
+        self._header, self._start, self.file_size = header, data_start, file_size
         self._entries: Dict[str, Optional[tuple]] = {}
 
     def get(self, name: str):
@@ -543,9 +533,6 @@ class FileLayout:
         if name not in self._entries:
             self._entries[name] = self._entry(name)
         return self._entries[name]
-
-    def __contains__(self, name: str) -> bool:
-        return self.get(name) is not None
 
     def _entry(self, name: str):
         entry = self._header.get(name) if name != "__metadata__" else None
@@ -556,7 +543,7 @@ class FileLayout:
         except (KeyError, TypeError, ValueError):
             return None
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
-        if end - begin != nbytes or begin < 0 or self._start + end > self._size:
+        if end - begin != nbytes or begin < 0 or self._start + end > self.file_size:
             return None
         return dtype, shape, self._start + begin, self._start + end
 
@@ -578,13 +565,19 @@ def _file_layout(path: str) -> Optional[FileLayout]:
     return FileLayout(header, 8 + size, file_size) if isinstance(header, dict) else None
 
 
+def _usable_layout(pf: PassFile, names: List[str]) -> Optional[FileLayout]:
+    """The file's layout when this reader follows the header for every name, else None."""
+    layout = _file_layout(pf.ref.path)
+    return None if layout is None or any(layout.get(name) is None for name in names) else layout
+
+
 def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
     """Yield (name, bits, DType, release) for every name, in file order. A thread reads ahead with
     plain sequential reads (no memory map: the page cache is not charged to this process), so
     reading overlaps hashing. ``release()`` says the tensor is done with: its buffer is reused,
     and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release."""
-    layout = _file_layout(pf.ref.path)
-    if layout is None or any(layout.get(name) is None for name in names):
+    layout = _usable_layout(pf, names)
+    if layout is None:
         for name in names:  # safetensors reads them and names what is wrong with the file
             tensor, dtype = pf.bits(name)
             yield name, tensor, dtype, (lambda nbytes=tensor.nbytes: on_bytes and on_bytes(nbytes))

@@ -22,12 +22,12 @@ def join(side: np.ndarray, probe: np.ndarray):
     return order[np.repeat(start, counts) + within], probe_pos
 
 
-def lookup(side: np.ndarray, probe: np.ndarray, last: bool = False) -> np.ndarray:
-    """For each probe key, the position of the first (or last) equal key in side; -1 where none."""
+def lookup(side: np.ndarray, probe: np.ndarray) -> np.ndarray:
+    """For each probe key, the position of the first equal key in side; -1 where none."""
     order = np.argsort(side, kind="stable")
     keys = side[order]
-    at = np.searchsorted(keys, probe, "right" if last else "left") - (1 if last else 0)
-    inside = (at >= 0) & (at < len(keys))
+    at = np.searchsorted(keys, probe, "left")
+    inside = at < len(keys)
     found = np.full(len(probe), -1, np.int64)
     hit = inside.copy()
     hit[inside] = keys[at[inside]] == probe[inside]
