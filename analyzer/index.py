@@ -31,13 +31,14 @@ import numpy as np
 
 from dumper import format as fmt
 
+from . import arrowbuild
 from .columns import Columns
 from .dtypes import BY_CODE, DType
 from .errors import DumpError
 from .fingerprint import THREADS, as_signed, row_stats
 from .load import Dump, PassFile, show
 
-INDEX_VERSION = 3  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it)
+INDEX_VERSION = 4  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone
 INDEX_DIR = "index"
 TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
 
@@ -50,7 +51,7 @@ class Index:
     def __init__(self, dump: Dump, tables: dict, where: str, rank: Optional[int] = None, shared: dict = None):
         self.dump = dump
         self.where = where
-        self._tables = tables  # name -> pyarrow Table (read from disk) or pandas DataFrame (just built)
+        self._tables = tables  # name -> pyarrow Table (read from disk or just built)
         self._rank = rank
         self._shared = {} if shared is None else shared  # whole-dump conversions, kept for every rank
         self._frames: Dict[str, object] = {}
@@ -61,8 +62,7 @@ class Index:
         if name not in self._frames:
             whole = self._shared.get(("frame", name))
             if whole is None:
-                table = self._tables[name]
-                whole = self._shared[("frame", name)] = table if _is_frame(table) else table.to_pandas()
+                whole = self._shared[("frame", name)] = self._tables[name].to_pandas()
             self._frames[name] = whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
         return self._frames[name]
 
@@ -70,11 +70,7 @@ class Index:
         if name not in self._cols:
             whole = self._shared.get(("cols", name))
             if whole is None:
-                table = self._tables[name]
-                if _is_frame(table):
-                    import pyarrow as pa
-                    table = pa.Table.from_pandas(table, preserve_index=False)
-                whole = self._shared[("cols", name)] = Columns.from_arrow(table)
+                whole = self._shared[("cols", name)] = Columns.from_arrow(self._tables[name])
             one_rank = self._rank is None or len(self.dump.ranks) == 1 or "rank" not in whole
             self._cols[name] = whole if one_rank else _rows_of_rank(whole, self._rank)
         return self._cols[name]
@@ -104,10 +100,6 @@ def _rows_of_rank(table: Columns, rank: int) -> Columns:
     if len(at) and at[-1] - at[0] + 1 == len(at):
         return table.take(slice(int(at[0]), int(at[-1]) + 1))
     return table.take(at)
-
-
-def _is_frame(table) -> bool:
-    return hasattr(table, "iloc")
 
 
 def index_location(dump: Dump) -> str:
@@ -217,7 +209,7 @@ class LazyParquet:
                             "rerun with --rebuild-index") from None
 
 
-def _write_tables(where: str, tables: Dict[str, pd.DataFrame], stamp: dict):
+def _write_tables(where: str, tables: dict, stamp: dict):
     """Called under the index lock. The stamp goes first and comes back last, so a build killed
     half-way leaves no stamp and is redone, never trusted; each file is renamed into place whole."""
     tag = f".tmp.{os.getpid()}"
@@ -225,12 +217,13 @@ def _write_tables(where: str, tables: Dict[str, pd.DataFrame], stamp: dict):
     if os.path.exists(stamp_path):
         os.unlink(stamp_path)
     written = []
+    import pyarrow.parquet as pq
     try:
-        for name, frame in tables.items():
+        for name, table in tables.items():
             path = os.path.join(where, f"{name}.parquet")
             written.append(path + tag)
             with open(path + tag, "wb") as handle:
-                frame.to_parquet(handle, index=False)
+                pq.write_table(table, handle)
             os.replace(path + tag, path)
         written.append(stamp_path + tag)
         with open(stamp_path + tag, "w") as handle:
@@ -242,44 +235,39 @@ def _write_tables(where: str, tables: Dict[str, pd.DataFrame], stamp: dict):
                 os.unlink(tmp)
 
 
-def build_tables(dump: Dump, progress: bool = True) -> Dict[str, pd.DataFrame]:
-    import pandas as pd
-    parts: Dict[str, List[pd.DataFrame]] = {n: [] for n in TABLES}
+def build_tables(dump: Dump, progress: bool = True) -> dict:
+    """The five tables of a dump as pyarrow Tables (no pandas: importing it costs more than
+    indexing a decode step's worth of passes)."""
     refs = [ref for rank in dump.ranks.values() for ref in rank.passes]
     total = sum(ref.nbytes for ref in refs)
     bar = _progress(total, f"indexing {show(dump.label)}", progress)
     lock = threading.Lock()  # bytes are reported from the hashing threads
-    for ref in refs:
+
+    def one(ref):
         counted = [0]
 
-        def advance(nbytes: int, counted=counted):
+        def advance(nbytes: int):
             with lock:
                 counted[0] += nbytes
                 bar.update(nbytes)
+        tables = index_pass(PassFile(ref), on_bytes=advance)
+        with lock:
+            bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
+        return tables
 
-        for name, frame in index_pass(PassFile(ref), on_bytes=advance).items():
-            parts[name].append(frame)
-        bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
+    # Small passes (decode steps: per-tensor Python work, little reading) are indexed by a second
+    # thread while the large ones stream from disk; one after the other, the disk would idle.
+    side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
+    small = {i: side.submit(one, ref) for i, ref in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
+    try:
+        parts = [None if i in small else one(ref) for i, ref in enumerate(refs)]
+        parts = [small[i].result() if part is None else part for i, part in enumerate(parts)]
+    finally:
+        for future in small.values():  # after an error: no pass is indexed for nothing
+            future.cancel()
+        side.shutdown(wait=True)
     bar.close()
-    tables = {n: pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-              for n, frames in parts.items() if n != "rows"}
-    tables["rows"] = _concat_rows(parts["rows"])
-    return tables
-
-
-def _concat_rows(frames):
-    """The passes' rows frames as one; the name columns stay codes (concatenating categoricals of
-    different categories would spell out a million strings, seconds under pandas 3)."""
-    import pandas as pd
-    from pandas.api.types import union_categoricals
-    if not frames:
-        return pd.DataFrame()
-    order = list(frames[0].columns)
-    joined = {c: union_categoricals([f[c] for f in frames]) for c in NAME_COLUMNS}
-    rows = pd.concat([f.drop(columns=list(NAME_COLUMNS)) for f in frames], ignore_index=True)
-    for column, values in joined.items():
-        rows[column] = values
-    return rows[order]
+    return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts])) for name in TABLES}
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -288,24 +276,25 @@ def _progress(total: int, desc: str, enabled: bool):
                 disable=(not enabled) or None, leave=False)
 
 
-def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
-    """The five tables' rows for one pass file; ``on_bytes(n)`` reports tensor bytes as they are done."""
-    import pandas as pd
+def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
+    """The five tables' columns (arrowbuild columns) for one pass file; ``on_bytes(n)`` reports
+    tensor bytes as they are done."""
     meta, ref = pf.meta, pf.ref
     tokens = meta["tokens"]
     n_rows = len(tokens["ids"])
     if not all(len(tokens.get(k, ())) == n_rows for k in ("pos", "seq", "valid")):
         raise DumpError(f"{show(ref.path)}: token lists of unequal length in the pass metadata; the file is damaged")
-    base = {"rank": ref.rank, "pass": ref.pass_id}
-    token_frame = pd.DataFrame({"row": np.arange(n_rows, dtype=np.int32), "seq": tokens["seq"],
-                                "pos": np.asarray(tokens["pos"], dtype=np.int64),
-                                "id": np.asarray(tokens["ids"], dtype=np.int64),
-                                "valid": np.asarray(tokens["valid"], dtype=bool)}).assign(
-        mode=meta.get("mode", "unknown"), step=meta.get("step", -1), **base)
-    seq_frame = pd.DataFrame([{"seq": s["seq"], "first": s["rows"][0], "end": s["rows"][1],
-                               "prefix_ids": json.dumps(s["prefix_ids"]) if "prefix_ids" in s else None}
-                              for s in meta.get("seqs", [])], columns=["seq", "first", "end", "prefix_ids"]).assign(**base)
-    call_rows, tensor_rows, row_parts = [], [], []
+    seqs = meta.get("seqs", [])
+    tables = {
+        "tokens": {"row": np.arange(n_rows, dtype=np.int32), "seq": list(tokens["seq"]),
+                   "pos": np.asarray(tokens["pos"], dtype=np.int64), "id": np.asarray(tokens["ids"], dtype=np.int64),
+                   "valid": np.asarray(tokens["valid"], dtype=bool), "mode": [meta.get("mode", "unknown")] * n_rows,
+                   "step": _repeat(meta.get("step"), n_rows)},
+        "seqs": {"seq": [q["seq"] for q in seqs], "first": np.array([q["rows"][0] for q in seqs], dtype=np.int64),
+                 "end": np.array([q["rows"][1] for q in seqs], dtype=np.int64),
+                 "prefix_ids": [json.dumps(q["prefix_ids"]) if "prefix_ids" in q else None for q in seqs]},
+    }
+    row_parts = []
     stored_rows: Dict[str, tuple] = {}  # stored tensor name -> (row columns, why, is_ids)
     valid = np.asarray(tokens["valid"], dtype=bool)
     tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()}
@@ -347,27 +336,38 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, pd.DataFrame]:
             for _, future in pending:  # after an error: let no task outlive this pass
                 future.cancel()
             concurrent.futures.wait([future for _, future in pending])
-    for call in meta["calls"]:
-        call_rows.append({"call": call["call"], "module": call["module"], "cls": call["cls"], "pre": call["pre"],
-                          "post": call["post"] if call.get("post") is not None else -1,  # absent = never finished
-                          "skipped": json.dumps(call.get("skipped", {})) if call.get("skipped") else None})
+    calls = meta["calls"]
+    tables["calls"] = {
+        "call": [c["call"] for c in calls], "module": [c["module"] for c in calls], "cls": [c["cls"] for c in calls],
+        "pre": np.array([c["pre"] for c in calls], dtype=np.int64),
+        "post": np.array([c["post"] if c.get("post") is not None else -1 for c in calls], dtype=np.int64),  # -1: never finished
+        "skipped": [json.dumps(c["skipped"]) if c.get("skipped") else None for c in calls]}
+    tensors = {k: [] for k in ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "rows", "stored",
+                               "selected", "is_ids", "why")}
+    for call in calls:
         for name, tmeta in call["tensors"].items():
             parsed = fmt.TENSOR_NAME_RE.match(name)
             io, slot = (parsed.group("io"), parsed.group("slot") or "") if parsed else ("?", name)
             stored = tmeta.get("alias") or name
             columns, row_why, is_ids = stored_rows[stored]
-            why = tmeta.get("why") or row_why
-            tensor_rows.append({"tensor": name, "call": call["call"], "io": io, "slot": slot,
-                                "dtype": tmeta["dtype"], "shape": json.dumps(tmeta["shape"]),
-                                "token_dims": json.dumps(tmeta.get("token_dims")), "rows": tmeta.get("rows"),
-                                "stored": stored, "selected": bool(tensor_metas[stored].get("selected", False)),
-                                "is_ids": is_ids,
-                                "why": why})
+            for key, value in (("tensor", name), ("call", call["call"]), ("io", io), ("slot", slot),
+                               ("dtype", tmeta["dtype"]), ("shape", json.dumps(tmeta["shape"])),
+                               ("token_dims", json.dumps(tmeta.get("token_dims"))), ("rows", tmeta.get("rows")),
+                               ("stored", stored), ("selected", bool(tensor_metas[stored].get("selected", False))),
+                               ("is_ids", is_ids), ("why", tmeta.get("why") or row_why)):
+                tensors[key].append(value)
             row_parts.append((name, columns))
-    rows = _rows_frame(row_parts)
-    return {"tokens": token_frame, "seqs": seq_frame,
-            "calls": pd.DataFrame(call_rows, columns=["call", "module", "cls", "pre", "post", "skipped"]).assign(**base),
-            "tensors": pd.DataFrame(tensor_rows).assign(**base), "rows": rows.assign(**base)}
+    tensors["selected"], tensors["is_ids"] = (np.array(tensors[k], dtype=bool) for k in ("selected", "is_ids"))
+    tables["tensors"] = tensors
+    tables["rows"] = _rows_table(row_parts)
+    for table in tables.values():  # every table says whose rows it holds
+        n = len(next(iter(table.values())))
+        table["rank"], table["pass"] = _repeat(ref.rank, n), _repeat(ref.pass_id, n)
+    return tables
+
+
+def _repeat(value: Optional[int], n: int) -> np.ndarray:
+    return np.full(n, -1 if value is None else value, dtype=np.int64)
 
 
 def token_rows_of(tmeta: dict, meta: dict, n_rows: int) -> Optional[List[int]]:
@@ -390,25 +390,16 @@ def stored_row_view(tensor: np.ndarray, tmeta: dict) -> np.ndarray:
     return moved.reshape((-1,) + tuple(moved.shape[len(dims):]))
 
 
-NAME_COLUMNS = ("rowshape", "tensor")  # a few hundred names repeated over a million rows: kept as codes
-
-
-def _rows_frame(parts: List[tuple]) -> pd.DataFrame:
-    """One frame from every tensor's row columns, built once (not a frame per tensor)."""
-    import pandas as pd
+def _rows_table(parts: List[tuple]) -> dict:
+    """The rows table's columns from every tensor's row columns, joined once (not per tensor)."""
     lengths = np.array([len(columns["row"]) for _, columns in parts], dtype=np.int64)
 
     def concat(key, dtype):
-        return np.concatenate([c[key] for _, c in parts]) if parts else np.zeros(0, dtype)
-
-    def repeated(values: List[str]):  # one name per tensor, as codes repeated over its rows
-        categories, codes = np.unique(np.array(values, dtype=str), return_inverse=True)
-        return pd.Categorical.from_codes(np.repeat(codes.reshape(-1), lengths),
-                                         categories=pd.Index(categories.astype(object), dtype=object))
-    return pd.DataFrame({"row": concat("row", np.int32), "fp": concat("fp", np.int64),
-                         "rowshape": repeated([c["rowshape"] for _, c in parts]),
-                         "amax": concat("amax", np.float64), "nonfinite": concat("nonfinite", np.int32),
-                         "srow": concat("srow", np.int32), "tensor": repeated([name for name, _ in parts])})
+        return np.concatenate([c[key] for _, c in parts]).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+    return {"row": concat("row", np.int32), "fp": concat("fp", np.int64),
+            "rowshape": arrowbuild.dictionary([c["rowshape"] for _, c in parts], lengths),
+            "amax": concat("amax", np.float64), "nonfinite": concat("nonfinite", np.int32),
+            "srow": concat("srow", np.int32), "tensor": arrowbuild.dictionary([name for name, _ in parts], lengths)}
 
 
 def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,

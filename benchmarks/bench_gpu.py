@@ -13,6 +13,7 @@ steps. Every figure is a ratio against a baseline of the same run:
            made here (natural bf16 prefill-vs-decode divergence), tests/test_gpu.py
 
     python benchmarks/bench_gpu.py [--out DIR] [--device cuda] [--small]   (--small: a smoke test)
+    python benchmarks/bench_gpu.py --model 8b --skip tests,off,on,steady      (the analysis at Llama-3-8B's shape)
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import traceback
 
 import torch
 
-from common import (GPU_LLAMA, RESULTS, ROOT, captured_bytes, files_under, fmt_bytes, llama, median, n_params,  # first: puts
-                    result)  # the repository on sys.path
+from common import (GPU_LLAMA, GPU_LLAMA_8B, RESULTS, ROOT, captured_bytes, files_under, fmt_bytes, llama,  # first: puts
+                    median, n_params, result)  # the repository on sys.path
 import dumper
 
 
@@ -145,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir())
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny model: a smoke test of this script")
+    ap.add_argument("--model", choices=("1b", "8b"), default="1b",
+                    help="1b: the 1.07B Llama (hidden 2048, 20 layers); 8b: Llama-3-8B's shape (hidden 4096, 32 layers)")
     ap.add_argument("--work", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (dumps) at the end")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: off,on,steady,rows,analyze,tests")
@@ -162,7 +165,7 @@ def main(argv=None):
                      intermediate_size=512, vocab_size=1024)
         tokens, new_tokens = 128, 4
     else:
-        shape = dict(GPU_LLAMA)
+        shape = dict(GPU_LLAMA if args.model == "1b" else GPU_LLAMA_8B)
         tokens, new_tokens = 2048, 16
     model = llama(dtype, device, **{"max_position_embeddings": 4096, **shape})
     print(f"# model: random Llama {n_params(model) / 1e9:.2f}B params, {dtype}, {tokens}-token prefill", flush=True)

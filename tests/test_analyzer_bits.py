@@ -83,12 +83,10 @@ def test_error_figures_match_torch(dtype):
 
 
 def test_strict_verdict_never_imports_torch_or_pandas(tmp_path):
-    """--strict-only answers from the index and the culprit's bytes: no second of torch start-up,
-    and (the indexes built) no third of a second of pandas."""
+    """--strict-only answers from the index and the culprit's bytes: no second of torch start-up
+    and no third of a second of pandas, whether it builds the indexes or finds them built."""
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=4)
-    code, out, err = dumpdiff("index", ref, dec, "--no-progress")  # both in one command
-    assert code == 0 and out.count("tensor rows") == 2, err
     probe = ("import json, runpy, sys\n"
              "sys.argv = ['dumpdiff', 'first-divergence', sys.argv[1], sys.argv[2], '--strict-only', '--format', "
              "'json', '--no-progress']\n"
@@ -96,8 +94,41 @@ def test_strict_verdict_never_imports_torch_or_pandas(tmp_path):
              "except SystemExit as exc:\n    code = exc.code\n"
              "print(json.dumps({'exit': code, 'torch': 'torch' in sys.modules, 'pandas': 'pandas' in sys.modules}), "
              "file=sys.stderr)\n")
-    proc = subprocess.run([sys.executable, "-c", probe, ref, dec], capture_output=True, text=True, cwd=ROOT)
-    status = json.loads(proc.stderr.strip().splitlines()[-1])
-    verdict = json.loads(proc.stdout)
-    assert status == {"exit": 1, "torch": False, "pandas": False}, proc.stderr[-2000:]
-    assert verdict["culprit"]["call"] and verdict["culprit"]["max_abs"] > 0
+    verdicts = []
+    for step in ("builds the indexes", "index command", "reads the indexes"):
+        if step == "index command":
+            code, out, err = dumpdiff("index", ref, dec, "--no-progress", "--rebuild")  # both in one command
+            assert code == 0 and out.count("tensor rows") == 2, err
+            continue
+        proc = subprocess.run([sys.executable, "-c", probe, ref, dec], capture_output=True, text=True, cwd=ROOT)
+        status = json.loads(proc.stderr.strip().splitlines()[-1])
+        assert status == {"exit": 1, "torch": False, "pandas": False}, (step, proc.stderr[-2000:])
+        verdicts.append(json.loads(proc.stdout))
+    assert verdicts[0]["culprit"]["call"] and verdicts[0]["culprit"]["max_abs"] > 0
+    assert verdicts[0] == verdicts[1]
+
+
+def test_index_tables_are_built_without_pandas_and_read_back_by_it(tmp_path):
+    """The index build assembles arrow tables from numpy and lists (pyarrow's converters import
+    pandas); what it writes must read back, with pandas too, as the values it was given."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from analyzer import arrowbuild
+    from analyzer.errors import DumpError
+    passes = [{"n": np.array([1, -2], np.int64), "x": np.array([0.5, np.nan]), "ok": np.array([True, False]),
+               "text": ["naïve", None], "name": arrowbuild.dictionary(["b.out.0", "a.in.0"], np.array([1, 1]))},
+              {"n": np.array([3], np.int64), "x": np.array([-0.0]), "ok": np.array([True]), "text": ["✓"],
+               "name": arrowbuild.dictionary(["c.out.0"], np.array([1]))},
+              {"n": np.zeros(0, np.int64), "x": np.zeros(0), "ok": np.zeros(0, bool), "text": [],
+               "name": arrowbuild.dictionary([], np.zeros(0, np.int64))}]
+    table = arrowbuild.table(arrowbuild.concat(passes))
+    pq.write_table(table, tmp_path / "t.parquet")
+    back = pd.read_parquet(tmp_path / "t.parquet")
+    assert back["n"].tolist() == [1, -2, 3] and back["ok"].tolist() == [True, False, True]
+    assert np.array_equal(back["x"].to_numpy(), [0.5, np.nan, -0.0], equal_nan=True)
+    assert [None if pd.isna(v) else v for v in back["text"]] == ["naïve", None, "✓"]
+    assert back["name"].astype(str).tolist() == ["b.out.0", "a.in.0", "c.out.0"]
+    assert pq.read_table(tmp_path / "t.parquet").column("text").null_count == 1
+    with pytest.raises(DumpError, match="not valid Unicode"):
+        arrowbuild.table({"text": ["fine", "\ud800"]})
