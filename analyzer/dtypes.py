@@ -57,6 +57,21 @@ _MAX_FINITE_BITS = {"float64": 0x7FEFFFFFFFFFFFFF, "float32": 0x7F7FFFFF, "float
                     "float8_e4m3fn": 0x7E, "float8_e5m2": 0x7B}
 
 
+# (exponent bits, mantissa bits) of each float type: its epsilon and smallest normal number.
+_FLOAT_FIELDS = {"float64": (11, 52), "float32": (8, 23), "float16": (5, 10), "bfloat16": (8, 7),
+                 "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}
+
+
+def eps(dtype: DType) -> float:
+    """The gap between 1 and the next float (torch.finfo(dtype).eps)."""
+    return 2.0 ** -_FLOAT_FIELDS[dtype.name][1]
+
+
+def tiny(dtype: DType) -> float:
+    """The smallest positive normal number (torch.finfo(dtype).tiny)."""
+    return 2.0 ** (2 - 2 ** (_FLOAT_FIELDS[dtype.name][0] - 1))
+
+
 def magnitude_mask(dtype: DType):
     """(mask without the sign bit, bits of the largest finite value), both of dtype.bits."""
     return dtype.bits((1 << (8 * dtype.size - 1)) - 1), dtype.bits(_MAX_FINITE_BITS[dtype.name])

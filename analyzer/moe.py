@@ -22,8 +22,6 @@ import os
 import re
 from typing import List, Optional
 
-import torch
-
 from .align import Alignment
 from .compare import RowTable, call_order
 from .index import Index
@@ -117,8 +115,9 @@ def find_routers(index: Index) -> List[dict]:
     return routers
 
 
-def _selection(rows: torch.Tensor, k: int, are_ids: bool) -> torch.Tensor:
-    """[n, k] sorted expert ids per row."""
+def _selection(rows, k: int, are_ids: bool):
+    """[n, k] sorted expert ids per row (torch tensors: its top-k breaks ties as the engines do)."""
+    import torch  # only for a dump with routers: a dense model's verdict does not pay its start-up
     flat = rows.reshape(rows.shape[0], -1)
     ids = flat.long() if are_ids else torch.topk(flat.float(), min(k, flat.shape[1]), dim=1).indices
     return ids.sort(dim=1).values

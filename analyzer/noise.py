@@ -20,15 +20,14 @@ not is named.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional
 
 import numpy as np
 import pandas as pd
-import torch
 
 from .align import Alignment
 from .compare import MAX_LISTED, RowTable, call_order
+from .dtypes import BY_NAME, DType, eps, tiny, to_float64
 from .index import Index
 
 MIN_AMPLIFICATION = 30.0  # never call a 30x jump or less an introduced error
@@ -60,11 +59,11 @@ def row_errors(table: RowTable, a: Index, b: Index, pairs: pd.DataFrame, atol=No
     reader_a, reader_b = a.reader(), b.reader()
     where, found = [], {"rel": [], "abs": [], "exceeds": [], "eps": []}
     for (pass_a, pass_b, tensor), group in differing.groupby(["pass_a", "pass_b", "tensor"], sort=False):
-        ref = reader_a.rows(int(pass_a), tensor, group["row_a"].tolist())
-        test = reader_b.rows(int(pass_b), tensor, group["row_b"].tolist())
-        rel, absolute, exceeds, eps = _compare_rows(ref, test, atol, rtol)
+        ref, dtype = reader_a.bits(int(pass_a), tensor, group["row_a"].tolist())
+        test, _ = reader_b.bits(int(pass_b), tensor, group["row_b"].tolist())
+        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, dtype, atol, rtol)
         where.append(group.index.to_numpy())
-        for key, value in zip(found, (rel, absolute, exceeds, np.full(len(group), eps))):
+        for key, value in zip(found, (rel, absolute, exceeds, np.full(len(group), epsilon))):
             found[key].append(np.asarray(value))
     index = np.concatenate(where)  # one assignment per column: .loc per group was the slow part
     for key, values in found.items():
@@ -72,22 +71,24 @@ def row_errors(table: RowTable, a: Index, b: Index, pairs: pd.DataFrame, atol=No
     return rows
 
 
-def _compare_rows(ref: torch.Tensor, test: torch.Tensor, atol, rtol):
+def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol):
+    """Per row of two same-shaped arrays of elements held as bits (numpy: no torch start-up):
+    relative error, absolute error, whether a tolerance is exceeded, and the dtype's epsilon."""
     n = ref.shape[0]
-    if not ref.is_floating_point():
-        differ = (ref.reshape(n, -1) != test.reshape(n, -1)).any(dim=1).numpy()
+    if not dtype.floating:
+        differ = (ref.reshape(n, -1) != test.reshape(n, -1)).any(axis=1)
         return differ.astype(float), differ.astype(float), differ, 0.0
-    r, t = ref.reshape(n, -1).double(), test.reshape(n, -1).double()
-    finite = torch.isfinite(r) & torch.isfinite(t)
-    both_nan = torch.isnan(r) & torch.isnan(t)
-    diff = torch.where(finite, (r - t).abs(), torch.where(both_nan | (r == t), 0.0, math.inf))
-    scale = torch.where(finite, r.abs(), 0.0).amax(dim=1).clamp_min(torch.finfo(ref.dtype).tiny)
-    absolute = diff.amax(dim=1)
-    rel = (absolute / scale).numpy()
+    r, t = to_float64(ref.reshape(n, -1), dtype), to_float64(test.reshape(n, -1), dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = np.isfinite(r) & np.isfinite(t)
+        both_nan = np.isnan(r) & np.isnan(t)
+        diff = np.where(finite, np.abs(r - t), np.where(both_nan | (r == t), 0.0, np.inf))
+    scale = np.maximum(np.where(finite, np.abs(r), 0.0).max(axis=1, initial=0.0), tiny(dtype))
+    absolute = diff.max(axis=1, initial=0.0)
     exceeds = np.zeros(n, dtype=bool)
     if atol is not None or rtol is not None:
-        exceeds = (diff > (atol or 0.0) + (rtol or 0.0) * r.abs()).any(dim=1).numpy()
-    return rel, absolute.numpy(), exceeds, torch.finfo(ref.dtype).eps
+        exceeds = (diff > (atol or 0.0) + (rtol or 0.0) * np.abs(r)).any(axis=1)
+    return absolute / scale, absolute, exceeds, eps(dtype)
 
 
 def noise_floor_by_call(errors: Optional[pd.DataFrame]) -> Dict[str, float]:
@@ -107,7 +108,7 @@ def per_call_errors(errors: pd.DataFrame, floor_by_call: Dict[str, float]) -> pd
     calls = flags.groupby(["pair", "pass_b", "call"]).agg(
         in_err=("in_rel", "max"), out_err=("out_rel", "max"), in_exceeds=("in_exceeds", "any"),
         out_exceeds=("out_exceeds", "any"), eps=("out_eps", "max")).reset_index()
-    calls["eps"] = calls["eps"].fillna(torch.finfo(torch.float32).eps)
+    calls["eps"] = calls["eps"].fillna(eps(BY_NAME["float32"]))
     calls["floor"] = np.maximum(calls["eps"], calls["call"].map(floor_by_call).fillna(0.0))
     calls["amplification"] = calls["out_err"] / np.maximum(calls["in_err"], calls["floor"])
     return calls

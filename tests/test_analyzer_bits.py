@@ -82,7 +82,7 @@ def test_error_figures_match_torch(dtype):
     assert figures["dtype"] == str(dtype).replace("torch.", "") and figures["max_ulp"] >= 1
 
 
-def test_strict_verdict_never_imports_torch_or_pandas(tmp_path):
+def test_verdicts_do_not_import_torch_and_strict_not_pandas(tmp_path):
     """--strict-only answers from the index and the culprit's bytes: no second of torch start-up
     and no third of a second of pandas, whether it builds the indexes or finds them built."""
     model = load_model(make_tiny_llama(tmp_path / "llama"))
@@ -106,6 +106,14 @@ def test_strict_verdict_never_imports_torch_or_pandas(tmp_path):
         verdicts.append(json.loads(proc.stdout))
     assert verdicts[0]["culprit"]["call"] and verdicts[0]["culprit"]["max_abs"] > 0
     assert verdicts[0] == verdicts[1]
+    # The default, noise-aware verdict reads tensor values in numpy: on a dense model (no router
+    # to re-rank) it does not pay torch's start-up either.
+    proc = subprocess.run([sys.executable, "-c", probe.replace("'--strict-only', ", ""), ref, dec], capture_output=True,
+                          text=True, cwd=ROOT)
+    status = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert status["exit"] == 1 and status["torch"] is False, proc.stderr[-2000:]
+    noise = json.loads(proc.stdout)["ranks"]["0"]["noise"]
+    assert noise["rows_examined"] > 0 and noise["top_jumps"], noise
 
 
 def test_index_tables_are_built_without_pandas_and_read_back_by_it(tmp_path):
@@ -132,3 +140,27 @@ def test_index_tables_are_built_without_pandas_and_read_back_by_it(tmp_path):
     assert pq.read_table(tmp_path / "t.parquet").column("text").null_count == 1
     with pytest.raises(DumpError, match="not valid Unicode"):
         arrowbuild.table({"text": ["fine", "\ud800"]})
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_noise_row_errors_match_torch(dtype):
+    """The noise-aware verdict's per-row errors, computed in numpy from bits, equal the same
+    formula in torch's float64 (inf, NaN, subnormals, signed zeros included), and so does the
+    tolerance test."""
+    import math
+
+    from analyzer.noise import _compare_rows
+    ref = awkward_values(dtype).reshape(-1)
+    ref = ref[: (len(ref) // 4) * 4].reshape(4, -1)
+    test = ref.clone()
+    test.view(torch.uint8)[1, 3] ^= 1
+    test[2] = (ref[2].double() * 1.5).to(dtype)
+    rel, absolute, exceeds, eps = _compare_rows(from_torch(ref)[0], from_torch(test)[0], of_torch(dtype), 1e-3, 1e-2)
+    r, t = ref.double(), test.double()
+    finite = torch.isfinite(r) & torch.isfinite(t)
+    diff = torch.where(finite, (r - t).abs(), torch.where((torch.isnan(r) & torch.isnan(t)) | (r == t), 0.0, math.inf))
+    scale = torch.where(finite, r.abs(), 0.0).amax(dim=1).clamp_min(torch.finfo(dtype).tiny)
+    assert np.array_equal(absolute, diff.amax(dim=1).numpy())
+    assert np.array_equal(rel, (diff.amax(dim=1) / scale).numpy())
+    assert np.array_equal(exceeds, (diff > 1e-3 + 1e-2 * r.abs()).any(dim=1).numpy())
+    assert eps == torch.finfo(dtype).eps and rel[0] == 0 and rel[2] > 0
