@@ -28,7 +28,6 @@ from .index import Index
 from .keyjoin import lookup, row_key
 
 
-
 @dataclasses.dataclass
 class Alignment:
     cols: Columns  # per pair of rows: pair, pass/row/pos/id/mode of each side, seq; by (pass_b, row_b)

@@ -14,6 +14,7 @@ from typing import Dict, List, NamedTuple, Union
 
 import numpy as np
 
+from .columns import merged_vocabulary, recode
 from .errors import DumpError
 
 
@@ -39,10 +40,8 @@ def concat(parts: List[Dict[str, Column]]) -> Dict[str, Column]:
     for name, first in parts[0].items():
         pieces = [part[name] for part in parts]
         if isinstance(first, Dictionary):
-            vocabulary = np.unique(np.concatenate([p.vocabulary.astype(str) for p in pieces])) if pieces else np.zeros(0, str)
-            codes = [np.searchsorted(vocabulary, p.vocabulary.astype(str))[p.codes] if len(p.codes) else
-                     np.zeros(0, np.int64) for p in pieces]
-            out[name] = Dictionary(np.concatenate(codes), vocabulary.astype(object))
+            vocabulary = merged_vocabulary(*(p.vocabulary for p in pieces))
+            out[name] = Dictionary(np.concatenate([recode(p.vocabulary, vocabulary)[p.codes] for p in pieces]), vocabulary)
         elif isinstance(first, list):
             out[name] = [v for p in pieces for v in p]
         else:

@@ -105,6 +105,18 @@ class Columns:
         return pd.DataFrame(frame, index=pd.RangeIndex(self._length))
 
 
+def merged_vocabulary(*vocabularies) -> np.ndarray:
+    """The sorted distinct strings of several vocabularies, as an object array."""
+    merged = np.unique(np.concatenate([np.asarray(v, dtype=object) for v in vocabularies]).astype(str))
+    return merged.astype(object)
+
+
+def recode(vocabulary: np.ndarray, into: np.ndarray) -> np.ndarray:
+    """For each string of ``vocabulary``, its code in the sorted vocabulary ``into``: indexed by
+    codes into the first, gives codes into the second."""
+    return np.searchsorted(into.astype(str), vocabulary.astype(str)) if len(vocabulary) else np.zeros(0, np.int64)
+
+
 def _numpy_dtype(kind) -> np.dtype:
     """numpy's type for an arrow integer or float type (arrow's own to_pandas_dtype imports pandas)."""
     import pyarrow as pa

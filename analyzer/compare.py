@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .align import Alignment
-from .columns import Columns
+from .columns import Columns, merged_vocabulary, recode
 from .dtypes import DType, to_float64
 from .index import Index
 from .keyjoin import join, row_key
@@ -78,17 +78,6 @@ class RowTable:
         return frame
 
 
-def _vocabulary(*arrays: np.ndarray) -> np.ndarray:
-    """The sorted distinct strings of several vocabularies, as an object array."""
-    merged = np.unique(np.concatenate([np.asarray(a, dtype=object) for a in arrays]).astype(str))
-    return merged.astype(object)
-
-
-def _recode(vocabulary: np.ndarray, into: np.ndarray) -> np.ndarray:
-    """For each code into ``vocabulary``, the code of the same string in the sorted ``into``."""
-    return np.searchsorted(into.astype(str), vocabulary.astype(str)) if len(vocabulary) else np.zeros(0, np.int64)
-
-
 DENSE_CELLS = 8 << 20  # token rows x tensors up to which joins use dense grids (tens of MB at most)
 
 
@@ -98,9 +87,9 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
     rows = {"a": a.cols("rows"), "b": b.cols("rows")}
     tensor_codes = {s: r.codes("tensor") for s, r in rows.items()}
     shape_codes = {s: r.codes("rowshape") for s, r in rows.items()}
-    tensors = _vocabulary(*(v for _, v in tensor_codes.values()))
-    shapes = _vocabulary(*(v for _, v in shape_codes.values()))
-    tcodes = {s: _recode(vocabulary, tensors)[codes] for s, (codes, vocabulary) in tensor_codes.items()}
+    tensors = merged_vocabulary(*(v for _, v in tensor_codes.values()))
+    shapes = merged_vocabulary(*(v for _, v in shape_codes.values()))
+    tcodes = {s: recode(vocabulary, tensors)[codes] for s, (codes, vocabulary) in tensor_codes.items()}
     found = _join_in_grid(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors))
     pair, tcode, entry_a, entry_b = found if found is not None else _join_on_keys(pairs, rows, tcodes, len(tensors))
     # Every tensor belongs to one call (its name is call.io.slot); B's tensors table says which.
@@ -126,7 +115,7 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
         columns[f"{name}_a"], columns[f"{name}_b"] = rows["a"][name][entry_a], rows["b"][name][entry_b]
     for side, entry in (("a", entry_a), ("b", entry_b)):
         codes, vocabulary = shape_codes[side]
-        columns[f"shape_{side}"] = _recode(vocabulary, shapes)[codes[entry]]
+        columns[f"shape_{side}"] = recode(vocabulary, shapes)[codes[entry]]
     columns["is_in"], columns["is_out"] = (io_of == "in")[tcode], (io_of == "out")[tcode]  # on codes, not strings
     columns["comparable"] = columns["shape_a"] == columns["shape_b"]
     columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])

@@ -216,8 +216,8 @@ def _write_tables(where: str, tables: dict, stamp: dict):
     stamp_path = os.path.join(where, "stamp.json")
     if os.path.exists(stamp_path):
         os.unlink(stamp_path)
-    written = []
     import pyarrow.parquet as pq
+    written = []
     try:
         for name, table in tables.items():
             path = os.path.join(where, f"{name}.parquet")
@@ -403,17 +403,15 @@ def _rows_table(parts: List[tuple]) -> dict:
 
 
 def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
-                 tensor: Optional[np.ndarray] = None, dtype: Optional[DType] = None):
+                 tensor: np.ndarray, dtype: DType):
     """(row columns, why it has no token rows or None, whether it holds the pass's token ids)."""
     kept = _kept_rows(pf, stored, tmeta, meta, n_rows, valid, tensor, dtype)
     return _row_columns(kept, meta, row_stats(kept["view"], kept["dtype"]))
 
 
 def _kept_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
-               tensor: Optional[np.ndarray] = None, dtype: Optional[DType] = None) -> dict:
+               tensor: np.ndarray, dtype: DType) -> dict:
     """A tensor's rows to index ([rows, ...], the valid token rows only) and where they come from."""
-    if tensor is None:
-        tensor, dtype = pf.bits(stored)
     if list(tensor.shape) != list(tmeta["shape"]) and not tmeta.get("selected"):
         raise DumpError(f"{show(pf.ref.path)}: tensor {stored!r} has shape {list(tensor.shape)}, metadata says "
                         f"{tmeta['shape']}; the file is damaged")
@@ -510,6 +508,8 @@ def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="dumpdiff-index")
         return _pool
+
+
 class FileLayout:
     """Where each tensor of a safetensors file lies, from its header; entries are checked when
     asked for (a reader of a few rows needs one or two of hundreds)."""
