@@ -14,7 +14,6 @@ slower exact path that also counts them.
 from __future__ import annotations
 
 import itertools
-import os
 import zlib
 from typing import Optional, Tuple
 
@@ -24,8 +23,6 @@ import xxhash
 from .dtypes import DType, magnitude_mask, to_float64
 from .torchbits import from_torch
 
-# Tensors hashed at once by the index build (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8).
-THREADS = max(1, int(os.environ.get("DUMPDIFF_HASH_THREADS", "0") or 0) or min(os.cpu_count() or 1, 8))
 _MASK64 = (1 << 64) - 1
 
 

@@ -35,7 +35,7 @@ from . import arrowbuild
 from .columns import Columns
 from .dtypes import BY_CODE, DType
 from .errors import DumpError
-from .fingerprint import THREADS, as_signed, row_stats
+from .fingerprint import as_signed, row_stats
 from .load import Dump, PassFile, show
 
 INDEX_VERSION = 4  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone
@@ -497,7 +497,8 @@ def _small_pass_rows(pf: PassFile, names: List[str], tensor_metas: dict, n_rows:
 # --- reading pass files for the index: sequential, read ahead, bounded memory --------------------
 READ_AHEAD_BYTES = 256 << 20  # tensor bytes read ahead of the hashing (one tensor is always allowed)
 INLINE_PASS_BYTES = 32 << 20  # smaller pass files are hashed by the calling thread alone
-HASH_THREADS = THREADS  # tensors hashed at once (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8)
+# Tensors hashed at once (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8).
+HASH_THREADS = max(1, int(os.environ.get("DUMPDIFF_HASH_THREADS", "0") or 0) or min(os.cpu_count() or 1, 8))
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 
