@@ -1,8 +1,8 @@
 """A table as named numpy arrays: how the verdict path reads the index.
 
 Importing pandas costs about 0.3 s, a third of a whole strict verdict on a 5 GB dump pair, so
-the strict path reads parquet with pyarrow and works on these arrays; the noise-aware passes,
-which read tensor values anyway, still get pandas frames (``to_pandas``).
+the verdict paths (strict and noise-aware) read parquet with pyarrow and work on these arrays;
+the MoE routing check and the repro builder still take pandas frames (``to_pandas``).
 
 Text columns stored dictionary-encoded (a million repeats of a few hundred tensor names) keep
 their integer codes: ``codes(name)`` gives (codes, vocabulary) without spelling a string out.

@@ -35,7 +35,8 @@ class RowTable:
     then by the tensor's place in A. Columns are numpy arrays with names as integer codes.
     ``frame`` gives a pandas view of chosen entries for the passes that read tensor values."""
     pairs: Columns  # the alignment's pairs
-    columns: Dict[str, np.ndarray]  # pair, tcode, ccode, fp_a/b, shape_a/b, nonfinite_a/b, is_in, is_out, comparable, differ
+    columns: Dict[str, np.ndarray]  # pair, tcode, ccode, entry_a/b (place in each side's rows table), fp_a/b,
+    #                                 shape_a/b, nonfinite_a/b, is_in, is_out, comparable, differ
     tensors: np.ndarray  # tensor names by code
     calls: np.ndarray  # call names by code
     shapes: np.ndarray  # row shape strings by code
@@ -110,7 +111,7 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
         call_of[code], io_of[code] = call_code[call], io
     keep = call_of[tcode] >= 0
     entry_a, entry_b, pair, tcode = entry_a[keep], entry_b[keep], pair[keep], tcode[keep]
-    columns = {"pair": pair, "tcode": tcode, "ccode": call_of[tcode]}
+    columns = {"pair": pair, "tcode": tcode, "ccode": call_of[tcode], "entry_a": entry_a, "entry_b": entry_b}
     for name in ("fp", "nonfinite"):
         columns[f"{name}_a"], columns[f"{name}_b"] = rows["a"][name][entry_a], rows["b"][name][entry_b]
     for side, entry in (("a", entry_a), ("b", entry_b)):
@@ -227,17 +228,25 @@ def _per_call(table: RowTable, b: Index) -> Columns:
         out_differ[inverse[differ & table["is_out"]]] = True
     pair, ccode = np.divmod(present, n_calls)
     pass_b = table.pairs["pass_b"].astype(np.int64)[pair]
-    # Each (pass, call) with B's calls table entry, for its post; one without is left out.
-    calls_b = b.cols("calls")
-    code_of = {c: i for i, c in enumerate(calls.tolist())}
-    codes_b = np.array([code_of.get(c, -1) for c in calls_b["call"].tolist()], dtype=np.int64)
-    known = codes_b >= 0
-    at_calls, at = join(calls_b["pass"][known].astype(np.int64) * n_calls + codes_b[known], pass_b * n_calls + ccode)
+    at_calls, at = calls_of_b(table, b, pass_b, ccode)
     order = call_order(b)
     order_of = np.array([order.get(c, 0) for c in calls.tolist()], dtype=np.int64)
     return Columns({"pair": pair[at], "pass_b": pass_b[at], "ccode": ccode[at], "in_differ": in_differ[at],
-                    "out_differ": out_differ[at], "post": calls_b["post"][known][at_calls],
+                    "out_differ": out_differ[at], "post": b.cols("calls")["post"][at_calls],
                     "order": order_of[ccode[at]]})
+
+
+def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray):
+    """(entries of B's calls table, positions in the probe) of every (pass, call code) that B's
+    calls table has; one it lacks is left out."""
+    calls_b = b.cols("calls")
+    n_calls = max(len(table.calls), 1)
+    code_of = {c: i for i, c in enumerate(table.calls.tolist())}
+    codes_b = np.array([code_of.get(c, -1) for c in calls_b["call"].tolist()], dtype=np.int64)
+    known = np.nonzero(codes_b >= 0)[0]
+    at_calls, at = join(calls_b["pass"][known].astype(np.int64) * n_calls + codes_b[known],
+                        np.asarray(pass_b, np.int64) * n_calls + ccode)
+    return known[at_calls], at
 
 
 def _first_per_pair(per_call: Columns, mask: np.ndarray) -> Columns:

@@ -48,7 +48,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
         if noise_aware and verdict["rows_differing"]:
-            from .moe import routing_flips  # these read tensor values through torch: not under --strict-only
+            from .moe import routing_flips  # these read tensor values: not under --strict-only
             from .noise import noise_verdict
             verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r))
             verdict["summary"] = summarize(verdict)
@@ -78,7 +78,7 @@ def _repeat_floors(dump_a: Dump, repeat_path: str, progress: bool) -> dict:
         ia, ir = index_a.rank(r), index_r.rank(r)
         alignment = prove(align(ia, ir), ia, ir, dump_a.label, repeat.label)
         table = row_table(alignment, ia, ir)
-        floors[r] = noise_floor_by_call(row_errors(table, ia, ir, alignment.pairs))
+        floors[r] = noise_floor_by_call(row_errors(table, ia, ir, alignment.cols["pair"]), table.calls)
     return floors
 
 

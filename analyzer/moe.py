@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .align import Alignment
 from .compare import RowTable, call_order
@@ -84,33 +84,39 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
 def find_routers(index: Index) -> List[dict]:
     """Router calls of a dump: a gate/router module of an MoE block with a float output over the
     experts, an integer output of chosen expert ids, or both."""
-    calls = index.calls.drop_duplicates("call")
-    modules = set(calls["module"])
-    tensors = index.tensors[(index.tensors["io"] == "out") & (index.tensors["token_dims"] != "null")]
-    tensors = tensors.drop_duplicates("tensor")
+    calls = index.cols("calls")
+    first: Dict[str, tuple] = {}  # call -> (module, cls), as first seen
+    for call, module, cls in calls.rows(("call", "module", "cls")):
+        first.setdefault(call, (module, cls))
+    modules = {module for module, _ in first.values()}
+    outs_of: Dict[str, list] = {}  # call -> its token-row outputs (tensor, shape, dtype), each tensor once
+    seen = set()
+    for tensor, call, io, dims, shape, dtype in index.cols("tensors").rows(("tensor", "call", "io", "token_dims", "shape",
+                                                                           "dtype")):
+        if io == "out" and dims != "null" and tensor not in seen:
+            seen.add(tensor)
+            outs_of.setdefault(call, []).append((tensor, shape, dtype))
     routers = []
-    for call in calls.itertuples(index=False):
-        leaf_match = bool(ROUTER_LEAF.search(call.module))
-        parent = call.module.rsplit(".", 1)[0] if "." in call.module else ""
-        has_experts = any(m.startswith(f"{parent}.expert") for m in modules)
-        if not (ROUTER_CLASS.search(call.cls) or (leaf_match and has_experts)):
+    for call, (module, cls) in first.items():
+        leaf_match = bool(ROUTER_LEAF.search(module))
+        parent = module.rsplit(".", 1)[0] if "." in module else ""
+        if not (ROUTER_CLASS.search(cls) or (leaf_match and any(m.startswith(f"{parent}.expert") for m in modules))):
             continue
-        outs = tensors[tensors["call"] == call.call]
         logits = indices = None
         num_experts = k = None
-        for t in outs.itertuples(index=False):
-            shape = json.loads(t.shape)
+        for tensor, shape_text, dtype in outs_of.get(call, []):
+            shape = json.loads(shape_text)
             if not shape:
                 continue
-            if "float" in t.dtype and shape[-1] >= 2 and shape[-1] > (num_experts or 0):  # the widest: over all experts
-                logits, num_experts = t.tensor, shape[-1]
-            elif "int" in t.dtype and indices is None:
-                indices, k = t.tensor, shape[-1]
+            if "float" in dtype and shape[-1] >= 2 and shape[-1] > (num_experts or 0):  # the widest: over all experts
+                logits, num_experts = tensor, shape[-1]
+            elif "int" in dtype and indices is None:
+                indices, k = tensor, shape[-1]
         if logits is not None and indices is not None and k >= num_experts:
             indices, k = None, None  # not a top-k of these experts
         if logits is None and indices is None:
             continue
-        routers.append({"call": call.call, "module": call.module, "cls": call.cls, "parent": parent, "logits": logits,
+        routers.append({"call": call, "module": module, "cls": cls, "parent": parent, "logits": logits,
                         "indices": indices, "k": k, "num_experts": num_experts})
     return routers
 

@@ -16,6 +16,10 @@ threshold is derived from the run itself: a robust spread (median + k*MAD of log
 amplification over all calls that carry an error) with a lower bound, or the user's
 --atol/--rtol, in which case a call whose inputs are all within tolerance and whose output is
 not is named.
+
+All of it works on numpy columns, like the strict verdict: no pandas. Tensor values are read per
+(tensor, pass) through the RowReader (a decode pass file is read whole once) and compared per
+tensor in one batch.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import numpy as np
-import pandas as pd
 
 from .align import Alignment
-from .compare import MAX_LISTED, RowTable, call_order
+from .columns import Columns
+from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
 from .dtypes import BY_NAME, DType, eps, tiny, to_float64
 from .index import Index
 
@@ -36,49 +40,92 @@ MIN_ULPS = 8.0  # an introduced error must be at least this many epsilons of its
 MAX_PAIRS = 512  # rows whose bytes are read for the noise-aware walk (sampled evenly beyond this)
 
 
-def sample_pairs(pairs: pd.DataFrame, limit: int = MAX_PAIRS) -> pd.DataFrame:
-    """Every row if few; else an even sample within each row kind, so each kind is represented."""
-    if len(pairs) <= limit:
-        return pairs
-    share = max(1, limit // pairs["mode_b"].nunique())
-    parts = [group.iloc[np.linspace(0, len(group) - 1, min(share, len(group))).astype(int)]
-             for _, group in pairs.groupby("mode_b")]
-    return pd.concat(parts).drop_duplicates("pair")
+def sample_pairs(pairs: Columns, limit: int = MAX_PAIRS) -> np.ndarray:
+    """Pair numbers: every pair if few; else an even sample within each row kind (mode_b), so
+    each kind is represented."""
+    ids = np.asarray(pairs["pair"], np.int64)
+    if len(ids) <= limit:
+        return ids
+    kinds, kind_of = np.unique(pairs["mode_b"].astype(str), return_inverse=True)
+    kind_of = kind_of.reshape(-1)
+    share = max(1, limit // len(kinds))
+    chosen = []
+    for kind in range(len(kinds)):
+        members = np.nonzero(kind_of == kind)[0]
+        chosen.append(members[np.linspace(0, len(members) - 1, min(share, len(members))).astype(np.int64)])
+    return np.unique(ids[np.concatenate(chosen)])
 
 
-def row_errors(table: RowTable, a: Index, b: Index, pairs: pd.DataFrame, atol=None, rtol=None) -> pd.DataFrame:
-    """Per (pair, tensor): relative error, absolute error and (with tolerances) 'exceeds'."""
-    rows = table.frame(table["comparable"] & np.isin(table["pair"], pairs["pair"].to_numpy()))
-    rows["rel"] = 0.0
-    rows["abs"] = 0.0
-    rows["exceeds"] = False
-    rows["eps"] = np.nan
-    differing = rows[rows["differ"]]
-    if differing.empty:
-        return rows
-    reader_a, reader_b = a.reader(), b.reader()
-    where, found = [], {"rel": [], "abs": [], "exceeds": [], "eps": []}
-    for (pass_a, pass_b, tensor), group in differing.groupby(["pass_a", "pass_b", "tensor"], sort=False):
-        ref, dtype = reader_a.bits(int(pass_a), tensor, group["row_a"].tolist())
-        test, _ = reader_b.bits(int(pass_b), tensor, group["row_b"].tolist())
-        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, dtype, atol, rtol)
-        where.append(group.index.to_numpy())
-        for key, value in zip(found, (rel, absolute, exceeds, np.full(len(group), epsilon))):
-            found[key].append(np.asarray(value))
-    index = np.concatenate(where)  # one assignment per column: .loc per group was the slow part
-    for key, values in found.items():
-        rows.loc[index, key] = np.concatenate(values)
-    return rows
+def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=None, rtol=None) -> Columns:
+    """Per comparable (pair, tensor) entry of the chosen pairs: pair, ccode, is_in, is_out and the
+    row's relative error, absolute error, whether a tolerance is exceeded (with tolerances) and
+    its dtype's epsilon (NaN where the fingerprints are equal: nothing read)."""
+    chosen = np.nonzero(table["comparable"] & np.isin(table["pair"], pair_ids))[0]
+    n = len(chosen)
+    found = {"rel": np.zeros(n), "abs": np.zeros(n), "exceeds": np.zeros(n, bool), "eps": np.full(n, np.nan)}
+    differ = np.nonzero(table["differ"][chosen])[0]
+    at = chosen[differ]
+    # One batch per (tensor, row shape): each side's rows of it read pass by pass.
+    key = table["tcode"][at].astype(np.int64) * max(len(table.shapes), 1) + table["shape_a"][at]
+    order = np.argsort(key, kind="stable")
+    bounds = np.r_[0, np.nonzero(np.diff(key[order]))[0] + 1, len(order)] if len(order) else np.zeros(1, np.int64)
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        batch = order[start:stop]
+        tensor = table.tensors[table["tcode"][at[batch[0]]]]
+        ref, ref_type = _side_rows(a, tensor, table["entry_a"][at[batch]])
+        test, test_type = _side_rows(b, tensor, table["entry_b"][at[batch]])
+        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type)
+        place = differ[batch]
+        found["rel"][place], found["abs"][place], found["exceeds"][place] = rel, absolute, exceeds
+        found["eps"][place] = epsilon
+    return Columns({"pair": table["pair"][chosen], "ccode": table["ccode"][chosen], "is_in": table["is_in"][chosen],
+                    "is_out": table["is_out"][chosen], **found})
 
 
-def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol):
+def _side_rows(index: Index, tensor: str, entries: np.ndarray):
+    """The bits of the given entries of one side's rows table (one tensor), in that order, and
+    their element type; rows of several passes must share one type (else each pass its own:
+    the first type is the one reported, values are converted per pass)."""
+    rows, reader = index.cols("rows"), index.reader()
+    passes, srows = rows["pass"][entries], rows["srow"][entries]
+    out, types = None, []
+    for pass_id in np.unique(passes).tolist():
+        mine = np.nonzero(passes == pass_id)[0]
+        block, dtype = reader.stored_bits(int(pass_id), tensor, srows[mine])
+        if out is None:
+            out = np.empty((len(entries),) + block.shape[1:], block.dtype)
+        if block.shape[1:] != out.shape[1:] or block.dtype != out.dtype or (types and dtype != types[0]):
+            return _mixed_rows(index, tensor, passes, srows)
+        out[mine] = block
+        types.append(dtype)
+    return out, types[0]
+
+
+def _mixed_rows(index: Index, tensor: str, passes: np.ndarray, srows: np.ndarray):
+    """Rows of one tensor whose passes store it in different element types: as float64 values."""
+    reader = index.reader()
+    out = None
+    for pass_id in np.unique(passes).tolist():
+        mine = np.nonzero(passes == pass_id)[0]
+        block, dtype = reader.stored_bits(int(pass_id), tensor, srows[mine])
+        values = to_float64(block.reshape(len(mine), -1), dtype) if dtype.floating else block.reshape(len(mine), -1)
+        if out is None:
+            out = np.empty((len(passes), values.shape[1]), np.float64)
+        out[mine] = values
+    return out, BY_NAME["float64"]
+
+
+def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, test_dtype: Optional[DType] = None):
     """Per row of two same-shaped arrays of elements held as bits (numpy: no torch start-up):
-    relative error, absolute error, whether a tolerance is exceeded, and the dtype's epsilon."""
+    relative error, absolute error, whether a tolerance is exceeded, and the dtype's epsilon.
+    ``test_dtype``: the test side's element type when it is not ``dtype`` (values are compared)."""
     n = ref.shape[0]
-    if not dtype.floating:
-        differ = (ref.reshape(n, -1) != test.reshape(n, -1)).any(axis=1)
+    test_dtype = test_dtype or dtype
+    if not (dtype.floating and test_dtype.floating):
+        differ = ((ref.reshape(n, -1) != test.reshape(n, -1)).any(axis=1) if dtype == test_dtype
+                  else np.ones(n, dtype=bool))
         return differ.astype(float), differ.astype(float), differ, 0.0
-    r, t = to_float64(ref.reshape(n, -1), dtype), to_float64(test.reshape(n, -1), dtype)
+    r, t = to_float64(ref.reshape(n, -1), dtype), to_float64(test.reshape(n, -1), test_dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         finite = np.isfinite(r) & np.isfinite(t)
         both_nan = np.isnan(r) & np.isnan(t)
@@ -88,38 +135,47 @@ def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol):
     exceeds = np.zeros(n, dtype=bool)
     if atol is not None or rtol is not None:
         exceeds = (diff > (atol or 0.0) + (rtol or 0.0) * np.abs(r)).any(axis=1)
-    return absolute / scale, absolute, exceeds, eps(dtype)
+    return absolute / scale, absolute, exceeds, max(eps(dtype), eps(test_dtype))
 
 
-def noise_floor_by_call(errors: Optional[pd.DataFrame]) -> Dict[str, float]:
+def noise_floor_by_call(errors: Columns, calls: np.ndarray) -> Dict[str, float]:
     """From a repeat of the same run: the largest output error each call shows anyway."""
-    if errors is None or errors.empty:
-        return {}
-    outs = errors[errors["io"] == "out"]
-    return outs.groupby("call")["rel"].max().to_dict()
+    outs = errors["is_out"]
+    floor = np.zeros(len(calls))
+    np.maximum.at(floor, errors["ccode"][outs], errors["rel"][outs])
+    seen = np.bincount(errors["ccode"][outs], minlength=len(calls)) > 0
+    return {str(calls[c]): float(floor[c]) for c in np.nonzero(seen)[0]}
 
 
-def per_call_errors(errors: pd.DataFrame, floor_by_call: Dict[str, float]) -> pd.DataFrame:
-    flags = errors.assign(in_rel=errors["rel"].where(errors["io"] == "in", 0.0),
-                          out_rel=errors["rel"].where(errors["io"] == "out", 0.0),
-                          in_exceeds=errors["exceeds"] & (errors["io"] == "in"),
-                          out_exceeds=errors["exceeds"] & (errors["io"] == "out"),
-                          out_eps=errors["eps"].where(errors["io"] == "out"))
-    calls = flags.groupby(["pair", "pass_b", "call"]).agg(
-        in_err=("in_rel", "max"), out_err=("out_rel", "max"), in_exceeds=("in_exceeds", "any"),
-        out_exceeds=("out_exceeds", "any"), eps=("out_eps", "max")).reset_index()
-    calls["eps"] = calls["eps"].fillna(eps(BY_NAME["float32"]))
-    calls["floor"] = np.maximum(calls["eps"], calls["call"].map(floor_by_call).fillna(0.0))
-    calls["amplification"] = calls["out_err"] / np.maximum(calls["in_err"], calls["floor"])
-    return calls
+def per_call_errors(errors: Columns, table: RowTable, floor_by_call: Dict[str, float]) -> Columns:
+    """One entry per (pair, call): largest input and output error, tolerance flags, the floor
+    and the amplification."""
+    n_calls = max(len(table.calls), 1)
+    cells, cell_of = np.unique(errors["pair"].astype(np.int64) * n_calls + errors["ccode"], return_inverse=True)
+    cell_of = cell_of.reshape(-1)
+    n = len(cells)
+    is_in, is_out, rel = errors["is_in"], errors["is_out"], errors["rel"]
+    in_err, out_err, out_eps = np.zeros(n), np.zeros(n), np.full(n, np.nan)
+    np.maximum.at(in_err, cell_of[is_in], rel[is_in])
+    np.maximum.at(out_err, cell_of[is_out], rel[is_out])
+    np.fmax.at(out_eps, cell_of[is_out], errors["eps"][is_out])  # NaN (not read) never wins
+    pair, ccode = np.divmod(cells, n_calls)
+    out_eps = np.where(np.isnan(out_eps), eps(BY_NAME["float32"]), out_eps)
+    floors = np.array([floor_by_call.get(c, 0.0) for c in table.calls.tolist()] or [0.0])
+    floor = np.maximum(out_eps, floors[ccode])
+    return Columns({
+        "pair": pair, "ccode": ccode, "in_err": in_err, "out_err": out_err,
+        "in_exceeds": np.bincount(cell_of[is_in & errors["exceeds"]], minlength=n) > 0,
+        "out_exceeds": np.bincount(cell_of[is_out & errors["exceeds"]], minlength=n) > 0,
+        "eps": out_eps, "floor": floor, "amplification": out_err / np.maximum(in_err, floor)})
 
 
-def derive_threshold(calls: pd.DataFrame) -> dict:
+def derive_threshold(calls: Columns) -> dict:
     """Robust spread of log10 amplification over calls that carry or make an error."""
-    active = calls[calls["out_err"] > 0]
-    if active.empty:
+    active = calls["amplification"][calls["out_err"] > 0]
+    if not len(active):
         return {"amplification": MIN_AMPLIFICATION, "median": None, "mad": None, "samples": 0}
-    logs = np.log10(active["amplification"].clip(lower=1e-12))
+    logs = np.log10(np.maximum(active, 1e-12))
     median = float(np.median(logs))
     mad = float(np.median(np.abs(logs - median))) or 0.05
     threshold = max(MIN_AMPLIFICATION, 10 ** (median + MAD_FACTOR * mad))
@@ -128,44 +184,66 @@ def derive_threshold(calls: pd.DataFrame) -> dict:
 
 def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
                   floor_by_call: Optional[Dict[str, float]] = None) -> dict:
-    pairs = sample_pairs(alignment.pairs)
-    errors = row_errors(table, a, b, pairs, atol, rtol)
-    calls = per_call_errors(errors, floor_by_call or {})
-    calls_b = b.calls[["pass", "call", "module", "cls", "post"]]
-    calls = calls.merge(calls_b, left_on=["pass_b", "call"], right_on=["pass", "call"]).drop(columns=["pass"])
+    pair_ids = sample_pairs(alignment.cols)
+    read_before = a.reader().bytes_read + b.reader().bytes_read
+    errors = row_errors(table, a, b, pair_ids, atol, rtol)
+    calls = per_call_errors(errors, table, floor_by_call or {})
+    pairs = alignment.cols
+    at_calls, at = calls_of_b(table, b, pairs["pass_b"][calls["pair"]], calls["ccode"])
+    calls = calls.take(at)
+    calls_b = b.cols("calls")
+    post = calls_b["post"][at_calls]
     tolerance_mode = atol is not None or rtol is not None
     if tolerance_mode:
         rule = {"atol": atol, "rtol": rtol}
-        calls["introduced"] = calls["out_exceeds"] & ~calls["in_exceeds"]
+        introduced = calls["out_exceeds"] & ~calls["in_exceeds"]
     else:
         rule = derive_threshold(calls)
         rule["min_ulps"] = MIN_ULPS
-        calls["introduced"] = (calls["amplification"] > rule["amplification"]) & (calls["out_err"] > MIN_ULPS * calls["eps"])
+        introduced = (calls["amplification"] > rule["amplification"]) & (calls["out_err"] > MIN_ULPS * calls["eps"])
     rule["floor_from_repeat"] = bool(floor_by_call)
-    firsts = calls[calls["introduced"]].sort_values(["pair", "post"]).drop_duplicates("pair")
-    info = pairs.set_index("pair")[["seq", "pos", "mode_b"]]
-    firsts = firsts.join(info, on="pair")
+    # The earliest completed introducing call of each row.
+    chosen = np.nonzero(introduced)[0]
+    chosen = chosen[np.lexsort((post[chosen], calls["pair"][chosen]))]
+    firsts = chosen[np.r_[True, np.diff(calls["pair"][chosen]) != 0]] if len(chosen) else chosen
+    names = table.calls[calls["ccode"]]
     order = call_order(b)
-    verdict = {"rule": rule, "rows_examined": int(len(pairs)), "rows_total": int(len(alignment.pairs)),
-               "culprits": [], "per_row": [], "bytes_read": None}
-    for call, group in sorted(firsts.groupby("call"), key=lambda item: order.get(item[0], 0)):
-        kinds = group["mode_b"].value_counts().to_dict()
+    verdict = {"rule": rule, "rows_examined": int(len(pair_ids)), "rows_total": int(len(pairs)),
+               "culprits": [], "per_row": []}
+    seq, pos, kind = pairs["seq"], pairs["pos"], pairs["mode_b"]
+    for call in sorted(set(names[firsts].tolist()), key=lambda c: order.get(c, 0)):
+        group = firsts[names[firsts] == call]
+        rows = calls["pair"][group]
+        kinds, first_seen, counts = np.unique(kind[rows].astype(str), return_index=True, return_counts=True)
+        by_count = np.lexsort((first_seen, -counts))  # most rows first, ties as they come
         verdict["culprits"].append({
-            "call": call, "module": group["module"].iloc[0], "cls": group["cls"].iloc[0], "rows": int(len(group)),
-            "kinds": {k: int(v) for k, v in kinds.items()},
-            "in_err": float(group["in_err"].max()), "out_err": float(group["out_err"].max()),
-            "amplification": float(group["amplification"].min()),
-            "sample_rows": [{"seq": r.seq, "pos": int(r.pos), "kind": r.mode_b} for r in group.head(6).itertuples()],
+            "call": call, "module": calls_b["module"][at_calls[group[0]]], "cls": calls_b["cls"][at_calls[group[0]]],
+            "rows": int(len(group)), "kinds": {str(kinds[k]): int(counts[k]) for k in by_count},
+            "in_err": float(calls["in_err"][group].max()), "out_err": float(calls["out_err"][group].max()),
+            "amplification": float(calls["amplification"][group].min()),
+            "sample_rows": [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p]} for p in rows[:6].tolist()],
         })
-    verdict["per_row"] = [{"seq": r.seq, "pos": int(r.pos), "kind": r.mode_b, "culprit": r.call,
-                           "in_err": float(r.in_err), "out_err": float(r.out_err), "amplification": float(r.amplification)}
-                          for r in firsts.sort_values(["seq", "pos"]).head(MAX_LISTED * 10).itertuples()]
-    verdict["top_jumps"] = top_jumps(calls)
+    rows = calls["pair"][firsts]
+    by_place = np.lexsort((pos[rows], seq[rows].astype(str)))[:MAX_LISTED * 10]
+    verdict["per_row"] = [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p], "culprit": names[f],
+                           "in_err": float(calls["in_err"][f]), "out_err": float(calls["out_err"][f]),
+                           "amplification": float(calls["amplification"][f])}
+                          for p, f in zip(rows[by_place].tolist(), firsts[by_place].tolist())]
+    verdict["bytes_read"] = int(a.reader().bytes_read + b.reader().bytes_read - read_before)
+    verdict["top_jumps"] = top_jumps(calls, names)
     return verdict
 
 
-def top_jumps(calls: pd.DataFrame, limit: int = 8) -> list:
+def top_jumps(calls: Columns, names: np.ndarray, limit: int = 8) -> list:
     """The largest amplifications seen, introduced or not: context for judging the threshold."""
-    best = calls.sort_values("amplification", ascending=False).drop_duplicates("call").head(limit)
-    return [{"call": r.call, "in_err": float(r.in_err), "out_err": float(r.out_err),
-             "amplification": float(r.amplification)} for r in best.itertuples()]
+    ranked = np.argsort(-calls["amplification"], kind="stable")
+    seen, best = set(), []
+    for at in ranked.tolist():
+        if names[at] in seen:
+            continue
+        seen.add(names[at])
+        best.append({"call": names[at], "in_err": float(calls["in_err"][at]), "out_err": float(calls["out_err"][at]),
+                     "amplification": float(calls["amplification"][at])})
+        if len(best) == limit:
+            break
+    return best

@@ -23,6 +23,10 @@ from .load import PassFile
 from .torchbits import to_torch
 
 CACHE_BYTES = 512 << 20
+# A pass file this small, once rows of this many of its tensors were asked for, is read whole:
+# the noise-aware walk reads a row of every tensor of each decode pass (hundreds of tiny reads).
+WHOLE_FILE_BYTES = 64 << 20
+WHOLE_FILE_AFTER = 8
 
 
 class RowReader:
@@ -38,7 +42,8 @@ class RowReader:
         self._srow: Dict[Tuple[int, str], Dict[int, int]] = {}
         self._layouts: Dict[int, object] = {}
         self._files: Dict[int, PassFile] = {}
-        self._cache: "OrderedDict[Tuple[int, str], dict]" = OrderedDict()  # (pass, stored) -> {"rows"|"view", ...}
+        self._cache: "OrderedDict[tuple, dict]" = OrderedDict()  # (pass, stored or None) -> {"rows"|"view"|"file"}
+        self._asked: Dict[int, set] = {}  # pass -> stored tensors whose rows were asked for
         self._cached = 0
         self._limit = cache_bytes
         self.bytes_read = 0
@@ -50,7 +55,11 @@ class RowReader:
     def bits(self, pass_id: int, tensor: str, token_rows) -> Tuple[np.ndarray, DType]:
         """([len(token_rows), ...] elements as unsigned-int bits, element type) for one tensor of one pass."""
         srow = self._srow_map(pass_id, tensor)
-        picks = [srow[int(r)] for r in token_rows]
+        return self.stored_bits(pass_id, tensor, [srow[int(r)] for r in token_rows])
+
+    def stored_bits(self, pass_id: int, tensor: str, srows) -> Tuple[np.ndarray, DType]:
+        """The same, for rows given as rows of the stored view (the rows table's ``srow``)."""
+        picks = [int(p) for p in srows]
         stored, dims, selected = self._tensor_meta(pass_id, tensor)
         entry = self._entry(pass_id, stored)
         leading = dims is not None and (selected or list(dims) == list(range(len(dims))))
@@ -111,6 +120,11 @@ class RowReader:
         row_shape = tuple(shape[k:])
         n_rows = int(np.prod(shape[:k], dtype=np.int64))
         row_bytes = (end - begin) // n_rows if n_rows else 0
+        whole = self._whole_file(pass_id, stored)
+        if whole is not None:
+            if picks and (min(picks) < 0 or max(picks) >= n_rows):
+                raise IndexError(f"row {max(picks)} of {stored!r} in pass {pass_id}: the tensor has {n_rows} rows")
+            return whole[begin:end].view(dtype.bits).reshape((n_rows,) + row_shape)[picks]
         slot = self._slot((pass_id, stored), "rows")
         have = slot["rows"]
         need = sorted({p for p in picks if p not in have})
@@ -139,6 +153,29 @@ class RowReader:
             self._evict()
         return np.stack([have[p] for p in picks]) if picks else np.empty((0,) + row_shape, dtype=dtype.bits)
 
+    def _whole_file(self, pass_id: int, stored: str):
+        """The pass file's bytes when it is small and read broadly (read once, cached), else None."""
+        asked = self._asked.setdefault(pass_id, set())
+        asked.add(stored)
+        slot = self._cache.get((pass_id, None))
+        if slot is not None:
+            self._cache.move_to_end((pass_id, None))
+            return slot["file"]
+        size = self._layouts[pass_id].file_size
+        if len(asked) < WHOLE_FILE_AFTER or size > WHOLE_FILE_BYTES:
+            return None
+        data = np.empty(size, dtype=np.uint8)
+        fd = os.open(self._refs[pass_id].path, os.O_RDONLY)
+        try:
+            _pread_into(fd, data, 0)
+        finally:
+            os.close(fd)
+        self.bytes_read += size
+        self._slot((pass_id, None), "file")["file"] = data
+        self._cached += size
+        self._evict()
+        return data
+
     def _whole_view(self, pass_id: int, stored: str, dims, selected: bool) -> Tuple[np.ndarray, DType]:
         slot = self._slot((pass_id, stored), "view")
         if slot.get("view") is None:
@@ -157,7 +194,7 @@ class RowReader:
     def _slot(self, key, kind: str) -> dict:
         slot = self._cache.get(key)
         if slot is None:
-            slot = self._cache[key] = {"rows": {}, "view": None}
+            slot = self._cache[key] = {"rows": {}, "view": None, "file": None}
         self._cache.move_to_end(key)
         return slot
 
@@ -166,6 +203,8 @@ class RowReader:
             _, old = self._cache.popitem(last=False)
             if old["view"] is not None:
                 self._cached -= old["view"][0].nbytes
+            if old["file"] is not None:
+                self._cached -= old["file"].nbytes
             self._cached -= sum(r.nbytes for r in old["rows"].values())
 
 

@@ -4,6 +4,7 @@ every float type, its per-row magnitudes and its error figures must agree with t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -82,9 +83,10 @@ def test_error_figures_match_torch(dtype):
     assert figures["dtype"] == str(dtype).replace("torch.", "") and figures["max_ulp"] >= 1
 
 
-def test_verdicts_do_not_import_torch_and_strict_not_pandas(tmp_path):
+def test_verdicts_import_neither_torch_nor_pandas(tmp_path):
     """--strict-only answers from the index and the culprit's bytes: no second of torch start-up
-    and no third of a second of pandas, whether it builds the indexes or finds them built."""
+    and no third of a second of pandas, whether it builds the indexes or finds them built. The
+    default (noise-aware) verdict on a dense model reads tensor values in numpy: neither either."""
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=4)
     probe = ("import json, runpy, sys\n"
@@ -106,12 +108,10 @@ def test_verdicts_do_not_import_torch_and_strict_not_pandas(tmp_path):
         verdicts.append(json.loads(proc.stdout))
     assert verdicts[0]["culprit"]["call"] and verdicts[0]["culprit"]["max_abs"] > 0
     assert verdicts[0] == verdicts[1]
-    # The default, noise-aware verdict reads tensor values in numpy: on a dense model (no router
-    # to re-rank) it does not pay torch's start-up either.
     proc = subprocess.run([sys.executable, "-c", probe.replace("'--strict-only', ", ""), ref, dec], capture_output=True,
                           text=True, cwd=ROOT)
     status = json.loads(proc.stderr.strip().splitlines()[-1])
-    assert status["exit"] == 1 and status["torch"] is False, proc.stderr[-2000:]
+    assert status == {"exit": 1, "torch": False, "pandas": False}, proc.stderr[-2000:]
     noise = json.loads(proc.stdout)["ranks"]["0"]["noise"]
     assert noise["rows_examined"] > 0 and noise["top_jumps"], noise
 
@@ -164,3 +164,42 @@ def test_noise_row_errors_match_torch(dtype):
     assert np.array_equal(rel, (diff.amax(dim=1) / scale).numpy())
     assert np.array_equal(exceeds, (diff > 1e-3 + 1e-2 * r.abs()).any(dim=1).numpy())
     assert eps == torch.finfo(dtype).eps and rel[0] == 0 and rel[2] > 0
+
+
+def test_noise_rows_stored_in_different_element_types_are_compared_by_value():
+    """A tensor kept in bfloat16 by one run and float32 by the other: its rows are compared as
+    numbers, not as bit patterns of different widths."""
+    from analyzer.noise import _compare_rows
+    ref = (torch.randn(3, 16) * 3).to(torch.bfloat16)
+    test = ref.float()
+    test[1, 4] += 0.25
+    rel, absolute, _, eps = _compare_rows(from_torch(ref)[0], from_torch(test)[0], of_torch(torch.bfloat16), None, None,
+                                          of_torch(torch.float32))
+    assert rel[0] == rel[2] == 0 and absolute[1] == pytest.approx(0.25, rel=1e-6)
+    assert eps == torch.finfo(torch.bfloat16).eps
+
+
+def test_row_reader_reads_a_small_pass_read_broadly_once(tmp_path, monkeypatch):
+    """The noise-aware walk asks for one row of every tensor of each decode pass: past a few
+    tensors the (small) pass file is read whole, once, and every row read equals a row read alone."""
+    from analyzer import rowread
+    from analyzer.index import load_index
+    from analyzer.load import open_dump
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    _, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=3)
+
+    def read_all(whole_after):
+        monkeypatch.setattr(rowread, "WHOLE_FILE_AFTER", whole_after)
+        index = load_index(open_dump(dec), progress=False).rank(0)
+        rows, reader = index.cols("rows"), rowread.RowReader(index)
+        last = int(rows["pass"].max())  # a decode pass: one token row
+        mine = np.nonzero((rows["pass"] == last) & (rows["row"] >= 0))[0]
+        got = [reader.bits(last, tensor, [row]) for tensor, row in zip(rows["tensor"][mine].tolist(),
+                                                                        rows["row"][mine].tolist())]
+        return got, reader.bytes_read, reader._refs[last].path, len(mine)
+
+    whole, read_whole, path, n_tensors = read_all(1)  # whole from the first tensor asked for
+    alone, read_alone, _, _ = read_all(10 ** 9)  # never whole: row by row
+    assert n_tensors > 8 and read_whole == os.path.getsize(path) > read_alone
+    for (bits_w, type_w), (bits_a, type_a) in zip(whole, alone):
+        assert type_w == type_a and bits_w.dtype == bits_a.dtype and np.array_equal(bits_w, bits_a)
