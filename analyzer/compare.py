@@ -79,6 +79,9 @@ class RowTable:
         return frame
 
 
+# The rows table's columns the strict verdict reads (of its nine): read ahead as soon as the
+# indexes are open.
+VERDICT_ROW_COLUMNS = ("pass", "row", "tensor", "rowshape", "fp", "nonfinite", "srow", "rank")
 DENSE_CELLS = 8 << 20  # token rows x tensors up to which joins use dense grids (tens of MB at most)
 
 

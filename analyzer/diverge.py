@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .align import align, prove
-from .compare import row_table, strict_verdict
+from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
 from .index import load_index
 from .load import Dump, open_dump, show
@@ -35,7 +35,9 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     floors = _repeat_floors(dump_a, noise_repeat, progress) if noise_repeat else {}
     check_same_model(dump_a, dump_b, allow_mismatch)
     index_a = load_index(dump_a, rebuild=rebuild_index, progress=progress)
+    index_a.prefetch("rows", VERDICT_ROW_COLUMNS)  # decoded while B's index opens and the rows align
     index_b = load_index(dump_b, rebuild=rebuild_index, progress=progress)
+    index_b.prefetch("rows", VERDICT_ROW_COLUMNS)
     ranks = sorted(set(dump_a.ranks) & set(dump_b.ranks))
     if rank is not None:
         if rank not in ranks:
