@@ -2,8 +2,12 @@
 
 Positions come from the attention mask when there is one (real token count before each token,
 so left padding does not shift them), else from position_ids, cache_position or the cache
-length. Sequences are keyed by the KV-cache object they live in: every decode step of one
+length. Sequences are keyed by the cache object they live in: every decode step of one
 ``generate`` call passes the same cache, so its rows join the sequence its prefill started.
+
+A cache that holds recurrent state and no keys (Mamba's ``cache_params``, RecurrentGemma's
+layers) reports a length of 0 forever; its length is then the tokens this adapter has seen go
+through it, so decode steps are decode steps at the right positions, not new one-token prompts.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class HFAdapter:
     def __init__(self, model):
         self._signature = inspect.signature(model.forward)
         self._groups = weakref.WeakKeyDictionary()  # cache object -> sequence group
+        self._fed = weakref.WeakKeyDictionary()  # cache object -> tokens that went through it
         self._counter = itertools.count(1)
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
@@ -44,11 +49,12 @@ class HFAdapter:
             ids = torch.full(embeds.shape[:2], -1, dtype=torch.long)  # unknown ids: not alignable
         ids = ids.detach().cpu()
         batch, seq_len = ids.shape
-        past = _cache_length(cache)
+        past = _cache_length(cache) or self._weak_get(self._fed, cache, 0)
         group = self._group_of(cache)
+        self._weak_set(self._fed, cache, past + seq_len)
         pos, valid = self._positions(bound, mask, past, batch, seq_len)
         info = dense_pass(ids, group, mode_of(past, past, seq_len), pos=pos, valid=valid)
-        info.extra = {"past_len": past}
+        info.extra = {"past_len": past, "new_len": seq_len}
         return info
 
     def _positions(self, bound, mask, past, batch, seq_len):
@@ -64,26 +70,35 @@ class HFAdapter:
         return (torch.arange(seq_len) + past).expand(batch, seq_len), None
 
     def _group_of(self, cache) -> str:
-        if cache is None:
-            return f"g{next(self._counter)}"
+        group = self._weak_get(self._groups, cache, None)
+        if group is None:
+            group = f"g{next(self._counter)}"  # no cache, or one not weak-referenceable: its own group
+            self._weak_set(self._groups, cache, group)
+        return group
+
+    @staticmethod
+    def _weak_get(table, cache, default):
         try:
-            group = self._groups.get(cache)
-            if group is None:
-                group = self._groups[cache] = f"g{next(self._counter)}"
-            return group
-        except TypeError:  # not weak-referenceable: every pass is its own group
-            return f"g{next(self._counter)}"
+            return table.get(cache, default) if cache is not None else default
+        except TypeError:  # not weak-referenceable
+            return default
+
+    @staticmethod
+    def _weak_set(table, cache, value):
+        try:
+            if cache is not None:
+                table[cache] = value
+        except TypeError:
+            pass
 
     def after_pass(self, model, info: PassInfo, output):
         # A forward called without a cache creates one; the next call may pass it back in.
         cache = None if isinstance(output, tuple) else _first(output, CACHE_NAMES, getattr)
-        if cache is not None and info.seq:
+        if cache is not None and info.seq and self._weak_get(self._groups, cache, None) is None:
             group = next((s.split(".")[0] for s in info.seq if s), None)
-            try:
-                if group and cache not in self._groups:
-                    self._groups[cache] = group
-            except TypeError:
-                pass
+            if group:
+                self._weak_set(self._groups, cache, group)
+                self._weak_set(self._fed, cache, info.extra["past_len"] + info.extra["new_len"])
 
     def run_info(self, model) -> dict:
         config = getattr(model, "config", None)
@@ -93,8 +108,8 @@ class HFAdapter:
                 "dtype": _param_dtype(model), "device": _param_device(model), "tp_size": 1}
 
 
-# transformers renamed past_key_values to cache (5.2x); both spellings are read.
-CACHE_NAMES = ("cache", "past_key_values")
+# transformers renamed past_key_values to cache (5.2x); both spellings are read, and Mamba's.
+CACHE_NAMES = ("cache", "past_key_values", "cache_params")
 
 
 def _first(source, names, get=lambda d, k, default: d.get(k, default)):
@@ -110,5 +125,5 @@ def _cache_length(cache) -> int:
         return 0
     try:
         return int(cache.get_seq_length())
-    except (AttributeError, TypeError):
+    except Exception:  # noqa: BLE001 - no length (a state-only cache raises ValueError): counted by the adapter
         return 0

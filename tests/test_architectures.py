@@ -1,0 +1,66 @@
+"""Models whose decode state is not a KV cache: Mamba keeps a recurrent state in ``cache_params``
+(its cache reports no length), RecurrentGemma keeps it inside its layers. Their decode steps
+must still be dumped as decode rows at the right positions, in the prefill's sequence, or they
+pair with the wrong reference rows (a one-token "prompt" at position 0) and the verdict is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import dump_pair, first_divergence_json
+from analyzer.index import load_index
+from analyzer.load import open_dump
+
+COMMON = dict(vocab_size=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64, num_hidden_layers=3)
+ARCHS = {
+    "mamba": (dict(state_size=8, expand=2, conv_kernel=4), "backbone.layers.1.mixer"),
+    "recurrent_gemma": (dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, lru_width=64,
+                             attention_window_size=16, conv1d_width=4,
+                             block_types=["recurrent", "attention", "recurrent"]), "model.layers.2.temporal_block"),
+}
+
+
+def tiny(arch: str, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **COMMON, **ARCHS[arch][0]))
+    model.save_pretrained(tmp_path / arch)  # reloaded as a user's model would be
+    return AutoModelForCausalLM.from_pretrained(tmp_path / arch, dtype=torch.float32).eval()
+
+
+def plant_decode_error(model, path: str, scale: float = 1e-2):
+    """In decode steps only (one new token), the module's output is off by ``scale`` relative."""
+    def perturb(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.shape[1] != 1:
+            return None
+        hidden = hidden * (1 + scale)
+        return (hidden,) + tuple(output[1:]) if isinstance(output, tuple) else hidden
+
+    model.get_submodule(path).register_forward_hook(perturb)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_state_space_decode_rows_align_and_a_decode_bug_is_named(arch, tmp_path):
+    model = tiny(arch, tmp_path)
+    prompt = torch.randint(3, 1024, (1, 20), generator=torch.Generator().manual_seed(1))
+    new = 5
+    # A clean run: every decode step is a decode row of the prompt's sequence, at its position.
+    ref, dec, output = dump_pair(model, tmp_path / "clean", prompt, new_tokens=new)
+    tokens = load_index(open_dump(dec), progress=False).cols("tokens")
+    decode = tokens["mode"] == "decode"
+    assert decode.sum() == new - 1 and set(tokens["seq"][decode].tolist()) == {tokens["seq"][0]}
+    assert tokens["pos"][decode].tolist() == list(range(20, 20 + new - 1))
+    assert tokens["id"][decode].tolist() == output[0, 20:20 + new - 1].tolist()
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert verdict["alignment"]["unaligned_b"] == 0 and verdict["rows_compared"] == 20 + new - 1
+    assert verdict.get("noise", {}).get("culprits", []) == []  # float noise only: no culprit
+    # The same model with an error in decode steps only: the noise-aware verdict names it.
+    plant_decode_error(model, ARCHS[arch][1])
+    ref, dec, _ = dump_pair(model, tmp_path / "planted", prompt, new_tokens=new)
+    code, result = first_divergence_json(ref, dec)
+    culprits = result["ranks"]["0"]["noise"]["culprits"]
+    assert code == 1 and culprits and culprits[0]["module"] == ARCHS[arch][1], culprits
+    assert culprits[0]["kinds"] == {"decode": new - 1}
