@@ -34,6 +34,8 @@ class Alignment:
     unaligned_b: int  # rows of B with no partner in A
     unkeyed_b: int  # rows of B whose sequence history has gaps (prefix unknown)
     rows_b: int
+    cached_b: int = 0  # rows of B computed on a cache (decode, extend): what the comparison is for
+    cached_unpaired_b: int = 0  # of those, rows with no partner in A
     embedding: Optional[str] = None  # module path of the embedding call used in the proof
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
     conflicts: List[str] = dataclasses.field(default_factory=list)
@@ -96,8 +98,10 @@ def align(a: Index, b: Index) -> Alignment:
                     "pass_b": keys_b["pass"][at_b], "row_b": keys_b["row"][at_b], "seq": keys_b["seq"][at_b],
                     "pos": keys_b["pos"][at_b], "id": keys_b["id"][at_b], "pos_a": keys_a["pos"][at_a],
                     "id_a": keys_a["id"][at_a], "mode_a": keys_a["mode"][at_a], "mode_b": keys_b["mode"][at_b]})
+    cached = np.array([mode not in ("prefill", None) for mode in keys_b["mode"].tolist()], dtype=bool)
     return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
-                     rows_b=len(keys_b), conflicts=conflicts_a + conflicts_b)
+                     rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
+                     conflicts=conflicts_a + conflicts_b)
 
 
 def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, trust: bool = False) -> Alignment:
@@ -108,6 +112,12 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     if not len(pairs):
         raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0); "
                         "were both dumps made from the same prompt? dump the reference prefill of prompt+output")
+    if alignment.cached_b and alignment.cached_unpaired_b == alignment.cached_b:
+        # Only prefill rows would be compared: "no divergence" would hide that the decode steps,
+        # the point of the comparison, were never looked at.
+        raise DumpError(f"none of the {alignment.cached_b} decode/extend rows of {label_b} has a partner in {label_a} "
+                        "(same token ids from position 0); the reference must hold the tokens the decode run generated: "
+                        "dump it as one prefill of prompt+output")
     bad = int(((pairs["id"] != pairs["id_a"]) | (pairs["pos"] != pairs["pos_a"])).sum())
     if bad:
         raise DumpError(f"alignment broken: {bad} paired rows differ in token id or position")

@@ -182,6 +182,23 @@ def test_different_prompts_are_refused(llama_dir, tmp_path):
     assert err.count("\n") == 1 and "no token row of b matches a row of a" in err
 
 
+def test_a_reference_without_the_decode_steps_is_refused(llama_dir, tmp_path):
+    """A reference prefill of the prompt alone pairs the decode run's prefill rows but none of
+    its decode rows: "no divergence" there would be a partial answer passed off as whole."""
+    import dumper
+    model = load_model(llama_dir, torch.float32)
+    prompt = prompt_ids(12)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=4, do_sample=False)
+        handle.configure(exp_name="ref")
+        model(prompt)
+    handle.remove()
+    code, out, err = dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "none of the 3 decode/extend rows of dec has a partner in ref" in err
+
+
 def test_tiny_qwen3_moe_end_to_end(tmp_path):
     model = load_model(make_tiny_qwen3_moe(tmp_path / "moe"), torch.float32)
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(16), new_tokens=5)
