@@ -65,6 +65,7 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     found = {"rel": np.zeros(n), "abs": np.zeros(n), "exceeds": np.zeros(n, bool), "eps": np.full(n, np.nan)}
     differ = np.nonzero(table["differ"][chosen])[0]
     at = chosen[differ]
+    typical = _typical_magnitudes(table, a, chosen, np.unique(table["tcode"][at]))
     # One batch per (tensor, row shape): each side's rows of it read pass by pass.
     key = table["tcode"][at].astype(np.int64) * max(len(table.shapes), 1) + table["shape_a"][at]
     order = np.argsort(key, kind="stable")
@@ -74,12 +75,33 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
         tensor = table.tensors[table["tcode"][at[batch[0]]]]
         ref, ref_type = _side_rows(a, tensor, table["entry_a"][at[batch]])
         test, test_type = _side_rows(b, tensor, table["entry_b"][at[batch]])
-        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type)
+        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type,
+                                                        typical[int(table["tcode"][at[batch[0]]])])
         place = differ[batch]
         found["rel"][place], found["abs"][place], found["exceeds"][place] = rel, absolute, exceeds
         found["eps"][place] = epsilon
     return Columns({"pair": table["pair"][chosen], "ccode": table["ccode"][chosen], "is_in": table["is_in"][chosen],
                     "is_out": table["is_out"][chosen], **found})
+
+
+def _typical_magnitudes(table: RowTable, a: Index, chosen: np.ndarray, tcodes: np.ndarray) -> Dict[int, float]:
+    """Per tensor code: the median of its rows' largest |x| (A's index, the chosen rows). A row's
+    error is taken relative to at least this: a row that is near zero by cancellation (a gate
+    that outputs one number, a logit near 0) would otherwise turn float noise into a huge
+    relative error."""
+    if not len(tcodes):
+        return {}
+    codes = table["tcode"][chosen]
+    amax = a.cols("rows")["amax"][table["entry_a"][chosen]]
+    order = np.argsort(codes, kind="stable")
+    starts = np.searchsorted(codes[order], tcodes, "left")
+    ends = np.searchsorted(codes[order], tcodes, "right")
+    typical = {}
+    for code, start, end in zip(tcodes.tolist(), starts.tolist(), ends.tolist()):
+        values = amax[order[start:end]]
+        values = values[np.isfinite(values)]
+        typical[code] = float(np.median(values)) if len(values) else 0.0
+    return typical
 
 
 def _side_rows(index: Index, tensor: str, entries: np.ndarray):
@@ -115,10 +137,12 @@ def _mixed_rows(index: Index, tensor: str, passes: np.ndarray, srows: np.ndarray
     return out, BY_NAME["float64"]
 
 
-def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, test_dtype: Optional[DType] = None):
+def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, test_dtype: Optional[DType] = None,
+                  scale_floor: float = 0.0):
     """Per row of two same-shaped arrays of elements held as bits (numpy: no torch start-up):
     relative error, absolute error, whether a tolerance is exceeded, and the dtype's epsilon.
-    ``test_dtype``: the test side's element type when it is not ``dtype`` (values are compared)."""
+    ``test_dtype``: the test side's element type when it is not ``dtype`` (values are compared).
+    The relative error's scale is the row's largest finite |x|, at least ``scale_floor``."""
     n = ref.shape[0]
     test_dtype = test_dtype or dtype
     if not (dtype.floating and test_dtype.floating):
@@ -130,7 +154,7 @@ def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, t
         finite = np.isfinite(r) & np.isfinite(t)
         both_nan = np.isnan(r) & np.isnan(t)
         diff = np.where(finite, np.abs(r - t), np.where(both_nan | (r == t), 0.0, np.inf))
-    scale = np.maximum(np.where(finite, np.abs(r), 0.0).max(axis=1, initial=0.0), tiny(dtype))
+    scale = np.maximum(np.where(finite, np.abs(r), 0.0).max(axis=1, initial=0.0), max(tiny(dtype), scale_floor))
     absolute = diff.max(axis=1, initial=0.0)
     exceeds = np.zeros(n, dtype=bool)
     if atol is not None or rtol is not None:
@@ -147,9 +171,16 @@ def noise_floor_by_call(errors: Columns, calls: np.ndarray) -> Dict[str, float]:
     return {str(calls[c]): float(floor[c]) for c in np.nonzero(seen)[0]}
 
 
-def per_call_errors(errors: Columns, table: RowTable, floor_by_call: Dict[str, float]) -> Columns:
+def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, precision: np.ndarray,
+                    floor_by_call: Dict[str, float]) -> Columns:
     """One entry per (pair, call): largest input and output error, tolerance flags, the floor
-    and the amplification."""
+    and the amplification.
+
+    A call's output on a token row may depend on its inputs on every earlier row of the sequence
+    (attention, a recurrent scan): its input error on a row is the largest over the sequence up
+    to that row, so an error a scan carries forward is not taken for one it introduces. The floor
+    is at least the epsilon of the least precise float type inside the call (``precision``, per
+    call code): a float32 block whose mixer computes in bfloat16 makes bfloat16-sized noise."""
     n_calls = max(len(table.calls), 1)
     cells, cell_of = np.unique(errors["pair"].astype(np.int64) * n_calls + errors["ccode"], return_inverse=True)
     cell_of = cell_of.reshape(-1)
@@ -160,7 +191,8 @@ def per_call_errors(errors: Columns, table: RowTable, floor_by_call: Dict[str, f
     np.maximum.at(out_err, cell_of[is_out], rel[is_out])
     np.fmax.at(out_eps, cell_of[is_out], errors["eps"][is_out])  # NaN (not read) never wins
     pair, ccode = np.divmod(cells, n_calls)
-    out_eps = np.where(np.isnan(out_eps), eps(BY_NAME["float32"]), out_eps)
+    in_err = _running_max(in_err, ccode, pairs["seq"][pair], pairs["pos"][pair])
+    out_eps = np.fmax(np.where(np.isnan(out_eps), eps(BY_NAME["float32"]), out_eps), precision[ccode])
     floors = np.array([floor_by_call.get(c, 0.0) for c in table.calls.tolist()] or [0.0])
     floor = np.maximum(out_eps, floors[ccode])
     return Columns({
@@ -168,6 +200,43 @@ def per_call_errors(errors: Columns, table: RowTable, floor_by_call: Dict[str, f
         "in_exceeds": np.bincount(cell_of[is_in & errors["exceeds"]], minlength=n) > 0,
         "out_exceeds": np.bincount(cell_of[is_out & errors["exceeds"]], minlength=n) > 0,
         "eps": out_eps, "floor": floor, "amplification": out_err / np.maximum(in_err, floor)})
+
+
+def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Per (call, sequence), the running maximum of values in position order."""
+    if not len(values):
+        return values
+    _, seq_code = np.unique(seq.astype(str), return_inverse=True)
+    order = np.lexsort((pos, seq_code.reshape(-1), ccode))
+    group = ccode[order].astype(np.int64) * (int(seq_code.max()) + 1) + seq_code.reshape(-1)[order]
+    segment = np.cumsum(np.r_[0, np.diff(group) != 0])  # 0, 0, 1, 1, 1, 2 ...
+    # On ranks (exact, inf included): a later segment's keys exceed every earlier one's.
+    levels, rank = np.unique(values[order], return_inverse=True)
+    keys = segment * len(levels) + rank.reshape(-1)
+    out = np.empty_like(values)
+    out[order] = levels[np.maximum.accumulate(keys) - segment * len(levels)]
+    return out
+
+
+def precision_by_call(table: RowTable, b: Index) -> np.ndarray:
+    """Per call code: the epsilon of the least precise float type among the tensors of the call
+    and of every call inside it (by module path), from B's tensors and calls tables."""
+    by_module: Dict[str, float] = {}
+    module_of = {}
+    for call, module in b.cols("calls").rows(("call", "module")):
+        module_of.setdefault(call, module or "")
+    for call, dtype in b.cols("tensors").rows(("call", "dtype")):
+        kind = BY_NAME.get(dtype)
+        if kind is not None and kind.floating and call in module_of:
+            module = module_of[call]
+            by_module[module] = max(by_module.get(module, 0.0), eps(kind))
+    subtree = dict(by_module)
+    for module, value in by_module.items():  # each module's precision reaches all its ancestors
+        parts = module.split(".") if module else []
+        for depth in range(len(parts)):
+            ancestor = ".".join(parts[:depth])
+            subtree[ancestor] = max(subtree.get(ancestor, 0.0), value)
+    return np.array([subtree.get(module_of.get(c, ""), 0.0) for c in table.calls.tolist()] or [0.0])
 
 
 def derive_threshold(calls: Columns) -> dict:
@@ -187,8 +256,8 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     pair_ids = sample_pairs(alignment.cols)
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
-    calls = per_call_errors(errors, table, floor_by_call or {})
     pairs = alignment.cols
+    calls = per_call_errors(errors, table, pairs, precision_by_call(table, b), floor_by_call or {})
     at_calls, at = calls_of_b(table, b, pairs["pass_b"][calls["pair"]], calls["ccode"])
     calls = calls.take(at)
     calls_b = b.cols("calls")

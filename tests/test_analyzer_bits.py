@@ -203,3 +203,15 @@ def test_row_reader_reads_a_small_pass_read_broadly_once(tmp_path, monkeypatch):
     assert n_tensors > 8 and read_whole == os.path.getsize(path) > read_alone
     for (bits_w, type_w), (bits_a, type_a) in zip(whole, alone):
         assert type_w == type_a and bits_w.dtype == bits_a.dtype and np.array_equal(bits_w, bits_a)
+
+
+def test_input_error_is_the_running_max_over_the_sequence():
+    """A call's input error on a row counts every earlier row of its sequence (a scan or an
+    attention carries them forward), per call and per sequence, whatever order rows come in."""
+    from analyzer.noise import _running_max
+    values = np.array([0.0, 3.0, 1.0, np.inf, 2.0, 0.5, 0.0])
+    ccode = np.array([0, 0, 0, 0, 1, 1, 1])
+    seq = np.array(["s", "s", "t", "s", "s", "s", "s"], dtype=object)
+    pos = np.array([2, 1, 5, 9, 0, 3, 1])
+    # call 0, seq s: pos 1 -> 3, pos 2 -> max(3, 0), pos 9 -> inf; seq t alone; call 1: 2, 2, 2
+    assert _running_max(values, ccode, seq, pos).tolist() == [3.0, 3.0, 1.0, np.inf, 2.0, 2.0, 2.0]

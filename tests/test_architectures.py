@@ -1,14 +1,19 @@
-"""Models whose decode state is not a KV cache: Mamba keeps a recurrent state in ``cache_params``
+"""Architectures beyond Llama, built tiny with random weights.
+
+Models whose decode state is not a KV cache: Mamba keeps a recurrent state in ``cache_params``
 (its cache reports no length), RecurrentGemma keeps it inside its layers. Their decode steps
 must still be dumped as decode rows at the right positions, in the prefill's sequence, or they
-pair with the wrong reference rows (a one-token "prompt" at position 0) and the verdict is wrong."""
+pair with the wrong reference rows (a one-token "prompt" at position 0) and the verdict is wrong.
+
+Clean runs whose float noise once looked like an introduced error: a one-number gate output
+(cancellation), a float32 block around a bfloat16 mixer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import dump_pair, first_divergence_json
+from helpers import dump_pair, first_divergence_json, prompt_ids
 from analyzer.index import load_index
 from analyzer.load import open_dump
 
@@ -19,14 +24,23 @@ ARCHS = {
                              attention_window_size=16, conv1d_width=4,
                              block_types=["recurrent", "attention", "recurrent"]), "model.layers.2.temporal_block"),
 }
+CLEAN = {
+    "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1),
+    "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4),
+}
 
 
-def tiny(arch: str, tmp_path):
+def tiny(arch: str, tmp_path, dtype=torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **COMMON, **ARCHS[arch][0]))
+    extra = ARCHS[arch][0] if arch in ARCHS else CLEAN[arch]
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **COMMON, **extra))
     model.save_pretrained(tmp_path / arch)  # reloaded as a user's model would be
-    return AutoModelForCausalLM.from_pretrained(tmp_path / arch, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / arch, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # always the full number of new tokens
+    return model
 
 
 def plant_decode_error(model, path: str, scale: float = 1e-2):
@@ -64,3 +78,19 @@ def test_state_space_decode_rows_align_and_a_decode_bug_is_named(arch, tmp_path)
     culprits = result["ranks"]["0"]["noise"]["culprits"]
     assert code == 1 and culprits and culprits[0]["module"] == ARCHS[arch][1], culprits
     assert culprits[0]["kinds"] == {"decode": new - 1}
+
+
+@pytest.mark.parametrize("arch, dtype, seeds", [("qwen2_moe", torch.float32, (0, 8, 10)),
+                                               ("falcon_mamba", torch.bfloat16, (0,))])
+def test_clean_runs_name_no_introduced_error(arch, dtype, seeds, tmp_path):
+    """Qwen2-MoE's shared_expert_gate outputs one number per token: a value near zero made float
+    noise a 40-135x "relative" error (these seeds did); errors are now relative to at least the
+    tensor's typical row magnitude. FalconMamba in bfloat16 wraps a bfloat16 mixer in float32
+    blocks: the block's floor is now the mixer's epsilon, not float32's (it was named at 7.7e3x)."""
+    model = tiny(arch, tmp_path, dtype)
+    for seed in seeds:
+        ref, dec, _ = dump_pair(model, tmp_path / f"s{seed}", prompt_ids(32, seed=seed), new_tokens=6)
+        code, result = first_divergence_json(ref, dec)
+        verdict = result["ranks"]["0"]
+        assert code == 1 and verdict["alignment"]["unaligned_b"] == 0
+        assert verdict["noise"]["culprits"] == [], (seed, verdict["noise"]["culprits"])
