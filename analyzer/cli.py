@@ -80,6 +80,8 @@ def main(verbose):
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="dumpdiff: %(message)s")
+    from .index import allow_index_processes  # this entry point is safe to start worker processes from
+    allow_index_processes()
 
 
 def render(result: dict, fmt: str) -> str:

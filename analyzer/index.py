@@ -264,6 +264,37 @@ def _write_tables(where: str, tables: dict, stamp: dict):
                 os.unlink(tmp)
 
 
+# Processes that index small passes (decode steps: per-tensor Python work, little reading) when
+# a dump has many. Off (0) unless the command line turns it on: a worker process imports the
+# parent's main module, which only an entry point written for it (ours) survives.
+INDEX_PROCESSES = 0
+PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up costs more than it saves
+
+
+def allow_index_processes():
+    """Let build_tables index many small passes in worker processes (one per core, at most 8;
+    DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
+    global INDEX_PROCESSES
+    setting = os.environ.get("DUMPDIFF_INDEX_PROCESSES", "")
+    INDEX_PROCESSES = int(setting) if setting.isdigit() else min(max((os.cpu_count() or 1) - 1, 0), 8)
+
+
+def _process_pool(n_small: int):
+    workers = min(INDEX_PROCESSES, n_small // PASSES_PER_PROCESS)
+    if workers < 2:
+        return None
+    try:
+        import multiprocessing
+        return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    except (ImportError, OSError, ValueError):  # no process support here (a sandbox): threads do it
+        return None
+
+
+def _index_small_pass(ref) -> Dict[str, dict]:
+    """A worker process's job: one small pass's table columns."""
+    return index_pass(PassFile(ref))
+
+
 def build_tables(dump: Dump, progress: bool = True) -> dict:
     """The five tables of a dump as pyarrow Tables (no pandas: importing it costs more than
     indexing a decode step's worth of passes)."""
@@ -284,17 +315,25 @@ def build_tables(dump: Dump, progress: bool = True) -> dict:
             bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
         return tables
 
-    # Small passes (decode steps: per-tensor Python work, little reading) are indexed by a second
-    # thread while the large ones stream from disk; one after the other, the disk would idle.
-    side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
-    small = {i: side.submit(one, ref) for i, ref in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
+    # Small passes (decode steps: per-tensor Python work, little reading) are indexed while the
+    # large ones stream from disk (one after the other, the disk would idle): by worker processes
+    # when there are many (the work holds the GIL), else by a second thread.
+    small_refs = {i: ref for i, ref in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
+    side = _process_pool(len(small_refs))
+    if side is None:
+        side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
+        small = {i: side.submit(one, ref) for i, ref in small_refs.items()}
+    else:
+        small = {i: side.submit(_index_small_pass, ref) for i, ref in small_refs.items()}
+        for i, future in small.items():
+            future.add_done_callback(lambda f, n=small_refs[i].nbytes: f.cancelled() or _locked(lock, bar.update, n))
     try:
         parts = [None if i in small else one(ref) for i, ref in enumerate(refs)]
         parts = [small[i].result() if part is None else part for i, part in enumerate(parts)]
     finally:
         for future in small.values():  # after an error: no pass is indexed for nothing
             future.cancel()
-        side.shutdown(wait=True)
+        side.shutdown(wait=True, cancel_futures=True)
     bar.close()
     return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts])) for name in TABLES}
 
@@ -393,6 +432,11 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
         n = len(next(iter(table.values())))
         table["rank"], table["pass"] = _repeat(ref.rank, n), _repeat(ref.pass_id, n)
     return tables
+
+
+def _locked(lock, func, *args):
+    with lock:
+        func(*args)
 
 
 def _repeat(value: Optional[int], n: int) -> np.ndarray:

@@ -13,6 +13,7 @@ Cold (page cache dropped before each step: needs root) and warm (files cached on
 Peak RSS and bytes read come from benchmarks/_measure.py, which runs the CLI in-process.
 
     python benchmarks/bench_analyze.py [--work /tmp/dumpdiff-bench-analyze] [--keep]
+    python benchmarks/bench_analyze.py --tokens 128 --new-tokens 256   # a decode-heavy pair
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ def main(argv=None):
     ap.add_argument("--inter", type=int, default=2816)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--device", default="cpu", help="where the model runs while dumping (cpu, cuda)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--keep", action="store_true", help="keep the dumps (and reuse them next time)")
     ap.add_argument("--warm-only", action="store_true", help="do not drop the page cache")
     args = ap.parse_args(argv)
@@ -123,7 +126,8 @@ def main(argv=None):
         if free < need + (4 << 30):
             raise SystemExit(f"bench_analyze: needs about {fmt_bytes(need)} free under {args.work}, {fmt_bytes(free)} free")
         shutil.rmtree(args.work, ignore_errors=True)
-        build_dumps(args.work, args.hidden, args.layers, args.inter, args.tokens, args.new_tokens)
+        build_dumps(args.work, args.hidden, args.layers, args.inter, args.tokens, args.new_tokens,
+                    dtype=getattr(torch, args.dtype), device=args.device)
     try:
         run(args, ref, dec)
     finally:

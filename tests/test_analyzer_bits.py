@@ -215,3 +215,25 @@ def test_input_error_is_the_running_max_over_the_sequence():
     pos = np.array([2, 1, 5, 9, 0, 3, 1])
     # call 0, seq s: pos 1 -> 3, pos 2 -> max(3, 0), pos 9 -> inf; seq t alone; call 1: 2, 2, 2
     assert _running_max(values, ccode, seq, pos).tolist() == [3.0, 3.0, 1.0, np.inf, 2.0, 2.0, 2.0]
+
+
+def test_many_decode_steps_indexed_by_worker_processes(tmp_path):
+    """A dump of many decode steps is indexed by worker processes (the per-tensor work holds the
+    GIL): the same five tables as one thread builds, and a damaged step is still one line, exit 2."""
+    import pyarrow.parquet as pq
+
+    from dump_surgery import edit_pass_meta, one_line_error, pass_path
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    model.generation_config.eos_token_id = None
+    _, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(8), new_tokens=40)  # 39 decode passes
+    tables = {}
+    for processes in ("0", "2"):
+        code, out, err = dumpdiff("index", dec, "--rebuild", "--no-progress", env={"DUMPDIFF_INDEX_PROCESSES": processes})
+        assert code == 0, err
+        tables[processes] = {n: pq.read_table(os.path.join(dec, "index", f"{n}.parquet")).to_pylist()
+                             for n in ("tokens", "seqs", "calls", "tensors", "rows")}
+    for name, rows in tables["0"].items():
+        assert json.dumps(rows, default=str) == json.dumps(tables["2"][name], default=str), name  # NaN amax too
+    edit_pass_meta(pass_path(dec, 30), lambda meta: meta["tokens"].update(pos=["x"]))
+    one_line_error(dumpdiff("index", dec, "--rebuild", "--no-progress", env={"DUMPDIFF_INDEX_PROCESSES": "2"}),
+                   "pass-000030")
