@@ -176,16 +176,20 @@ def noise_floor_by_call(errors: Columns, calls: np.ndarray) -> Dict[str, float]:
     return {str(calls[c]): float(floor[c]) for c in np.nonzero(seen)[0]}
 
 
-def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, precision: np.ndarray,
+def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, traits: tuple,
                     floor_by_call: Dict[str, float]) -> Columns:
     """One entry per (pair, call): largest input and output error, tolerance flags, the floor
     and the amplification.
 
     A call's output on a token row may depend on its inputs on every earlier row of the sequence
     (attention, a recurrent scan): its input error on a row is the largest over the sequence up
-    to that row, so an error a scan carries forward is not taken for one it introduces. The floor
-    is at least the epsilon of the least precise float type inside the call (``precision``, per
-    call code): a float32 block whose mixer computes in bfloat16 makes bfloat16-sized noise."""
+    to that row, so an error a scan carries forward is not taken for one it introduces. A call
+    whose inputs are only integers (the model, taking token ids) gets its earlier rows' errors
+    through the state it keeps (a KV cache): its input error on a row is its largest output
+    error on earlier rows. The floor is at least the epsilon of the least precise float type
+    inside the call: a float32 block whose mixer computes in bfloat16 makes bfloat16-sized noise.
+    ``traits``: per call code, (that epsilon, whether the call takes a float input)."""
+    precision, float_inputs = traits
     n_calls = max(len(table.calls), 1)
     cells, cell_of = np.unique(errors["pair"].astype(np.int64) * n_calls + errors["ccode"], return_inverse=True)
     cell_of = cell_of.reshape(-1)
@@ -196,7 +200,9 @@ def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, precision:
     np.maximum.at(out_err, cell_of[is_out], rel[is_out])
     np.fmax.at(out_eps, cell_of[is_out], errors["eps"][is_out])  # NaN (not read) never wins
     pair, ccode = np.divmod(cells, n_calls)
-    in_err = _running_max(in_err, ccode, pairs["seq"][pair], pairs["pos"][pair])
+    seq, pos = pairs["seq"][pair], pairs["pos"][pair]
+    in_err = np.where(float_inputs[ccode], _running_max(in_err, ccode, seq, pos),
+                      np.maximum(in_err, _running_max(out_err, ccode, seq, pos, exclusive=True)))
     out_eps = np.fmax(np.where(np.isnan(out_eps), eps(BY_NAME["float32"]), out_eps), precision[ccode])
     floors = np.array([floor_by_call.get(c, 0.0) for c in table.calls.tolist()] or [0.0])
     floor = np.maximum(out_eps, floors[ccode])
@@ -207,8 +213,10 @@ def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, precision:
         "eps": out_eps, "floor": floor, "amplification": out_err / np.maximum(in_err, floor)})
 
 
-def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Per (call, sequence), the running maximum of values in position order."""
+def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray,
+                 exclusive: bool = False) -> np.ndarray:
+    """Per (call, sequence), the running maximum of values in position order (``exclusive``: over
+    the earlier rows only; 0 on a sequence's first row)."""
     if not len(values):
         return values
     _, seq_code = np.unique(seq.astype(str), return_inverse=True)
@@ -218,30 +226,42 @@ def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np
     # On ranks (exact, inf included): a later segment's keys exceed every earlier one's.
     levels, rank = np.unique(values[order], return_inverse=True)
     keys = segment * len(levels) + rank.reshape(-1)
+    running = np.maximum.accumulate(keys)
     out = np.empty_like(values)
-    out[order] = levels[np.maximum.accumulate(keys) - segment * len(levels)]
+    if exclusive:
+        first = np.r_[True, segment[1:] != segment[:-1]]
+        before = np.r_[0, running[:-1]] - segment * len(levels)
+        out[order] = np.where(first, 0.0, levels[np.maximum(before, 0)])
+    else:
+        out[order] = levels[running - segment * len(levels)]
     return out
 
 
-def precision_by_call(table: RowTable, b: Index) -> np.ndarray:
-    """Per call code: the epsilon of the least precise float type among the tensors of the call
-    and of every call inside it (by module path), from B's tensors and calls tables."""
+def call_traits(table: RowTable, b: Index) -> tuple:
+    """Per call code, from B's tensors and calls tables: the epsilon of the least precise float
+    type among the tensors of the call and of every call inside it (by module path), and
+    whether the call takes a float input."""
     by_module: Dict[str, float] = {}
     module_of = {}
+    float_input = set()
     for call, module in b.cols("calls").rows(("call", "module")):
         module_of.setdefault(call, module or "")
-    for call, dtype in b.cols("tensors").rows(("call", "dtype")):
+    for call, dtype, io in b.cols("tensors").rows(("call", "dtype", "io")):
         kind = BY_NAME.get(dtype)
         if kind is not None and kind.floating and call in module_of:
             module = module_of[call]
             by_module[module] = max(by_module.get(module, 0.0), eps(kind))
+            if io == "in":
+                float_input.add(call)
     subtree = dict(by_module)
     for module, value in by_module.items():  # each module's precision reaches all its ancestors
         parts = module.split(".") if module else []
         for depth in range(len(parts)):
             ancestor = ".".join(parts[:depth])
             subtree[ancestor] = max(subtree.get(ancestor, 0.0), value)
-    return np.array([subtree.get(module_of.get(c, ""), 0.0) for c in table.calls.tolist()] or [0.0])
+    calls = table.calls.tolist()
+    return (np.array([subtree.get(module_of.get(c, ""), 0.0) for c in calls] or [0.0]),
+            np.array([c in float_input for c in calls] or [True]))
 
 
 def derive_threshold(calls: Columns) -> dict:
@@ -262,7 +282,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
     pairs = alignment.cols
-    calls = per_call_errors(errors, table, pairs, precision_by_call(table, b), floor_by_call or {})
+    calls = per_call_errors(errors, table, pairs, call_traits(table, b), floor_by_call or {})
     at_calls, at = calls_of_b(table, b, pairs["pass_b"][calls["pair"]], calls["ccode"])
     calls = calls.take(at)
     calls_b = b.cols("calls")

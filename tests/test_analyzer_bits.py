@@ -215,6 +215,8 @@ def test_input_error_is_the_running_max_over_the_sequence():
     pos = np.array([2, 1, 5, 9, 0, 3, 1])
     # call 0, seq s: pos 1 -> 3, pos 2 -> max(3, 0), pos 9 -> inf; seq t alone; call 1: 2, 2, 2
     assert _running_max(values, ccode, seq, pos).tolist() == [3.0, 3.0, 1.0, np.inf, 2.0, 2.0, 2.0]
+    # over the earlier rows only (what a call with integer inputs carries in its cache): 0 first
+    assert _running_max(values, ccode, seq, pos, exclusive=True).tolist() == [3.0, 0.0, 0.0, 3.0, 0.0, 2.0, 2.0]
 
 
 def test_many_decode_steps_indexed_by_worker_processes(tmp_path):

@@ -6,7 +6,8 @@ must still be dumped as decode rows at the right positions, in the prefill's seq
 pair with the wrong reference rows (a one-token "prompt" at position 0) and the verdict is wrong.
 
 Clean runs whose float noise once looked like an introduced error: a one-number gate output
-(cancellation), a float32 block around a bfloat16 mixer."""
+(cancellation), a float32 block around a bfloat16 mixer. A stale key that leaves a sliding
+window: later rows get its error only through the cache."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from helpers import dump_pair, first_divergence_json, prompt_ids
+from test_core_loop import plant_stale_kv
 from analyzer.index import load_index
 from analyzer.load import open_dump
 
@@ -24,18 +26,20 @@ ARCHS = {
                              attention_window_size=16, conv1d_width=4,
                              block_types=["recurrent", "attention", "recurrent"]), "model.layers.2.temporal_block"),
 }
-CLEAN = {
+EXTRA = {
     "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
                       moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                       decoder_sparse_step=1),
     "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4),
+    "mistral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                    sliding_window=16),
 }
 
 
 def tiny(arch: str, tmp_path, dtype=torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
-    extra = ARCHS[arch][0] if arch in ARCHS else CLEAN[arch]
+    extra = ARCHS[arch][0] if arch in ARCHS else EXTRA[arch]
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **COMMON, **extra))
     model.save_pretrained(tmp_path / arch)  # reloaded as a user's model would be
     model = AutoModelForCausalLM.from_pretrained(tmp_path / arch, dtype=dtype).eval()
@@ -94,3 +98,16 @@ def test_clean_runs_name_no_introduced_error(arch, dtype, seeds, tmp_path):
         verdict = result["ranks"]["0"]
         assert code == 1 and verdict["alignment"]["unaligned_b"] == 0
         assert verdict["noise"]["culprits"] == [], (seed, verdict["noise"]["culprits"])
+
+
+def test_stale_key_that_leaves_the_sliding_window_is_named_once(tmp_path):
+    """Mistral, window 16: a corrupted cached key of layer 1 is seen by the first decode rows,
+    then leaves the window; the rows after it still differ (through layer 2's cache), but only
+    layer 1's attention introduced anything: the model call, whose inputs are token ids and so
+    never differ, was named too on such a row."""
+    model = tiny("mistral", tmp_path)
+    plant_stale_kv(model, layer=1, position=3)
+    ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(32), new_tokens=6)
+    code, result = first_divergence_json(ref, dec)
+    culprits = result["ranks"]["0"]["noise"]["culprits"]
+    assert code == 1 and [c["call"] for c in culprits] == ["model.layers.1.self_attn#0"], culprits
