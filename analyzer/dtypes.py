@@ -87,6 +87,19 @@ def _e4m3_table() -> np.ndarray:
     return np.where(b & 0x80, -mag, mag)
 
 
+def to_float32(bits: np.ndarray, dtype: DType) -> np.ndarray:
+    """Elements held as bits (dtype.bits) of a float type of 4 bytes or fewer -> their values as
+    float32, exactly (every such value is a float32)."""
+    bits = np.ascontiguousarray(bits)
+    if dtype.name == "float32":
+        return bits.view(np.float32)
+    if dtype.name == "bfloat16":
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if dtype.name == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return to_float64(bits, dtype).astype(np.float32)  # float8: 256 values, from a table
+
+
 def to_float64(bits: np.ndarray, dtype: DType) -> np.ndarray:
     """Elements held as bits (dtype.bits) -> their values as float64."""
     bits = np.ascontiguousarray(bits)

@@ -239,3 +239,19 @@ def test_many_decode_steps_indexed_by_worker_processes(tmp_path):
     edit_pass_meta(pass_path(dec, 30), lambda meta: meta["tokens"].update(pos=["x"]))
     one_line_error(dumpdiff("index", dec, "--rebuild", "--no-progress", env={"DUMPDIFF_INDEX_PROCESSES": "2"}),
                    "pass-000030")
+
+
+@pytest.mark.parametrize("dtype", [d for d in FLOATS if d != torch.float64])
+def test_noise_row_errors_of_finite_rows_match_float64(dtype):
+    """Finite rows of float types of 4 bytes or fewer are compared in float32 (half the bytes):
+    the same errors as the float64 formula."""
+    from analyzer.noise import _compare_rows
+    ref = (torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    noise = 4 * torch.finfo(dtype).eps * torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    test = (ref.double() * (1 + noise)).to(dtype)  # a few ulps apart, as noise is
+    test[0] = ref[0]
+    rel, absolute, exceeds, eps = _compare_rows(from_torch(ref)[0], from_torch(test)[0], of_torch(dtype), None, None)
+    r, t = ref.double(), test.double()
+    expected = (r - t).abs().amax(dim=1)
+    assert np.allclose(absolute, expected.numpy(), rtol=1e-6, atol=0) and absolute[0] == 0 and absolute[1:].all()
+    assert np.allclose(rel, (expected / r.abs().amax(dim=1)).numpy(), rtol=1e-6, atol=0) and not exceeds.any()
