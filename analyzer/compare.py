@@ -350,10 +350,16 @@ def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray
             f"arises in {call.split('#')[0]}'s own code (not a hooked submodule) before that call")
 
 
+FIGURE_PASSES = 32  # pass files of B read for the culprit's error figures, at most
+
+
 def _error_figures(call: str, mine: Columns, table: RowTable, a: Index, b: Index) -> dict:
     outs = table.entries(table.call_mask(call) & table["is_out"] & table["differ"] & np.isin(table["pair"], mine["pair"]))
     tensor = outs["tensor"][0]
     chosen = outs.take(np.nonzero(outs["tensor"] == tensor)[0][:512])  # bounded read: enough rows for the figures
+    passes = np.unique(chosen["pass_b"])
+    if len(passes) > FIGURE_PASSES:  # hundreds of decode steps: a file each; an even sample of them is enough
+        chosen = chosen.take(np.isin(chosen["pass_b"], passes[np.linspace(0, len(passes) - 1, FIGURE_PASSES).astype(int)]))
     reader_a, reader_b = a.reader(), b.reader()
     ref = [reader_a.bits(p, tensor, [r]) for p, r in zip(chosen["pass_a"].tolist(), chosen["row_a"].tolist())]
     test = [reader_b.bits(p, tensor, [r]) for p, r in zip(chosen["pass_b"].tolist(), chosen["row_b"].tolist())]
