@@ -111,3 +111,27 @@ def test_stale_key_that_leaves_the_sliding_window_is_named_once(tmp_path):
     code, result = first_divergence_json(ref, dec)
     culprits = result["ranks"]["0"]["noise"]["culprits"]
     assert code == 1 and [c["call"] for c in culprits] == ["model.layers.1.self_attn#0"], culprits
+
+
+def test_left_padded_batch_of_a_state_space_model_pairs_every_row(tmp_path):
+    """Mamba's decode steps get neither the attention mask nor positions: each row's position is
+    carried from the pass before, padding excluded, so every decode row of every padded prompt
+    pairs with its own reference prefill."""
+    import dumper
+    model = tiny("mamba", tmp_path)
+    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (ids != 0).long()  # prompt ids start at 3: 0 is padding only
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path / "dumps"), enable=True, exp_name="dec"))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        handle.configure(exp_name="ref")
+        for prompt, row in zip(prompts, out):
+            model(torch.tensor([prompt + row[width:].tolist()]))
+    handle.remove()
+    code, result = first_divergence_json(tmp_path / "dumps" / "ref", tmp_path / "dumps" / "dec")
+    alignment = result["ranks"]["0"]["alignment"]
+    assert alignment["rows_b"] == sum(map(len, prompts)) + 3 * 3  # 3 decode steps per prompt
+    assert alignment["unkeyed_b"] == alignment["unaligned_b"] == 0, alignment
+    assert result["ranks"]["0"]["rows_compared"] == alignment["rows_b"]

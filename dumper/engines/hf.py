@@ -7,7 +7,9 @@ length. Sequences are keyed by the cache object they live in: every decode step 
 
 A cache that holds recurrent state and no keys (Mamba's ``cache_params``, RecurrentGemma's
 layers) reports a length of 0 forever; its length is then the tokens this adapter has seen go
-through it, so decode steps are decode steps at the right positions, not new one-token prompts.
+through it, so decode steps are decode steps, not new one-token prompts. Such models also get no
+attention mask or positions in decode steps: each row's next position is remembered from the
+pass before (left padding excluded), so a padded batch's decode rows keep their positions.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class HFAdapter:
         self._signature = inspect.signature(model.forward)
         self._groups = weakref.WeakKeyDictionary()  # cache object -> sequence group
         self._fed = weakref.WeakKeyDictionary()  # cache object -> tokens that went through it
+        self._next_pos = weakref.WeakKeyDictionary()  # cache object -> each batch row's next position
         self._counter = itertools.count(1)
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
@@ -52,21 +55,27 @@ class HFAdapter:
         past = _cache_length(cache) or self._weak_get(self._fed, cache, 0)
         group = self._group_of(cache)
         self._weak_set(self._fed, cache, past + seq_len)
-        pos, valid = self._positions(bound, mask, past, batch, seq_len)
+        pos, valid = self._positions(bound, mask, past, batch, seq_len, self._weak_get(self._next_pos, cache, None))
+        if seq_len:
+            self._weak_set(self._next_pos, cache, pos[:, -1] + 1)
         info = dense_pass(ids, group, mode_of(past, past, seq_len), pos=pos, valid=valid)
         info.extra = {"past_len": past, "new_len": seq_len}
         return info
 
-    def _positions(self, bound, mask, past, batch, seq_len):
+    def _positions(self, bound, mask, past, batch, seq_len, next_pos=None):
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= seq_len:
             mask = mask.detach().cpu().to(torch.long)
             real_before = mask.cumsum(-1) - 1
             return real_before[:, -seq_len:].clamp(min=0), mask[:, -seq_len:].bool()
         for key in ("position_ids", "cache_position"):
             value = bound.get(key)
+            if key == "cache_position" and next_pos is not None and len(next_pos) == batch:
+                break  # cache slots count left padding; the rows' own positions do not
             if isinstance(value, torch.Tensor):
                 value = value.detach().cpu().to(torch.long)
                 return value.reshape(-1, seq_len).expand(batch, seq_len), None
+        if next_pos is not None and len(next_pos) == batch:
+            return next_pos[:, None] + torch.arange(seq_len), None
         return (torch.arange(seq_len) + past).expand(batch, seq_len), None
 
     def _group_of(self, cache) -> str:
