@@ -21,6 +21,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import sys
@@ -607,7 +608,7 @@ class FileLayout:
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             return None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
+        nbytes = math.prod(shape) * dtype.size
         if end - begin != nbytes or begin < 0 or self._start + end > self.file_size:
             return None
         return dtype, shape, self._start + begin, self._start + end

@@ -111,9 +111,10 @@ def _side_rows(index: Index, tensor: str, entries: np.ndarray):
     rows, reader = index.cols("rows"), index.reader()
     passes, srows = rows["pass"][entries], rows["srow"][entries]
     out, types = None, []
-    for pass_id in np.unique(passes).tolist():
-        mine = np.nonzero(passes == pass_id)[0]
-        block, dtype = reader.stored_bits(int(pass_id), tensor, srows[mine])
+    by_pass = np.argsort(passes, kind="stable")
+    pass_ids, starts = np.unique(passes[by_pass], return_index=True)
+    for pass_id, mine in zip(pass_ids.tolist(), np.split(by_pass, starts[1:])):
+        block, dtype = reader.stored_bits(pass_id, tensor, srows[mine])
         if out is None:
             out = np.empty((len(entries),) + block.shape[1:], block.dtype)
         if block.shape[1:] != out.shape[1:] or block.dtype != out.dtype or (types and dtype != types[0]):

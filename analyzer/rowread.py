@@ -11,6 +11,7 @@ over many rows of the same tensors does not reread files. ``bytes_read`` counts 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import OrderedDict
 from typing import Dict, List, Tuple
@@ -38,6 +39,7 @@ class RowReader:
         self._tensors = tensors
         self._where = {key: i for i, key in enumerate(tensors.rows(("pass", "tensor")))}  # (pass, tensor) -> entry
         self._meta: Dict[Tuple[int, str], tuple] = {}
+        self._dims: Dict[str, object] = {}  # token_dims text -> parsed
         self._by_tensor = None  # how to find a tensor's positions in index.rows, built on first use
         self._srow: Dict[Tuple[int, str], Dict[int, int]] = {}
         self._layouts: Dict[int, object] = {}
@@ -74,8 +76,10 @@ class RowReader:
         key = (pass_id, tensor)
         if key not in self._meta:
             at = self._where[key]
-            self._meta[key] = (self._tensors["stored"][at], json.loads(self._tensors["token_dims"][at]),
-                               bool(self._tensors["selected"][at]))
+            text = self._tensors["token_dims"][at]
+            if text not in self._dims:  # a handful of distinct values over thousands of (pass, tensor)
+                self._dims[text] = json.loads(text)
+            self._meta[key] = (self._tensors["stored"][at], self._dims[text], bool(self._tensors["selected"][at]))
         return self._meta[key]
 
     def _srow_map(self, pass_id: int, tensor: str) -> Dict[int, int]:
@@ -118,7 +122,7 @@ class RowReader:
     def _read_rows(self, pass_id: int, stored: str, entry, k: int, picks: List[int]) -> np.ndarray:
         dtype, shape, begin, end = entry
         row_shape = tuple(shape[k:])
-        n_rows = int(np.prod(shape[:k], dtype=np.int64))
+        n_rows = math.prod(shape[:k])  # a few Python ints: np.prod costs more than the read
         row_bytes = (end - begin) // n_rows if n_rows else 0
         whole = self._whole_file(pass_id, stored)
         if whole is not None:
