@@ -214,14 +214,25 @@ def _optional(v, ok) -> bool:
     return v is None or ok(v)
 
 
-def _tensor_meta_ok(t) -> bool:
-    if not isinstance(t, dict) or not _list_of(t.get("shape"), lambda d: _int(d) and d >= 0):
+def _ints_within(values, low: int, high: int) -> bool:
+    """A list of ints (JSON ints: never bools) with low <= v < high. Written out, not with the
+    helpers above: it runs for every dim of every tensor of every pass (a decode step has hundreds)."""
+    if type(values) is not list:
         return False
-    ndim, dims = len(t["shape"]), t.get("token_dims")
-    return (_str(t.get("dtype")) and t.get("rows") in (None, "all", "last")
-            and _optional(dims, lambda ds: _list_of(ds, lambda d: _int(d) and 0 <= d < ndim) and len(set(ds)) == len(ds))
+    for v in values:
+        if type(v) is not int or v < low or v >= high:
+            return False
+    return True
+
+
+def _tensor_meta_ok(t) -> bool:
+    if type(t) is not dict or not _ints_within(t.get("shape"), 0, 2**63):
+        return False
+    dims = t.get("token_dims")
+    return (type(t.get("dtype")) is str and t.get("rows") in (None, "all", "last")
+            and (dims is None or (_ints_within(dims, 0, len(t["shape"])) and len(set(dims)) == len(dims)))
             and _optional(t.get("alias"), _str) and _optional(t.get("why"), _str)
-            and isinstance(t.get("selected", False), bool))
+            and type(t.get("selected", False)) is bool)
 
 
 def _call_ok(c) -> bool:
