@@ -160,11 +160,11 @@ def run(args, ref, dec):
         prepare()
         idx = cli_measured(["index", ref, dec, "--rebuild"], f"{proto}: index ref dec (one command)")
         t_index = idx["seconds"]
-        # The same build in this process (imports already paid): the index work alone, with the
-        # CLI's worker processes for decode steps (this script's entry point is safe to spawn from).
-        from analyzer.index import allow_index_processes, load_index
+        # The same build in this process (imports already paid): the index work alone, as a library
+        # call makes it (threads only: the CLI's worker processes would re-import this script, torch
+        # and all, in each worker).
+        from analyzer.index import load_index
         from analyzer.load import open_dump
-        allow_index_processes()
         t_inproc = 0.0
         for path in (ref, dec):
             prepare()
