@@ -80,8 +80,6 @@ def main(verbose):
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="dumpdiff: %(message)s")
-    from .index import allow_index_processes  # this entry point is safe to start worker processes from
-    allow_index_processes()
 
 
 def render(result: dict, fmt: str) -> str:
@@ -274,5 +272,15 @@ def import_sglang_cmd(src, dst):
     click.echo(result.describe(), nl=False)
 
 
-if __name__ == "__main__":
+def entry():
+    """The `dumpdiff` program (console script, ``python -m analyzer.cli``). The process is ours, so
+    a dump of many decode steps may be indexed by worker processes: a worker re-imports the
+    program's main module, which these entry points guard. ``main`` called from someone else's
+    code never starts them (an unguarded script would be re-run by each worker)."""
+    from .index import allow_index_processes
+    allow_index_processes()
     main()
+
+
+if __name__ == "__main__":
+    entry()

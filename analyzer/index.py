@@ -18,12 +18,14 @@ from __future__ import annotations
 import fcntl
 import collections
 import concurrent.futures
+import concurrent.futures.process
 import hashlib
 import json
 import logging
 import math
 import os
 import queue
+import signal
 import sys
 import threading
 from typing import Dict, List, Optional
@@ -286,9 +288,33 @@ def _process_pool(n_small: int):
         return None
     try:
         import multiprocessing
-        return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     except (ImportError, OSError, ValueError):  # no process support here (a sandbox): threads do it
         return None
+    logging.getLogger("dumpdiff").info("indexing %d small passes in %d worker processes", n_small, workers)
+    return pool
+
+
+def _start_in_processes(small_refs: dict, advance):
+    """(pool, futures) indexing the small passes in worker processes, or (None, None) when there
+    are too few or processes cannot be started here (then a thread does it)."""
+    pool = _process_pool(len(small_refs))
+    if pool is None:
+        return None, None
+    # Workers start with SIGINT blocked: Ctrl-C reaches the whole process group, and a worker
+    # still importing would print its own traceback; this process stops them instead.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        futures = {i: pool.submit(_index_small_pass, ref) for i, ref in small_refs.items()}
+    except (OSError, concurrent.futures.process.BrokenProcessPool):  # processes are started here, not before
+        pool.shutdown(wait=True, cancel_futures=True)
+        return None, None
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    for i, future in futures.items():
+        future.add_done_callback(lambda f, n=small_refs[i].nbytes: f.cancelled() or advance(n))
+    return pool, futures
 
 
 def _index_small_pass(ref) -> Dict[str, dict]:
@@ -320,14 +346,10 @@ def build_tables(dump: Dump, progress: bool = True) -> dict:
     # large ones stream from disk (one after the other, the disk would idle): by worker processes
     # when there are many (the work holds the GIL), else by a second thread.
     small_refs = {i: ref for i, ref in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
-    side = _process_pool(len(small_refs))
+    side, small = _start_in_processes(small_refs, lambda n: _locked(lock, bar.update, n))
     if side is None:
         side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
         small = {i: side.submit(one, ref) for i, ref in small_refs.items()}
-    else:
-        small = {i: side.submit(_index_small_pass, ref) for i, ref in small_refs.items()}
-        for i, future in small.items():
-            future.add_done_callback(lambda f, n=small_refs[i].nbytes: f.cancelled() or _locked(lock, bar.update, n))
     try:
         parts = [None if i in small else one(ref) for i, ref in enumerate(refs)]
         parts = [small[i].result() if part is None else part for i, part in enumerate(parts)]

@@ -261,20 +261,22 @@ def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np
 
 def call_traits(table: RowTable, b: Index) -> tuple:
     """Per call code, from B's tensors and calls tables: the epsilon of the least precise float
-    type among the tensors of the call and of every call inside it (by module path), and
-    whether the call takes a float input."""
+    type among the outputs of the call and of every call inside it (by module path), and
+    whether the call takes a float input with token rows."""
     by_module: Dict[str, float] = {}
     module_of = {}
     float_input = set()
     for call, module in b.cols("calls").rows(("call", "module")):
         module_of.setdefault(call, module or "")
-    for call, dtype, io in b.cols("tensors").rows(("call", "dtype", "io")):
+    for call, dtype, io, dims in b.cols("tensors").rows(("call", "dtype", "io", "token_dims")):
         kind = BY_NAME.get(dtype)
-        if kind is not None and kind.floating and call in module_of:
+        if kind is None or not kind.floating or call not in module_of:
+            continue
+        if io == "out":  # what a call computes in (an input's type is the caller's: its noise is in in_err)
             module = module_of[call]
             by_module[module] = max(by_module.get(module, 0.0), eps(kind))
-            if io == "in":
-                float_input.add(call)
+        elif io == "in" and dims not in (None, "null"):  # a float input per token row (not a mask)
+            float_input.add(call)
     subtree = dict(by_module)
     for module, value in by_module.items():  # each module's precision reaches all its ancestors
         parts = module.split(".") if module else []

@@ -46,6 +46,8 @@ class RowReader:
         self._files: Dict[int, PassFile] = {}
         self._cache: "OrderedDict[tuple, dict]" = OrderedDict()  # (pass, stored or None) -> {"rows"|"view"|"file"}
         self._asked: Dict[int, set] = {}  # pass -> stored tensors whose rows were asked for
+        self._read_whole: set = set()  # passes read whole; one wanted whole again after its eviction means
+        self._thrashing = False  # the walk spans more small files than the cache holds: rows only from then on
         self._cached = 0
         self._limit = cache_bytes
         self.bytes_read = 0
@@ -166,8 +168,12 @@ class RowReader:
             self._cache.move_to_end((pass_id, None))
             return slot["file"]
         size = self._layouts[pass_id].file_size
-        if len(asked) < WHOLE_FILE_AFTER or size > WHOLE_FILE_BYTES:
+        if len(asked) < WHOLE_FILE_AFTER or size > WHOLE_FILE_BYTES or self._thrashing:
             return None
+        if pass_id in self._read_whole:  # whole files would be read again and again, a tensor at a time
+            self._thrashing = True
+            return None
+        self._read_whole.add(pass_id)
         data = np.empty(size, dtype=np.uint8)
         fd = os.open(self._refs[pass_id].path, os.O_RDONLY)
         try:

@@ -230,8 +230,9 @@ def test_many_decode_steps_indexed_by_worker_processes(tmp_path):
     _, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(8), new_tokens=40)  # 39 decode passes
     tables = {}
     for processes in ("0", "2"):
-        code, out, err = dumpdiff("index", dec, "--rebuild", "--no-progress", env={"DUMPDIFF_INDEX_PROCESSES": processes})
-        assert code == 0, err
+        code, out, err = dumpdiff("-v", "index", dec, "--rebuild", "--no-progress",
+                                 env={"DUMPDIFF_INDEX_PROCESSES": processes})
+        assert code == 0 and ("in 2 worker processes" in err) == (processes == "2"), err
         tables[processes] = {n: pq.read_table(os.path.join(dec, "index", f"{n}.parquet")).to_pylist()
                              for n in ("tokens", "seqs", "calls", "tensors", "rows")}
     for name, rows in tables["0"].items():
@@ -255,3 +256,22 @@ def test_noise_row_errors_of_finite_rows_match_float64(dtype):
     expected = (r - t).abs().amax(dim=1)
     assert np.allclose(absolute, expected.numpy(), rtol=1e-6, atol=0) and absolute[0] == 0 and absolute[1:].all()
     assert np.allclose(rel, (expected / r.abs().amax(dim=1)).numpy(), rtol=1e-6, atol=0) and not exceeds.any()
+
+
+def test_noise_walk_over_more_small_files_than_the_cache_holds_reads_them_once(tmp_path, monkeypatch):
+    """The noise-aware walk goes tensor by tensor over every sampled decode pass: once the small
+    files it reads whole outgrow the row cache, it reads rows instead of re-reading each file
+    for every tensor (hundreds of times the dump)."""
+    from analyzer import rowread
+    from analyzer.diverge import first_divergence
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    model.generation_config.eos_token_id = None
+    ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(8), new_tokens=40)
+    read = {}
+    for cache in (rowread.CACHE_BYTES, 300_000):  # all small files fit / a few do
+        monkeypatch.setattr(rowread.RowReader.__init__, "__defaults__", (cache,))
+        result = first_divergence(ref, dec, progress=False)
+        read[cache] = result["ranks"]["0"]["noise"]["bytes_read"]
+    decode_files = sum(os.path.getsize(os.path.join(dec, "rank0", f)) for f in os.listdir(os.path.join(dec, "rank0"))
+                       if f.endswith(".safetensors"))
+    assert read[300_000] <= 1.5 * read[rowread.CACHE_BYTES] and read[300_000] < 3 * decode_files, (read, decode_files)

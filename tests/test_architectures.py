@@ -135,3 +135,29 @@ def test_left_padded_batch_of_a_state_space_model_pairs_every_row(tmp_path):
     assert alignment["rows_b"] == sum(map(len, prompts)) + 3 * 3  # 3 decode steps per prompt
     assert alignment["unkeyed_b"] == alignment["unaligned_b"] == 0, alignment
     assert result["ranks"]["0"]["rows_compared"] == alignment["rows_b"]
+
+
+def test_a_reset_cache_reused_by_a_second_generate_starts_a_new_sequence(tmp_path):
+    """A cache that reported a length and reports 0 again was reset: the next prefill is a
+    prefill of a new sequence, not an extend of the old one (whose token count it would inherit)."""
+    import dumper
+    from transformers import StaticCache
+
+    from helpers import load_model, make_tiny_llama
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    model.generation_config.eos_token_id = None
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path / "dumps"), enable=True, exp_name="dec"))
+    with torch.no_grad():
+        model.generate(prompt_ids(8, seed=1), max_new_tokens=3, do_sample=False, past_key_values=cache)
+        cache.reset()
+        second = model.generate(prompt_ids(8, seed=2), max_new_tokens=3, do_sample=False, past_key_values=cache)
+        handle.configure(exp_name="ref")
+        model(second)
+    handle.remove()
+    tokens = load_index(open_dump(str(tmp_path / "dumps" / "dec")), progress=False).cols("tokens")
+    firsts = [(tokens["mode"][m][0], tokens["seq"][m][0], tokens["pos"][m].tolist())
+              for m in (tokens["pass"] == p for p in (0, 3))]
+    assert firsts[0][0] == firsts[1][0] == "prefill" and firsts[1][2] == list(range(8)) and firsts[0][1] != firsts[1][1]
+    code, result = first_divergence_json(tmp_path / "dumps" / "ref", tmp_path / "dumps" / "dec")
+    assert result["ranks"]["0"]["rows_compared"] == 8 + 2  # the second sequence: prompt and two decode rows

@@ -37,6 +37,7 @@ class HFAdapter:
         self._groups = weakref.WeakKeyDictionary()  # cache object -> sequence group
         self._fed = weakref.WeakKeyDictionary()  # cache object -> tokens that went through it
         self._next_pos = weakref.WeakKeyDictionary()  # cache object -> each batch row's next position
+        self._reports = weakref.WeakKeyDictionary()  # cache object -> it has reported a length (keeps keys)
         self._counter = itertools.count(1)
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
@@ -52,7 +53,7 @@ class HFAdapter:
             ids = torch.full(embeds.shape[:2], -1, dtype=torch.long)  # unknown ids: not alignable
         ids = ids.detach().cpu()
         batch, seq_len = ids.shape
-        past = _cache_length(cache) or self._weak_get(self._fed, cache, 0)
+        past = self._past_length(cache)
         group = self._group_of(cache)
         self._weak_set(self._fed, cache, past + seq_len)
         pos, valid = self._positions(bound, mask, past, batch, seq_len, self._weak_get(self._next_pos, cache, None))
@@ -61,6 +62,20 @@ class HFAdapter:
         info = dense_pass(ids, group, mode_of(past, past, seq_len), pos=pos, valid=valid)
         info.extra = {"past_len": past, "new_len": seq_len}
         return info
+
+    def _past_length(self, cache) -> int:
+        """Tokens already in the cache: its own length when it keeps keys; the tokens counted
+        through it when it has never reported one (state kept elsewhere). A cache that did report
+        a length and now says 0 was reset: a new sequence (and sequence group) starts."""
+        length = _cache_length(cache)
+        if length:
+            self._weak_set(self._reports, cache, True)
+            return length
+        if self._weak_get(self._reports, cache, False):
+            for table, value in ((self._fed, 0), (self._next_pos, None), (self._groups, None), (self._reports, False)):
+                self._weak_set(table, cache, value)  # and a new sequence group
+            return 0
+        return self._weak_get(self._fed, cache, 0)
 
     def _positions(self, bound, mask, past, batch, seq_len, next_pos=None):
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= seq_len:
