@@ -243,10 +243,14 @@ def test_many_decode_steps_indexed_by_worker_processes(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [d for d in FLOATS if d != torch.float64])
-def test_noise_row_errors_of_finite_rows_match_float64(dtype):
+def test_noise_row_errors_of_finite_rows_match_float64(dtype, monkeypatch):
     """Finite rows of float types of 4 bytes or fewer are compared in float32 (half the bytes):
     the same errors as the float64 formula."""
+    from analyzer import noise
     from analyzer.noise import _compare_rows
+    taken = []
+    fast = noise._finite_rows_in_float32
+    monkeypatch.setattr(noise, "_finite_rows_in_float32", lambda *a: taken.append(fast(*a)) or taken[-1])
     ref = (torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     noise = 4 * torch.finfo(dtype).eps * torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
     test = (ref.double() * (1 + noise)).to(dtype)  # a few ulps apart, as noise is
@@ -256,6 +260,7 @@ def test_noise_row_errors_of_finite_rows_match_float64(dtype):
     expected = (r - t).abs().amax(dim=1)
     assert np.allclose(absolute, expected.numpy(), rtol=1e-6, atol=0) and absolute[0] == 0 and absolute[1:].all()
     assert np.allclose(rel, (expected / r.abs().amax(dim=1)).numpy(), rtol=1e-6, atol=0) and not exceeds.any()
+    assert len(taken) == 1 and taken[0] is not None  # the float32 path answered
 
 
 def test_noise_walk_over_more_small_files_than_the_cache_holds_reads_them_once(tmp_path, monkeypatch):
