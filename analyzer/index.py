@@ -15,10 +15,11 @@ a parquet file readable by pandas or duckdb:
 
 from __future__ import annotations
 
-import fcntl
 import collections
 import concurrent.futures
 import concurrent.futures.process
+import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -433,20 +434,20 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
         "pre": np.array([c["pre"] for c in calls], dtype=np.int64),
         "post": np.array([c["post"] if c.get("post") is not None else -1 for c in calls], dtype=np.int64),  # -1: never finished
         "skipped": [json.dumps(c["skipped"]) if c.get("skipped") else None for c in calls]}
-    tensors = {k: [] for k in ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "rows", "stored",
-                               "selected", "is_ids", "why")}
+    keys = ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "rows", "stored", "selected", "is_ids", "why")
+    tensors = {k: [] for k in keys}
+    add = [tensors[k].append for k in keys]  # one loop step per tensor name: a decode pass has hundreds
     for call in calls:
+        call_name = call["call"]
         for name, tmeta in call["tensors"].items():
-            parsed = fmt.TENSOR_NAME_RE.match(name)
-            io, slot = (parsed.group("io"), parsed.group("slot") or "") if parsed else ("?", name)
+            io, slot = _io_and_slot(name)
             stored = tmeta.get("alias") or name
             columns, row_why, is_ids = stored_rows[stored]
-            for key, value in (("tensor", name), ("call", call["call"]), ("io", io), ("slot", slot),
-                               ("dtype", tmeta["dtype"]), ("shape", json.dumps(tmeta["shape"])),
-                               ("token_dims", json.dumps(tmeta.get("token_dims"))), ("rows", tmeta.get("rows")),
-                               ("stored", stored), ("selected", bool(tensor_metas[stored].get("selected", False))),
-                               ("is_ids", is_ids), ("why", tmeta.get("why") or row_why)):
-                tensors[key].append(value)
+            for append, value in zip(add, (name, call_name, io, slot, tmeta["dtype"], _json_ints(tmeta["shape"]),
+                                           _json_ints(tmeta.get("token_dims")), tmeta.get("rows"), stored,
+                                           bool(tensor_metas[stored].get("selected", False)), is_ids,
+                                           tmeta.get("why") or row_why)):
+                append(value)
             row_parts.append((name, columns))
     tensors["selected"], tensors["is_ids"] = (np.array(tensors[k], dtype=bool) for k in ("selected", "is_ids"))
     tables["tensors"] = tensors
@@ -460,6 +461,23 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
 def _locked(lock, func, *args):
     with lock:
         func(*args)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _io_and_slot(name: str) -> tuple:
+    """("in"|"out"|"?", slot) of a tensor name; remembered: decode passes repeat the same names."""
+    parsed = fmt.TENSOR_NAME_RE.match(name)
+    return (parsed.group("io"), parsed.group("slot") or "") if parsed else ("?", name)
+
+
+def _json_ints(values: Optional[list]) -> str:
+    """json.dumps of a list of ints (or None), remembered by value, like the names."""
+    return _json_of(None if values is None else tuple(values))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _json_of(values: Optional[tuple]) -> str:
+    return json.dumps(None if values is None else list(values))
 
 
 def _repeat(value: Optional[int], n: int) -> np.ndarray:
@@ -482,8 +500,10 @@ def stored_row_view(tensor: np.ndarray, tmeta: dict) -> np.ndarray:
     if tmeta.get("selected"):
         return tensor
     dims = tmeta["token_dims"]
-    moved = np.moveaxis(tensor, dims, list(range(len(dims))))
-    return moved.reshape((-1,) + tuple(moved.shape[len(dims):]))
+    k = len(dims)
+    # token dims lead (every HF and sglang activation): a reshape, no moveaxis
+    moved = tensor if dims == list(range(k)) else np.moveaxis(tensor, dims, list(range(k)))
+    return moved.reshape((math.prod(moved.shape[:k]),) + tuple(moved.shape[k:]))  # not -1: a size can be 0
 
 
 def _rows_table(parts: List[tuple]) -> dict:
