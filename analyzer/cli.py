@@ -118,7 +118,9 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
     REFERENCE is usually the dump of one prefill of prompt+output; TEST the dump of the prefill
     and decode steps of the same prompt. Token rows are paired by their token ids from
     position 0 (request ids never cross runs); the pairing is proved (ids, positions, and a
-    bit-identical embedding output) before any verdict, else the command stops with exit 2.
+    bit-identical embedding output) before any verdict, else the command stops with exit 2
+    (also when none of TEST's decode rows has a partner: the reference must hold the tokens
+    the decode run generated).
 
     For each paired row the hooked calls are walked in completion order: the first call whose
     token-aligned inputs are bit-identical and whose output is not is the culprit; calls after
