@@ -64,8 +64,18 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     n = len(chosen)
     found = {"rel": np.zeros(n), "abs": np.zeros(n), "exceeds": np.zeros(n, bool), "eps": np.full(n, np.nan)}
     differ = np.nonzero(table["differ"][chosen])[0]
+    typical = _typical_magnitudes(table, a, chosen, np.unique(table["tcode"][chosen[differ]]))
+    # Rows with the same bytes on both sides (same fingerprints: an alias, a module's output that
+    # is the next one's input, is most of them) and the same scale have the same errors: each
+    # is read and compared once.
     at = chosen[differ]
-    typical = _typical_magnitudes(table, a, chosen, np.unique(table["tcode"][at]))
+    floor = np.array([typical[c] for c in table["tcode"][at].tolist()], dtype=np.float64)
+    same = np.stack([table["fp_a"][at], table["fp_b"][at], table["shape_a"][at].astype(np.int64), floor.view(np.int64)],
+                    axis=1) if len(at) else np.zeros((0, 4), np.int64)
+    _, first, copy_of = np.unique(same, axis=0, return_index=True, return_inverse=True)
+    at = at[first]
+    errors = {"rel": np.zeros(len(at)), "abs": np.zeros(len(at)), "exceeds": np.zeros(len(at), bool),
+              "eps": np.full(len(at), np.nan)}
     # One batch per (tensor, row shape): each side's rows of it read pass by pass.
     key = table["tcode"][at].astype(np.int64) * max(len(table.shapes), 1) + table["shape_a"][at]
     order = np.argsort(key, kind="stable")
@@ -77,9 +87,10 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
         test, test_type = _side_rows(b, tensor, table["entry_b"][at[batch]])
         rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type,
                                                         typical[int(table["tcode"][at[batch[0]]])])
-        place = differ[batch]
-        found["rel"][place], found["abs"][place], found["exceeds"][place] = rel, absolute, exceeds
-        found["eps"][place] = epsilon
+        errors["rel"][batch], errors["abs"][batch], errors["exceeds"][batch] = rel, absolute, exceeds
+        errors["eps"][batch] = epsilon
+    for name, values in errors.items():
+        found[name][differ] = values[copy_of.reshape(-1)]
     return Columns({"pair": table["pair"][chosen], "ccode": table["ccode"][chosen], "is_in": table["is_in"][chosen],
                     "is_out": table["is_out"][chosen], **found})
 
