@@ -14,9 +14,11 @@ pass before (left padding excluded), so a padded batch's decode rows keep their 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import weakref
+from typing import Optional
 
 import torch
 
@@ -29,15 +31,21 @@ def is_hf_model(model) -> bool:
                for cls in type(model).__mro__)
 
 
+@dataclasses.dataclass
+class _CacheState:
+    """What the adapter knows of one cache object (one sequence group)."""
+    group: str
+    fed: int = 0  # tokens that went through it
+    next_pos: Optional[torch.Tensor] = None  # each batch row's next position
+    reports: bool = False  # it has reported a length (it keeps keys)
+
+
 class HFAdapter:
     engine = "hf"
 
     def __init__(self, model):
         self._signature = inspect.signature(model.forward)
-        self._groups = weakref.WeakKeyDictionary()  # cache object -> sequence group
-        self._fed = weakref.WeakKeyDictionary()  # cache object -> tokens that went through it
-        self._next_pos = weakref.WeakKeyDictionary()  # cache object -> each batch row's next position
-        self._reports = weakref.WeakKeyDictionary()  # cache object -> it has reported a length (keeps keys)
+        self._caches = weakref.WeakKeyDictionary()  # cache object -> _CacheState
         self._counter = itertools.count(1)
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
@@ -53,29 +61,41 @@ class HFAdapter:
             ids = torch.full(embeds.shape[:2], -1, dtype=torch.long)  # unknown ids: not alignable
         ids = ids.detach().cpu()
         batch, seq_len = ids.shape
-        past = self._past_length(cache)
-        group = self._group_of(cache)
-        self._weak_set(self._fed, cache, past + seq_len)
-        pos, valid = self._positions(bound, mask, past, batch, seq_len, self._weak_get(self._next_pos, cache, None))
+        state, past = self._state_and_past(cache)
+        state.fed = past + seq_len
+        pos, valid = self._positions(bound, mask, past, batch, seq_len, state.next_pos)
         if seq_len:
-            self._weak_set(self._next_pos, cache, pos[:, -1] + 1)
-        info = dense_pass(ids, group, mode_of(past, past, seq_len), pos=pos, valid=valid)
+            state.next_pos = pos[:, -1] + 1
+        info = dense_pass(ids, state.group, mode_of(past, past, seq_len), pos=pos, valid=valid)
         info.extra = {"past_len": past, "new_len": seq_len}
         return info
 
-    def _past_length(self, cache) -> int:
-        """Tokens already in the cache: its own length when it keeps keys; the tokens counted
-        through it when it has never reported one (state kept elsewhere). A cache that did report
-        a length and now says 0 was reset: a new sequence (and sequence group) starts."""
+    def _state_and_past(self, cache):
+        """The cache's state and the tokens already in it: its own length when it keeps keys; the
+        tokens counted through it when it has never reported one (state kept elsewhere). A cache
+        that did report a length and now says 0 was reset: a new sequence (and group) starts."""
+        state = self._known(cache)
         length = _cache_length(cache)
+        if state is None or (state.reports and not length):
+            state = self._register(cache, _CacheState(f"g{next(self._counter)}"))
         if length:
-            self._weak_set(self._reports, cache, True)
-            return length
-        if self._weak_get(self._reports, cache, False):
-            for table, value in ((self._fed, 0), (self._next_pos, None), (self._groups, None), (self._reports, False)):
-                self._weak_set(table, cache, value)  # and a new sequence group
-            return 0
-        return self._weak_get(self._fed, cache, 0)
+            state.reports = True
+            return state, length
+        return state, state.fed
+
+    def _known(self, cache) -> Optional[_CacheState]:
+        try:
+            return self._caches.get(cache) if cache is not None else None
+        except TypeError:  # not weak-referenceable: every pass is its own group
+            return None
+
+    def _register(self, cache, state: _CacheState) -> _CacheState:
+        try:
+            if cache is not None:
+                self._caches[cache] = state
+        except TypeError:
+            pass
+        return state
 
     def _positions(self, bound, mask, past, batch, seq_len, next_pos=None):
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= seq_len:
@@ -93,36 +113,13 @@ class HFAdapter:
             return next_pos[:, None] + torch.arange(seq_len), None
         return (torch.arange(seq_len) + past).expand(batch, seq_len), None
 
-    def _group_of(self, cache) -> str:
-        group = self._weak_get(self._groups, cache, None)
-        if group is None:
-            group = f"g{next(self._counter)}"  # no cache, or one not weak-referenceable: its own group
-            self._weak_set(self._groups, cache, group)
-        return group
-
-    @staticmethod
-    def _weak_get(table, cache, default):
-        try:
-            return table.get(cache, default) if cache is not None else default
-        except TypeError:  # not weak-referenceable
-            return default
-
-    @staticmethod
-    def _weak_set(table, cache, value):
-        try:
-            if cache is not None:
-                table[cache] = value
-        except TypeError:
-            pass
-
     def after_pass(self, model, info: PassInfo, output):
         # A forward called without a cache creates one; the next call may pass it back in.
         cache = None if isinstance(output, tuple) else _first(output, CACHE_NAMES, getattr)
-        if cache is not None and info.seq and self._weak_get(self._groups, cache, None) is None:
+        if cache is not None and info.seq and self._known(cache) is None:
             group = next((s.split(".")[0] for s in info.seq if s), None)
             if group:
-                self._weak_set(self._groups, cache, group)
-                self._weak_set(self._fed, cache, info.extra["past_len"] + info.extra["new_len"])
+                self._register(cache, _CacheState(group, fed=info.extra["past_len"] + info.extra["new_len"]))
 
     def run_info(self, model) -> dict:
         config = getattr(model, "config", None)
