@@ -82,11 +82,10 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     bounds = np.r_[0, np.nonzero(np.diff(key[order]))[0] + 1, len(order)] if len(order) else np.zeros(1, np.int64)
     for start, stop in zip(bounds[:-1], bounds[1:]):
         batch = order[start:stop]
-        tensor = table.tensors[table["tcode"][at[batch[0]]]]
-        ref, ref_type = _side_rows(a, tensor, table["entry_a"][at[batch]])
-        test, test_type = _side_rows(b, tensor, table["entry_b"][at[batch]])
-        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type,
-                                                        typical[int(table["tcode"][at[batch[0]]])])
+        code = int(table["tcode"][at[batch[0]]])
+        ref, ref_type = _side_rows(a, table.tensors[code], table["entry_a"][at[batch]])
+        test, test_type = _side_rows(b, table.tensors[code], table["entry_b"][at[batch]])
+        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type, typical[code])
         errors["rel"][batch], errors["abs"][batch], errors["exceeds"][batch] = rel, absolute, exceeds
         errors["eps"][batch] = epsilon
     for name, values in errors.items():
@@ -122,9 +121,7 @@ def _side_rows(index: Index, tensor: str, entries: np.ndarray):
     rows, reader = index.cols("rows"), index.reader()
     passes, srows = rows["pass"][entries], rows["srow"][entries]
     out, types = None, []
-    by_pass = np.argsort(passes, kind="stable")
-    pass_ids, starts = np.unique(passes[by_pass], return_index=True)
-    for pass_id, mine in zip(pass_ids.tolist(), np.split(by_pass, starts[1:])):
+    for pass_id, mine in _by_pass(passes):
         block, dtype = reader.stored_bits(pass_id, tensor, srows[mine])
         if out is None:
             out = np.empty((len(entries),) + block.shape[1:], block.dtype)
@@ -135,13 +132,19 @@ def _side_rows(index: Index, tensor: str, entries: np.ndarray):
     return out, types[0]
 
 
+def _by_pass(passes: np.ndarray):
+    """(pass number, positions in ``passes``) of each distinct pass: one sort, not a scan per pass."""
+    by_pass = np.argsort(passes, kind="stable")
+    pass_ids, starts = np.unique(passes[by_pass], return_index=True)
+    return zip(pass_ids.tolist(), np.split(by_pass, starts[1:]))
+
+
 def _mixed_rows(index: Index, tensor: str, passes: np.ndarray, srows: np.ndarray):
     """Rows of one tensor whose passes store it in different element types: as float64 values."""
     reader = index.reader()
     out = None
-    for pass_id in np.unique(passes).tolist():
-        mine = np.nonzero(passes == pass_id)[0]
-        block, dtype = reader.stored_bits(int(pass_id), tensor, srows[mine])
+    for pass_id, mine in _by_pass(passes):
+        block, dtype = reader.stored_bits(pass_id, tensor, srows[mine])
         values = to_float64(block.reshape(len(mine), -1), dtype) if dtype.floating else block.reshape(len(mine), -1)
         if out is None:
             out = np.empty((len(passes), values.shape[1]), np.float64)
