@@ -572,16 +572,22 @@ def _whole_file_tensors(pf: PassFile, names: List[str]):
         for name in names:
             yield (name,) + pf.bits(name)
         return
-    try:
-        with open(pf.ref.path, "rb") as handle:
-            data = np.frombuffer(handle.read(), dtype=np.uint8)
-    except OSError as exc:
-        raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
-    if len(data) != layout.file_size:
-        raise DumpError(f"{show(pf.ref.path)}: changed while being read; copy the dump again")
+    data = read_whole_file(pf.ref.path, layout.file_size)
     for name in names:
         dtype, shape, begin, end = layout.get(name)
         yield name, data[begin:end].view(dtype.bits).reshape(shape), dtype
+
+
+def read_whole_file(path: str, size: int) -> np.ndarray:
+    """A small pass file's bytes, in one read; the size is the one its layout was read at."""
+    try:
+        with open(path, "rb") as handle:
+            data = np.frombuffer(handle.read(), dtype=np.uint8)
+    except OSError as exc:
+        raise DumpError(f"{show(path)}: cannot read ({exc}); the file is damaged") from None
+    if len(data) != size:
+        raise DumpError(f"{show(path)}: changed while being read; copy the dump again")
+    return data
 
 
 def _small_pass_rows(pf: PassFile, names: List[str], tensor_metas: dict, n_rows: int, valid: np.ndarray,

@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from .dtypes import DType
-from .index import Index, _file_layout, stored_row_view
+from .index import Index, _file_layout, read_whole_file, stored_row_view
 from .load import PassFile
 from .torchbits import to_torch
 
@@ -174,12 +174,7 @@ class RowReader:
             self._thrashing = True
             return None
         self._read_whole.add(pass_id)
-        data = np.empty(size, dtype=np.uint8)
-        fd = os.open(self._refs[pass_id].path, os.O_RDONLY)
-        try:
-            _pread_into(fd, data, 0)
-        finally:
-            os.close(fd)
+        data = read_whole_file(self._refs[pass_id].path, size)
         self.bytes_read += size
         self._slot((pass_id, None), "file")["file"] = data
         self._cached += size
