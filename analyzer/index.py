@@ -236,7 +236,7 @@ class LazyParquet:
 
     def _read(self, columns, threads: bool = False):
         try:
-            return self._file.read(columns=columns, use_threads=threads)  # one column: no thread pool to start
+            return self._file.read(columns=columns, use_threads=threads)  # threads for the read-ahead only
         except (OSError, ValueError) as exc:
             raise DumpError(f"{show(self._path)}: cannot be read ({exc}); the index is damaged: "
                             "rerun with --rebuild-index") from None
@@ -276,8 +276,8 @@ PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up cos
 
 
 def allow_index_processes():
-    """Let build_tables index many small passes in worker processes (one per core, at most 8;
-    DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
+    """Let build_tables index many small passes in worker processes (the CPU count less one, at
+    most 8; DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
     global INDEX_PROCESSES
     setting = os.environ.get("DUMPDIFF_INDEX_PROCESSES", "")
     INDEX_PROCESSES = int(setting) if setting.isdigit() else min(max((os.cpu_count() or 1) - 1, 0), 8)
