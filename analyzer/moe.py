@@ -89,19 +89,22 @@ def find_routers(index: Index) -> List[dict]:
     for call, module, cls in calls.rows(("call", "module", "cls")):
         first.setdefault(call, (module, cls))
     modules = {module for module, _ in first.values()}
-    outs_of: Dict[str, list] = {}  # call -> its token-row outputs (tensor, shape, dtype), each tensor once
+    candidates = {}  # call -> (module, cls, parent) of a gate/router module
+    for call, (module, cls) in first.items():
+        parent = module.rsplit(".", 1)[0] if "." in module else ""
+        if ROUTER_CLASS.search(cls) or (ROUTER_LEAF.search(module) and any(m.startswith(f"{parent}.expert") for m in modules)):
+            candidates[call] = (module, cls, parent)
+    if not candidates:  # a dense model: its tensors table is not walked
+        return []
+    outs_of: Dict[str, list] = {}  # candidate call -> its token-row outputs (tensor, shape, dtype), each tensor once
     seen = set()
     for tensor, call, io, dims, shape, dtype in index.cols("tensors").rows(("tensor", "call", "io", "token_dims", "shape",
                                                                            "dtype")):
-        if io == "out" and dims != "null" and tensor not in seen:
+        if call in candidates and io == "out" and dims != "null" and tensor not in seen:
             seen.add(tensor)
             outs_of.setdefault(call, []).append((tensor, shape, dtype))
     routers = []
-    for call, (module, cls) in first.items():
-        leaf_match = bool(ROUTER_LEAF.search(module))
-        parent = module.rsplit(".", 1)[0] if "." in module else ""
-        if not (ROUTER_CLASS.search(cls) or (leaf_match and any(m.startswith(f"{parent}.expert") for m in modules))):
-            continue
+    for call, (module, cls, parent) in candidates.items():
         logits = indices = None
         num_experts = k = None
         for tensor, shape_text, dtype in outs_of.get(call, []):
