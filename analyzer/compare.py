@@ -33,7 +33,7 @@ MAX_LISTED = 20
 class RowTable:
     """One entry per (pair, tensor) present on both sides, with both fingerprints, ordered by pair
     then by the tensor's place in A. Columns are numpy arrays with names as integer codes.
-    ``frame`` gives a pandas view of chosen entries for the passes that read tensor values."""
+    ``frame`` gives a pandas view of chosen entries (the MoE routing check and the repro builder)."""
     pairs: Columns  # the alignment's pairs
     columns: Dict[str, np.ndarray]  # pair, tcode, ccode, entry_a/b (place in each side's rows table), fp_a/b,
     #                                 shape_a/b, nonfinite_a/b, is_in, is_out, comparable, differ
