@@ -148,24 +148,29 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
 
 
 def embedding_call(index: Index):
-    """(module path, output tensor name) of the first call that turns token ids into floats."""
+    """(module path, output tensor name) of the first call that turns token ids into floats.
+    Works on whole columns: a dump of many decode steps has tens of thousands of tensors."""
     tensors = index.cols("tensors")
     if not len(tensors):
         return None
     ids_in = (tensors["io"] == "in") & tensors["is_ids"].astype(bool)
-    takes_ids = set(zip(tensors["pass"][ids_in].tolist(), tensors["call"][ids_in].tolist()))
-    if not takes_ids:
+    if not ids_in.any():
         return None
+    takes_ids = set(zip(tensors["pass"][ids_in].tolist(), tensors["call"][ids_in].tolist()))
+    id_calls = np.array(sorted({call for _, call in takes_ids}), dtype=object)
+    dtypes = tensors["dtype"]
+    float_types = np.array([d for d in set(dtypes.tolist()) if "float" in str(d)], dtype=object)
+    # The first float output with token rows of each call that takes the ids, in table order.
+    is_float_out = ((tensors["io"] == "out") & np.isin(dtypes, float_types) & (tensors["token_dims"] != "null")
+                    & np.isin(tensors["call"], id_calls))
+    first_out: Dict[str, str] = {}
+    for call, tensor in zip(tensors["call"][is_float_out].tolist(), tensors["tensor"][is_float_out].tolist()):
+        first_out.setdefault(call, tensor)
     calls = index.cols("calls")
+    calls = calls.take(np.isin(calls["call"], id_calls))
     chosen = np.array([(p, c) in takes_ids for p, c in calls.rows(("pass", "call"))], dtype=bool)
     calls = calls.take(chosen)
     calls = calls.take(np.lexsort((calls["post"], calls["pass"])))
-    is_float_out = np.array([io_ == "out" and "float" in str(d) and t != "null" for io_, d, t in
-                             tensors.rows(("io", "dtype", "token_dims"))], dtype=bool)
-    float_outs = tensors.take(is_float_out)
-    first_out: Dict[str, str] = {}
-    for call, tensor in float_outs.rows(("call", "tensor")):
-        first_out.setdefault(call, tensor)
     for module, call in calls.rows(("module", "call")):
         if call in first_out:
             return module, first_out[call]

@@ -32,6 +32,18 @@ def dictionary(values: List[str], repeats: np.ndarray) -> Dictionary:
     return Dictionary(np.repeat(codes.reshape(-1), repeats), vocabulary.astype(object))
 
 
+def encoded(values: list) -> Dictionary:
+    """A text column without nulls as a Dictionary: thousands of rows repeat a few hundred names,
+    and a reader turns codes into strings far faster than it decodes each string."""
+    lookup: Dict[str, int] = {}
+    codes = np.fromiter((lookup.setdefault(v, len(lookup)) for v in values), np.int64, len(values))
+    words = np.array(list(lookup), dtype=object)
+    order = np.argsort(words.astype(str)) if len(words) else np.zeros(0, np.int64)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return Dictionary(rank[codes] if len(codes) else codes, words[order])
+
+
 def concat(parts: List[Dict[str, Column]]) -> Dict[str, Column]:
     """The tables of several passes as one; every part has the same columns."""
     if not parts:
@@ -49,8 +61,12 @@ def concat(parts: List[Dict[str, Column]]) -> Dict[str, Column]:
     return out
 
 
-def table(columns: Dict[str, Column]):
+def table(columns: Dict[str, Column], encode=()):
+    """A pyarrow Table; the text columns named in ``encode`` are stored dictionary-encoded when
+    they hold no null."""
     import pyarrow as pa
+    columns = {name: encoded(values) if name in encode and isinstance(values, list) and None not in values else values
+               for name, values in columns.items()}
     return pa.Table.from_arrays([_array(values) for values in columns.values()], names=list(columns))
 
 

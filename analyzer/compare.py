@@ -101,13 +101,13 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
     call_of = np.full(len(tensors), -1, np.int64)
     io_of = np.full(len(tensors), "", object)
     calls, call_code = [], {}
-    seen = set()
     tensor_code = {t: i for i, t in enumerate(tensors.tolist())}
-    for tensor, call, io in info.rows(("tensor", "call", "io")):
+    b_codes, b_names = info.codes("tensor")
+    first = np.sort(np.unique(b_codes, return_index=True)[1])  # each name's first entry, in table order
+    for tensor, call, io in zip(b_names[b_codes[first]].tolist(), info["call"][first].tolist(), info["io"][first].tolist()):
         code = tensor_code.get(tensor)
-        if tensor in seen or code is None:
+        if code is None:
             continue
-        seen.add(tensor)
         if call not in call_code:
             call_code[call] = len(calls)
             calls.append(call)

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import concurrent.futures.process
 import fcntl
-import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import queue
 import signal
@@ -33,18 +30,25 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from dumper import format as fmt
-
 from . import arrowbuild
 from .columns import Columns
-from .dtypes import BY_CODE, DType
 from .errors import DumpError
-from .fingerprint import as_signed, row_stats
+from .filelayout import usable_layout
+from .fingerprint import row_stats
 from .load import Dump, PassFile, show
+from .passtables import pass_tables, stored_tensors
+from .rowplan import pass_rows, row_columns
+from .smallpass import small_pass_tables
 
-INDEX_VERSION = 4  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone
+INDEX_VERSION = 5  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone;
+# 5: text columns dictionary-encoded (ENCODED)
 INDEX_DIR = "index"
 TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
+# Text columns stored dictionary-encoded (the rows table's are built so): reading tens of
+# thousands of tensor names of a long decode run back as strings one by one was most of a
+# strict verdict's own time.
+ENCODED = {"tokens": ("seq", "mode"), "calls": ("call", "module", "cls"),
+           "tensors": ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "stored")}
 
 
 class Index:
@@ -66,7 +70,7 @@ class Index:
         if name not in self._frames:
             whole = self._shared.get(("frame", name))
             if whole is None:
-                whole = self._shared[("frame", name)] = self._tables[name].to_pandas()
+                whole = self._shared[("frame", name)] = _plain_text(self._tables[name].to_pandas(), ENCODED.get(name, ()))
             self._frames[name] = whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
         return self._frames[name]
 
@@ -99,6 +103,14 @@ class Index:
 
     def rank(self, rank: int) -> "Index":
         return Index(self.dump, self._tables, self.where, rank, self._shared)
+
+
+def _plain_text(frame, names):
+    """The encoded text columns as plain strings (object), as the pandas consumers expect."""
+    for name in names:
+        if name in frame and str(frame[name].dtype) == "category":
+            frame[name] = frame[name].astype(object)
+    return frame
 
 
 def _rows_of_rank(table: Columns, rank: int) -> Columns:
@@ -307,7 +319,7 @@ def _start_in_processes(small_refs: dict, advance):
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
     try:
         futures = {i: pool.submit(_index_small_pass, ref) for i, ref in small_refs.items()}
-    except (OSError, concurrent.futures.process.BrokenProcessPool):  # processes are started here, not before
+    except (OSError, concurrent.futures.BrokenExecutor):  # processes are started here, not before
         pool.shutdown(wait=True, cancel_futures=True)
         return None, None
     finally:
@@ -359,7 +371,8 @@ def build_tables(dump: Dump, progress: bool = True) -> dict:
             future.cancel()
         side.shutdown(wait=True, cancel_futures=True)
     bar.close()
-    return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts])) for name in TABLES}
+    return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts]), encode=ENCODED.get(name, ()))
+            for name in TABLES}
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -377,45 +390,49 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
     if not all(len(tokens.get(k, ())) == n_rows for k in ("pos", "seq", "valid")):
         raise DumpError(f"{show(ref.path)}: token lists of unequal length in the pass metadata; the file is damaged")
     seqs = meta.get("seqs", [])
+    valid = np.asarray(tokens["valid"], dtype=bool)
     tables = {
         "tokens": {"row": np.arange(n_rows, dtype=np.int32), "seq": list(tokens["seq"]),
                    "pos": np.asarray(tokens["pos"], dtype=np.int64), "id": np.asarray(tokens["ids"], dtype=np.int64),
-                   "valid": np.asarray(tokens["valid"], dtype=bool), "mode": [meta.get("mode", "unknown")] * n_rows,
+                   "valid": valid, "mode": [meta.get("mode", "unknown")] * n_rows,
                    "step": _repeat(meta.get("step"), n_rows)},
         "seqs": {"seq": [q["seq"] for q in seqs], "first": np.array([q["rows"][0] for q in seqs], dtype=np.int64),
                  "end": np.array([q["rows"][1] for q in seqs], dtype=np.int64),
                  "prefix_ids": [json.dumps(q["prefix_ids"]) if "prefix_ids" in q else None for q in seqs]},
     }
-    row_parts = []
+    small = small_pass_tables(pf, n_rows, valid, on_bytes) if ref.nbytes < INLINE_PASS_BYTES else None
+    tables.update(small or _tensor_by_tensor(pf, n_rows, valid, on_bytes))
+    for table in tables.values():  # every table says whose rows it holds
+        n = len(next(iter(table.values())))
+        table["rank"], table["pass"] = _repeat(ref.rank, n), _repeat(ref.pass_id, n)
+    return tables
+
+
+def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) -> Dict[str, dict]:
+    """The calls, tensors and rows tables of a large pass: every stored tensor is read once, in
+    the order its bytes lie in the file, by a read-ahead thread, and hashed by a pool of threads
+    while the next tensors are read."""
+    tensor_metas, stored_names = stored_tensors(pf)
     stored_rows: Dict[str, tuple] = {}  # stored tensor name -> (row columns, why, is_ids)
-    valid = np.asarray(tokens["valid"], dtype=bool)
-    tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()}
-    needed: Dict[str, None] = {}  # stored tensors, in call order
-    for call in meta["calls"]:
-        for name, tmeta in call["tensors"].items():
-            stored = tmeta.get("alias") or name
-            if stored not in tensor_metas:
-                raise DumpError(f"{show(ref.path)}: {name!r} is an alias of {stored!r}, which the pass does not hold; "
-                                "the file is damaged")
-            needed[stored] = None
-    # Every stored tensor is read once, in the order its bytes lie in the file, by a read-ahead
-    # thread, and hashed by a pool of threads while the next tensors are read.
+    token_ids = pf.meta["tokens"]["ids"]
+    plans = pass_rows(pf.meta, n_rows, valid)
+
     def work(stored, tensor, dtype, release):
         try:
-            return _tensor_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
+            plan = plans.plan(pf.ref.path, stored, tensor_metas[stored], tensor.shape)
+            view = plan.rows(tensor)
+            return row_columns(plan, view, dtype, row_stats(view, dtype), token_ids)
         finally:
             release()
 
-    if ref.nbytes < INLINE_PASS_BYTES:  # a decode step: hundreds of one-row tensors, hashed together
-        stored_rows.update(_small_pass_rows(pf, list(needed), tensor_metas, n_rows, valid, on_bytes))
-    elif HASH_THREADS <= 1:
-        for stored, tensor, dtype, release in read_tensors(pf, list(needed), on_bytes):
+    if HASH_THREADS <= 1:
+        for stored, tensor, dtype, release in read_tensors(pf, stored_names, on_bytes):
             stored_rows[stored] = work(stored, tensor, dtype, release)
             del tensor
     else:
         pending: "collections.deque" = collections.deque()
         try:
-            for stored, tensor, dtype, release in read_tensors(pf, list(needed), on_bytes):
+            for stored, tensor, dtype, release in read_tensors(pf, stored_names, on_bytes):
                 pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, release)))
                 del tensor
                 while len(pending) > 2 * HASH_THREADS or (pending and pending[0][1].done()):
@@ -428,34 +445,7 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
             for _, future in pending:  # after an error: let no task outlive this pass
                 future.cancel()
             concurrent.futures.wait([future for _, future in pending])
-    calls = meta["calls"]
-    tables["calls"] = {
-        "call": [c["call"] for c in calls], "module": [c["module"] for c in calls], "cls": [c["cls"] for c in calls],
-        "pre": np.array([c["pre"] for c in calls], dtype=np.int64),
-        "post": np.array([c["post"] if c.get("post") is not None else -1 for c in calls], dtype=np.int64),  # -1: never finished
-        "skipped": [json.dumps(c["skipped"]) if c.get("skipped") else None for c in calls]}
-    keys = ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "rows", "stored", "selected", "is_ids", "why")
-    tensors = {k: [] for k in keys}
-    add = [tensors[k].append for k in keys]  # one loop step per tensor name: a decode pass has hundreds
-    for call in calls:
-        call_name = call["call"]
-        for name, tmeta in call["tensors"].items():
-            io, slot = _io_and_slot(name)
-            stored = tmeta.get("alias") or name
-            columns, row_why, is_ids = stored_rows[stored]
-            for append, value in zip(add, (name, call_name, io, slot, tmeta["dtype"], _json_ints(tmeta["shape"]),
-                                           _json_ints(tmeta.get("token_dims")), tmeta.get("rows"), stored,
-                                           bool(tensor_metas[stored].get("selected", False)), is_ids,
-                                           tmeta.get("why") or row_why)):
-                append(value)
-            row_parts.append((name, columns))
-    tensors["selected"], tensors["is_ids"] = (np.array(tensors[k], dtype=bool) for k in ("selected", "is_ids"))
-    tables["tensors"] = tensors
-    tables["rows"] = _rows_table(row_parts)
-    for table in tables.values():  # every table says whose rows it holds
-        n = len(next(iter(table.values())))
-        table["rank"], table["pass"] = _repeat(ref.rank, n), _repeat(ref.pass_id, n)
-    return tables
+    return pass_tables(pf.meta["calls"], tensor_metas, stored_rows)
 
 
 def _locked(lock, func, *args):
@@ -463,157 +453,8 @@ def _locked(lock, func, *args):
         func(*args)
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _io_and_slot(name: str) -> tuple:
-    """("in"|"out"|"?", slot) of a tensor name; remembered: decode passes repeat the same names."""
-    parsed = fmt.TENSOR_NAME_RE.match(name)
-    return (parsed.group("io"), parsed.group("slot") or "") if parsed else ("?", name)
-
-
-def _json_ints(values: Optional[list]) -> str:
-    """json.dumps of a list of ints (or None), remembered by value, like the names."""
-    return _json_of(None if values is None else tuple(values))
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _json_of(values: Optional[tuple]) -> str:
-    return json.dumps(None if values is None else list(values))
-
-
 def _repeat(value: Optional[int], n: int) -> np.ndarray:
     return np.full(n, -1 if value is None else value, dtype=np.int64)
-
-
-def token_rows_of(tmeta: dict, meta: dict, n_rows: int) -> Optional[List[int]]:
-    """Which token row each stored row of a tensor belongs to; None if it has no token rows."""
-    if tmeta.get("token_dims") is None:
-        return None
-    if tmeta.get("selected"):
-        return list(meta.get("kept_rows") or [])
-    if tmeta.get("rows") == "last":
-        return list(meta.get("last_rows") or [])
-    return list(range(n_rows))
-
-
-def stored_row_view(tensor: np.ndarray, tmeta: dict) -> np.ndarray:
-    """The stored tensor as [rows, ...]: token dims moved to the front and flattened."""
-    if tmeta.get("selected"):
-        return tensor
-    dims = tmeta["token_dims"]
-    k = len(dims)
-    # token dims lead (every HF and sglang activation): a reshape, no moveaxis
-    moved = tensor if dims == list(range(k)) else np.moveaxis(tensor, dims, list(range(k)))
-    return moved.reshape((math.prod(moved.shape[:k]),) + tuple(moved.shape[k:]))  # not -1: a size can be 0
-
-
-def _rows_table(parts: List[tuple]) -> dict:
-    """The rows table's columns from every tensor's row columns, joined once (not per tensor)."""
-    lengths = np.array([len(columns["row"]) for _, columns in parts], dtype=np.int64)
-
-    def concat(key, dtype):
-        return np.concatenate([c[key] for _, c in parts]).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-    return {"row": concat("row", np.int32), "fp": concat("fp", np.int64),
-            "rowshape": arrowbuild.dictionary([c["rowshape"] for _, c in parts], lengths),
-            "amax": concat("amax", np.float64), "nonfinite": concat("nonfinite", np.int32),
-            "srow": concat("srow", np.int32), "tensor": arrowbuild.dictionary([name for name, _ in parts], lengths)}
-
-
-def _tensor_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
-                 tensor: np.ndarray, dtype: DType):
-    """(row columns, why it has no token rows or None, whether it holds the pass's token ids)."""
-    kept = _kept_rows(pf, stored, tmeta, meta, n_rows, valid, tensor, dtype)
-    return _row_columns(kept, meta, row_stats(kept["view"], kept["dtype"]))
-
-
-def _kept_rows(pf: PassFile, stored: str, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray,
-               tensor: np.ndarray, dtype: DType) -> dict:
-    """A tensor's rows to index ([rows, ...], the valid token rows only) and where they come from."""
-    if list(tensor.shape) != list(tmeta["shape"]) and not tmeta.get("selected"):
-        raise DumpError(f"{show(pf.ref.path)}: tensor {stored!r} has shape {list(tensor.shape)}, metadata says "
-                        f"{tmeta['shape']}; the file is damaged")
-    token_rows = token_rows_of(tmeta, meta, n_rows)
-    why = None
-    if token_rows is not None:
-        view = stored_row_view(tensor, tmeta)
-        if view.shape[0] != len(token_rows):
-            token_rows, why = None, f"{view.shape[0]} rows where the pass has {len(token_rows)}"
-    if token_rows is None:
-        view, token_rows = tensor.reshape((1,) + tuple(tensor.shape)), [-1]
-    rows_of = np.asarray(token_rows, dtype=np.int64)
-    keep = (rows_of < 0) | valid[np.clip(rows_of, 0, None)] if len(valid) else rows_of < 0
-    srow = np.nonzero(keep)[0]
-    return {"view": view[srow] if not keep.all() else view, "dtype": dtype, "kept_rows": rows_of[srow].astype(np.int32),
-            "srow": srow, "why": why, "token_rows": token_rows != [-1]}
-
-
-def _row_columns(kept: dict, meta: dict, stats) -> tuple:
-    """(row columns, why, is_ids) of one tensor from its kept rows and their row_stats."""
-    view, dtype, kept_rows = kept["view"], kept["dtype"], kept["kept_rows"]
-    fps, amax, nonfinite = stats  # fingerprints, max |x|, inf/nan
-    if amax is None:
-        amax = np.full(view.shape[0], np.nan)
-    rest = tuple(s for s in view.shape[1:] if s != 1)
-    columns = {"row": kept_rows, "fp": as_signed(fps), "rowshape": f"{dtype.name}{list(rest)}",
-               "amax": amax, "nonfinite": nonfinite, "srow": kept["srow"].astype(np.int32)}
-    is_ids = bool(
-        kept["why"] is None and kept["token_rows"] and dtype.kind == "int" and len(rest) == 0
-        and view.size == len(kept_rows)
-        and np.array_equal(view.reshape(-1).view(dtype.native).astype(np.int64),
-                           np.asarray(meta["tokens"]["ids"])[kept_rows]))
-    return columns, kept["why"], is_ids
-
-
-def _whole_file_tensors(pf: PassFile, names: List[str]):
-    """Yield (name, bits, DType) of a small pass file read with one read and sliced by its header;
-    where the header is not one this reader follows, safetensors reads each tensor (and names
-    what is wrong with the file)."""
-    layout = _usable_layout(pf, names)
-    if layout is None:
-        for name in names:
-            yield (name,) + pf.bits(name)
-        return
-    data = read_whole_file(pf.ref.path, layout.file_size)
-    for name in names:
-        dtype, shape, begin, end = layout.get(name)
-        yield name, data[begin:end].view(dtype.bits).reshape(shape), dtype
-
-
-def read_whole_file(path: str, size: int) -> np.ndarray:
-    """A small pass file's bytes, in one read; the size is the one its layout was read at."""
-    try:
-        with open(path, "rb") as handle:
-            data = np.frombuffer(handle.read(), dtype=np.uint8)
-    except OSError as exc:
-        raise DumpError(f"{show(path)}: cannot read ({exc}); the file is damaged") from None
-    if len(data) != size:
-        raise DumpError(f"{show(path)}: changed while being read; copy the dump again")
-    return data
-
-
-def _small_pass_rows(pf: PassFile, names: List[str], tensor_metas: dict, n_rows: int, valid: np.ndarray,
-                     on_bytes=None) -> Dict[str, tuple]:
-    """_tensor_rows of every tensor of a small pass (a decode step: hundreds of one-row tensors),
-    with row_stats called once per (dtype, row shape) instead of once per tensor: per-call numpy
-    overhead was most of a decode pass's indexing. The same fingerprints, row by row."""
-    meta = pf.meta
-    kept: Dict[str, dict] = {}
-    for stored, tensor, dtype in _whole_file_tensors(pf, names):  # no reader thread: the file is small
-        kept[stored] = _kept_rows(pf, stored, tensor_metas[stored], meta, n_rows, valid, tensor, dtype)
-        if on_bytes:
-            on_bytes(tensor.nbytes)
-    groups: Dict[tuple, List[str]] = {}
-    for stored, rows in kept.items():
-        groups.setdefault((rows["dtype"].name, rows["view"].shape[1:]), []).append(stored)
-    out = {}
-    for members in groups.values():
-        views = [kept[m]["view"] for m in members]
-        fps, amax, nonfinite = row_stats(np.concatenate(views), kept[members[0]]["dtype"])
-        ends = np.cumsum([len(v) for v in views])
-        for member, end, length in zip(members, ends, (len(v) for v in views)):
-            part = slice(end - length, end)
-            out[member] = _row_columns(kept[member], meta, (fps[part], None if amax is None else amax[part],
-                                                            nonfinite[part]))
-    return out
 
 
 # --- reading pass files for the index: sequential, read ahead, bounded memory --------------------
@@ -633,64 +474,12 @@ def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
-class FileLayout:
-    """Where each tensor of a safetensors file lies, from its header; entries are checked when
-    asked for (a reader of a few rows needs one or two of hundreds)."""
-
-    def __init__(self, header: dict, data_start: int, file_size: int):
-        self._header, self._start, self.file_size = header, data_start, file_size
-        self._entries: Dict[str, Optional[tuple]] = {}
-
-    def get(self, name: str):
-        """(DType, shape, first byte, end byte) of a tensor, or None when the header does not say
-        it in a way this reader follows (then safetensors reads the tensor and names the trouble)."""
-        if name not in self._entries:
-            self._entries[name] = self._entry(name)
-        return self._entries[name]
-
-    def _entry(self, name: str):
-        entry = self._header.get(name) if name != "__metadata__" else None
-        try:
-            dtype = BY_CODE[entry["dtype"]]
-            shape = [int(s) for s in entry["shape"]]
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        nbytes = math.prod(shape) * dtype.size
-        if end - begin != nbytes or begin < 0 or self._start + end > self.file_size:
-            return None
-        return dtype, shape, self._start + begin, self._start + end
-
-
-def _file_layout(path: str) -> Optional[FileLayout]:
-    """The layout of a safetensors file, or None when its header cannot be read as one."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-            if len(head) != 8:
-                return None
-            size = int.from_bytes(head, "little")
-            if size > 1 << 30:
-                return None
-            header = json.loads(handle.read(size))
-            file_size = os.fstat(handle.fileno()).st_size
-    except (OSError, ValueError):
-        return None
-    return FileLayout(header, 8 + size, file_size) if isinstance(header, dict) else None
-
-
-def _usable_layout(pf: PassFile, names: List[str]) -> Optional[FileLayout]:
-    """The file's layout when this reader follows the header for every name, else None."""
-    layout = _file_layout(pf.ref.path)
-    return None if layout is None or any(layout.get(name) is None for name in names) else layout
-
-
 def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
     """Yield (name, bits, DType, release) for every name, in file order. A thread reads ahead with
     plain sequential reads (no memory map: the page cache is not charged to this process), so
     reading overlaps hashing. ``release()`` says the tensor is done with: its buffer is reused,
     and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release."""
-    layout = _usable_layout(pf, names)
+    layout = usable_layout(pf, names)
     if layout is None:
         for name in names:  # safetensors reads them and names what is wrong with the file
             tensor, dtype = pf.bits(name)

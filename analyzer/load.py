@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -20,6 +22,7 @@ from dumper import format as fmt
 from .dtypes import BY_CODE, DType
 from .errors import DumpError
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 LOCK_FILE = ".lock"  # dumper/writer.py's lock file; its text says whether the writer closed the dump
 
 
@@ -265,7 +268,41 @@ def meta_problem(meta: dict) -> Optional[str]:
     bad = next((key for key, ok in checks.items() if not ok), None)
     if bad:
         return bad
-    return next((f"calls[{i}]" for i, c in enumerate(meta["calls"]) if not _call_ok(c)), None)
+    calls = meta["calls"]
+    for i, call in enumerate(calls):
+        known = _checked_call(call)
+        if known is not None:  # a decode step repeats the calls of the step before, shapes and all
+            calls[i] = known
+        elif not _call_ok(call):
+            return f"calls[{i}]"
+        else:
+            _remember_call(call)
+    return None
+
+
+# Calls already checked, by name. A call equal (==, in C) to one of them is replaced by it: equal
+# JSON values differ at most in 1 vs 1.0 vs true, and the checked one holds the types every later
+# stage relies on. The index build also recognises a decode step's structure by these objects
+# (analyzer/smallpass.py). A few per name: a prefill and its decode steps alternate in a run.
+_checked: Dict[str, list] = {}
+_checked_lock = threading.Lock()
+CHECKED_PER_NAME = 4
+
+
+def _checked_call(call) -> Optional[dict]:
+    name = call.get("call") if type(call) is dict else None
+    if type(name) is not str:
+        return None
+    with _checked_lock:
+        known = list(_checked.get(name, ()))
+    return next((k for k in reversed(known) if k == call), None)
+
+
+def _remember_call(call: dict):
+    with _checked_lock:
+        known = _checked.setdefault(call["call"], [])
+        known.append(call)
+        del known[:-CHECKED_PER_NAME]
 
 
 class PassFile:
@@ -286,7 +323,9 @@ class PassFile:
             self.meta = json.loads(raw)
             # JSON escapes can smuggle in lone surrogates ("\udcff") that no later stage (parquet, the
             # report) can encode; refuse them here, with the file's name, instead of failing later.
-            json.dumps(self.meta, ensure_ascii=False).encode("utf-8")
+            # Only a \uD800-\uDFFF escape makes one: the whole text is checked when it holds one.
+            if _SURROGATE_ESCAPE.search(raw):
+                json.dumps(self.meta, ensure_ascii=False).encode("utf-8")
         except (ValueError, RecursionError):
             raise DumpError(f"{show(ref.path)}: pass metadata is not valid JSON or holds invalid text; "
                             "the file is damaged") from None

@@ -279,17 +279,31 @@ def call_traits(table: RowTable, b: Index) -> tuple:
     whether the call takes a float input with token rows."""
     by_module: Dict[str, float] = {}
     module_of = {}
+    calls_b = b.cols("calls")
+    codes, names = calls_b.codes("call")
+    first = np.unique(codes, return_index=True)[1]  # each call's first entry (every pass repeats it)
+    for call, module in zip(names[codes[first]].tolist(), calls_b["module"][first].tolist()):
+        module_of[call] = module or ""
+    tensors = b.cols("tensors")
+    # On the distinct (call, dtype, io, token rows or not) of B's tensors: a long decode run
+    # repeats each a few hundred times.
+    dtype_codes, dtype_names = tensors.codes("dtype")
+    call_codes, call_names = tensors.codes("call")
+    io_codes, io_names = tensors.codes("io")
+    dims_codes, dims_names = tensors.codes("token_dims")
+    has_rows = np.array([d not in (None, "null") for d in dims_names.tolist()], dtype=bool)[dims_codes] \
+        if len(dims_names) else np.zeros(len(tensors), bool)
+    combos = np.unique(np.stack([call_codes, dtype_codes, io_codes, has_rows.astype(np.int64)], axis=1), axis=0) \
+        if len(tensors) else np.zeros((0, 4), np.int64)
     float_input = set()
-    for call, module in b.cols("calls").rows(("call", "module")):
-        module_of.setdefault(call, module or "")
-    for call, dtype, io, dims in b.cols("tensors").rows(("call", "dtype", "io", "token_dims")):
-        kind = BY_NAME.get(dtype)
+    for c, d, i, rows in combos.tolist():
+        call, kind, io = call_names[c], BY_NAME.get(dtype_names[d]), io_names[i]
         if kind is None or not kind.floating or call not in module_of:
             continue
         if io == "out":  # what a call computes in (an input's type is the caller's: its noise is in in_err)
             module = module_of[call]
             by_module[module] = max(by_module.get(module, 0.0), eps(kind))
-        elif io == "in" and dims not in (None, "null"):  # a float input per token row (not a mask)
+        elif io == "in" and rows:  # a float input per token row (not a mask)
             float_input.add(call)
     subtree = dict(by_module)
     for module, value in by_module.items():  # each module's precision reaches all its ancestors

@@ -19,8 +19,10 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from .dtypes import DType
-from .index import Index, _file_layout, read_whole_file, stored_row_view
+from .filelayout import file_layout, read_whole_file
+from .index import Index
 from .load import PassFile
+from .rowplan import stored_row_view
 from .torchbits import to_torch
 
 CACHE_BYTES = 512 << 20
@@ -37,7 +39,8 @@ class RowReader:
         self._refs = {p.pass_id: p for r in rank_ids for p in index.dump.ranks[int(r)].passes}
         tensors = index.cols("tensors")
         self._tensors = tensors
-        self._where = {key: i for i, key in enumerate(tensors.rows(("pass", "tensor")))}  # (pass, tensor) -> entry
+        self._by_pass = None  # tensors table entries in pass order, and where each pass's begin
+        self._where: Dict[int, Dict[str, int]] = {}  # pass -> tensor -> entry, made per pass when asked
         self._meta: Dict[Tuple[int, str], tuple] = {}
         self._dims: Dict[str, object] = {}  # token_dims text -> parsed
         self._by_tensor = None  # how to find a tensor's positions in index.rows, built on first use
@@ -77,12 +80,27 @@ class RowReader:
         """(stored tensor name, token dims, row-selected) of one tensor of one pass."""
         key = (pass_id, tensor)
         if key not in self._meta:
-            at = self._where[key]
+            at = self._entries_of(pass_id)[tensor]
             text = self._tensors["token_dims"][at]
             if text not in self._dims:  # a handful of distinct values over thousands of (pass, tensor)
                 self._dims[text] = json.loads(text)
             self._meta[key] = (self._tensors["stored"][at], self._dims[text], bool(self._tensors["selected"][at]))
         return self._meta[key]
+
+    def _entries_of(self, pass_id: int) -> Dict[str, int]:
+        """tensor name -> tensors-table entry, for one pass (a long decode run has 100k entries;
+        a verdict reads a few passes)."""
+        found = self._where.get(pass_id)
+        if found is None:
+            if self._by_pass is None:
+                passes = self._tensors["pass"]
+                order = np.argsort(passes, kind="stable")
+                self._by_pass = (order, passes[order])
+            order, sorted_passes = self._by_pass
+            lo, hi = np.searchsorted(sorted_passes, [pass_id, pass_id + 1])
+            mine = order[lo:hi]
+            found = self._where[pass_id] = dict(zip(self._tensors["tensor"][mine].tolist(), mine.tolist()))
+        return found
 
     def _srow_map(self, pass_id: int, tensor: str) -> Dict[int, int]:
         """token row -> row of the stored view, for one tensor of one pass."""
@@ -116,7 +134,7 @@ class RowReader:
 
     def _entry(self, pass_id: int, stored: str):
         if pass_id not in self._layouts:
-            self._layouts[pass_id] = _file_layout(self._refs[pass_id].path)
+            self._layouts[pass_id] = file_layout(self._refs[pass_id].path)
         layout = self._layouts[pass_id]
         return layout.get(stored) if layout else None
 

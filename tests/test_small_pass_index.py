@@ -1,0 +1,149 @@
+"""Small passes (decode steps) are indexed from a structure worked out once per shape of step
+(analyzer/smallpass.py): the tables must be the ones the tensor-by-tensor path builds, for every
+row layout the dumper writes, and a step whose structure changed must not reuse the old one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from analyzer import index, smallpass
+from analyzer.dtypes import BY_NAME
+from analyzer.load import PassFile, open_dump
+from analyzer.rowplan import RowPlan
+from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
+
+
+def tables_both_ways(ref):
+    """(through smallpass, tensor by tensor) tables of one pass, as comparable text."""
+    pf = PassFile(ref)
+    valid = np.asarray(pf.meta["tokens"]["valid"], dtype=bool)
+    n_rows = len(valid)
+    small = smallpass.small_pass_tables(pf, n_rows, valid)
+    assert small is not None
+    direct = index._tensor_by_tensor(pf, n_rows, valid)
+    as_text = lambda tables: json.dumps({t: {c: (v.tolist() if isinstance(v, np.ndarray) else  # noqa: E731
+                                                 [v.codes.tolist(), v.vocabulary.tolist()] if hasattr(v, "codes") else v)
+                                             for c, v in cols.items()} for t, cols in tables.items()}, default=str)
+    return as_text(small), as_text(direct)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    model = load_model(make_tiny_llama(tmp_path_factory.mktemp("llama")))
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def padded_batch_dump(model, root, **config):
+    """Three left-padded prompts, generated together: padding rows, and attention masks whose
+    shape grows every step (every decode step's structure differs from the one before)."""
+    import dumper
+    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec", **config))
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    handle.remove()
+    return root / "dec"
+
+
+@pytest.mark.parametrize("config", [{}, {"positions": "3:"}, {"last_rows": 2}], ids=["all", "positions", "last_rows"])
+def test_padded_batch_steps_index_as_tensor_by_tensor(llama, tmp_path, config):
+    dec = padded_batch_dump(llama, tmp_path, **config)
+    passes = open_dump(str(dec)).ranks[0].passes
+    assert len(passes) == 6
+    for ref in passes:
+        small, direct = tables_both_ways(ref)
+        assert small == direct, ref.path
+
+
+def test_a_steady_decode_reuses_one_structure_and_notices_a_change(llama, tmp_path, monkeypatch):
+    """One prompt without a mask: every decode step has the same structure, worked out once; a
+    second run with another batch size gets its own, and each step's tables stay exact."""
+    built = []
+    real_init = smallpass.Structure.__init__
+
+    def counting_init(self, *args):
+        built.append(1)
+        real_init(self, *args)
+    monkeypatch.setattr(smallpass.Structure, "__init__", counting_init)
+    monkeypatch.setattr(smallpass, "_known", type(smallpass._known)(maxlen=smallpass.REMEMBERED))
+    _, dec, _ = dump_pair(llama, tmp_path / "one", prompt_ids(10), new_tokens=8)
+    passes = open_dump(dec).ranks[0].passes
+    for ref in passes:
+        small, direct = tables_both_ways(ref)
+        assert small == direct
+    assert len(built) == 2  # the prefill, then one for all 7 decode steps
+    _, dec2, _ = dump_pair(llama, tmp_path / "two", torch.cat([prompt_ids(10), prompt_ids(10, seed=3)]), new_tokens=4)
+    for ref in open_dump(dec2).ranks[0].passes:
+        small, direct = tables_both_ways(ref)
+        assert small == direct
+    assert len(built) == 4
+
+
+def test_row_plans_find_the_bytes_of_kept_rows():
+    """Where a plan says a tensor's kept rows lie in the file is where rows() finds them, for
+    token dims that lead and for the [B, heads, S, D] layout (rows gathered byte by byte)."""
+    meta = {"tokens": {}, "last_rows": [2, 5]}
+    valid = np.array([True, False, True, True, True, False])  # token rows 1 and 5 are padding
+    f32 = BY_NAME["float32"]
+    cases = [({"shape": [2, 3, 4], "token_dims": [0, 1], "rows": "all"}, True),
+             ({"shape": [2, 5, 3, 7], "token_dims": [0, 2], "rows": "all"}, False),
+             ({"shape": [2, 1, 4], "token_dims": [0, 1], "rows": "last"}, True),
+             ({"shape": [4, 4], "token_dims": None, "rows": None}, True)]
+    for tmeta, contiguous in cases:
+        shape = tuple(tmeta["shape"])
+        plan = RowPlan(tmeta, meta, 6, valid, shape)
+        assert plan.contiguous == contiguous
+        begin = 24
+        file = np.random.default_rng(0).integers(0, 255, begin + 4 * int(np.prod(shape))).astype(np.uint8)
+        tensor = file[begin:].view(np.uint32).reshape(shape)
+        expected = plan.rows(tensor).reshape(-1).view(np.uint8)
+        if contiguous:
+            got = np.concatenate([file[a:b] for a, b in plan.byte_runs(begin, f32)])
+        else:
+            got = file[plan.byte_index(begin, f32)]
+        assert np.array_equal(got, expected), tmeta
+    dropped = RowPlan(cases[0][0], meta, 6, valid, (2, 3, 4))
+    assert dropped.kept_rows.tolist() == [0, 2, 3, 4] and len(dropped.byte_runs(0, f32)) == 2  # rows 0 | 2-4
+
+
+@pytest.mark.parametrize("damage", ["float shape", "bool pre", "string dim"])
+def test_a_damaged_step_among_identical_ones_is_refused(llama, tmp_path, damage):
+    """Steps equal to a checked one skip re-checking; a damaged step is not equal to any, so it is
+    checked and refused (one line, exit 2) or, where JSON's 1 == 1.0 == true makes it equal, read
+    with the checked types: the tables are those of the undamaged dump."""
+    from dump_surgery import edit_pass_meta, one_line_error, pass_path
+    from helpers import dumpdiff
+    _, dec, _ = dump_pair(llama, tmp_path, prompt_ids(10), new_tokens=8)
+    code, _, err = dumpdiff("index", dec, "--no-progress")
+    assert code == 0, err
+    before = {n: pq_rows(dec, n) for n in ("calls", "tensors", "rows")}
+
+    def edit(meta):
+        tensors = meta["calls"][-1]["tensors"]
+        name = next(iter(tensors))
+        if damage == "float shape":
+            tensors[name]["shape"] = [float(s) for s in tensors[name]["shape"]]
+        elif damage == "bool pre":
+            meta["calls"][1]["pre"] = True if meta["calls"][1]["pre"] == 1 else "x"
+        else:
+            tensors[name]["token_dims"] = ["0"]
+    edit_pass_meta(pass_path(dec, 5), edit)
+    result = dumpdiff("index", dec, "--rebuild", "--no-progress")
+    if damage == "string dim" or (damage == "bool pre" and result[0] != 0):
+        one_line_error(result, "pass-000005")
+    else:
+        assert result[0] == 0, result[2]
+        assert {n: pq_rows(dec, n) for n in ("calls", "tensors", "rows")} == before
+
+
+def pq_rows(dump, table):
+    import pyarrow.parquet as pq
+    return json.dumps(pq.read_table(f"{dump}/index/{table}.parquet").to_pylist(), default=str)
