@@ -19,18 +19,32 @@ MAX_HEADER_BYTES = 1 << 30
 
 class FileLayout:
     """Where each tensor of a safetensors file lies, from its header; entries are checked when
-    asked for (a reader of a few rows needs one or two of hundreds)."""
+    asked for (a reader of a few rows needs one or two of hundreds). ``share`` hands this layout
+    the checked entries of an earlier file whose tensors lie the same way (decode steps)."""
 
     def __init__(self, header: dict, data_start: int, file_size: int):
         self.header, self._start, self.file_size = header, data_start, file_size
-        self._entries: Dict[str, Optional[tuple]] = {}
+        self._entries: Dict[str, Optional[tuple]] = {}  # offsets from the data start
 
     def get(self, name: str):
         """(DType, shape, first byte, end byte) of a tensor, or None when the header does not say
         it in a way this reader follows (then safetensors reads the tensor and names the trouble)."""
-        if name not in self._entries:
-            self._entries[name] = self._entry(name)
-        return self._entries[name]
+        entry = self._entries.get(name, False)
+        if entry is False:
+            entry = self._entries[name] = self._entry(name)
+        return None if entry is None else (entry[0], entry[1], self._start + entry[2], self._start + entry[3])
+
+    @property
+    def data_size(self) -> int:
+        return self.file_size - self._start
+
+    def tensor_entries(self) -> dict:
+        """The header's tensor entries (all but the metadata)."""
+        return {name: entry for name, entry in self.header.items() if name != "__metadata__"}
+
+    def share(self, other: "FileLayout"):
+        """Use ``other``'s checked entries: its tensor entries and data size equal this file's."""
+        self._entries = other._entries
 
     def _entry(self, name: str):
         entry = self.header.get(name) if name != "__metadata__" else None
@@ -43,7 +57,7 @@ class FileLayout:
         nbytes = math.prod(shape) * dtype.size
         if end - begin != nbytes or begin < 0 or self._start + end > self.file_size:
             return None
-        return dtype, shape, self._start + begin, self._start + end
+        return dtype, shape, begin, end
 
 
 def file_layout(path: str) -> Optional[FileLayout]:

@@ -17,9 +17,9 @@ amplification over all calls that carry an error) with a lower bound, or the use
 --atol/--rtol, in which case a call whose inputs are all within tolerance and whose output is
 not is named.
 
-All of it works on numpy columns, like the strict verdict: no pandas. Tensor values are read per
-(tensor, pass) through the RowReader (a decode pass file is read whole once) and compared per
-tensor in one batch.
+All of it works on numpy columns, like the strict verdict: no pandas. Tensor values are read
+pass by pass for all tensors at once (analyzer/batchread.py: a decode pass file is read whole
+once) and compared per tensor in one batch.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from .align import Alignment
+from .batchread import chunks, read_batches, row_bytes
 from .columns import Columns
 from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
 from .dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
@@ -76,18 +77,22 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     at = at[first]
     errors = {"rel": np.zeros(len(at)), "abs": np.zeros(len(at)), "exceeds": np.zeros(len(at), bool),
               "eps": np.full(len(at), np.nan)}
-    # One batch per (tensor, row shape): each side's rows of it read pass by pass.
+    # One batch per (tensor, row shape), its rows read pass by pass with the other batches'.
     key = table["tcode"][at].astype(np.int64) * max(len(table.shapes), 1) + table["shape_a"][at]
     order = np.argsort(key, kind="stable")
     bounds = np.r_[0, np.nonzero(np.diff(key[order]))[0] + 1, len(order)] if len(order) else np.zeros(1, np.int64)
-    for start, stop in zip(bounds[:-1], bounds[1:]):
-        batch = order[start:stop]
-        code = int(table["tcode"][at[batch[0]]])
-        ref, ref_type = _side_rows(a, table.tensors[code], table["entry_a"][at[batch]])
-        test, test_type = _side_rows(b, table.tensors[code], table["entry_b"][at[batch]])
-        rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type, typical[code])
-        errors["rel"][batch], errors["abs"][batch], errors["exceeds"][batch] = rel, absolute, exceeds
-        errors["eps"][batch] = epsilon
+    batches = [order[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
+    codes = [int(table["tcode"][at[batch[0]]]) for batch in batches]
+    sizes = [len(batch) * max(row_bytes(table.shapes[table["shape_a"][at[batch[0]]]]), 1) for batch in batches]
+    for chunk in chunks(sizes):
+        names = [table.tensors[codes[i]] for i in chunk]
+        ref_rows = read_batches(a, names, [table["entry_a"][at[batches[i]]] for i in chunk])
+        test_rows = read_batches(b, names, [table["entry_b"][at[batches[i]]] for i in chunk])
+        for i, (ref, ref_type), (test, test_type) in zip(chunk, ref_rows, test_rows):
+            rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type, typical[codes[i]])
+            batch = batches[i]
+            errors["rel"][batch], errors["abs"][batch], errors["exceeds"][batch] = rel, absolute, exceeds
+            errors["eps"][batch] = epsilon
     for name, values in errors.items():
         found[name][differ] = values[copy_of.reshape(-1)]
     return Columns({"pair": table["pair"][chosen], "ccode": table["ccode"][chosen], "is_in": table["is_in"][chosen],
@@ -112,44 +117,6 @@ def _typical_magnitudes(table: RowTable, a: Index, chosen: np.ndarray, tcodes: n
         values = values[np.isfinite(values)]
         typical[code] = float(np.median(values)) if len(values) else 0.0
     return typical
-
-
-def _side_rows(index: Index, tensor: str, entries: np.ndarray):
-    """The bits of the given entries of one side's rows table (one tensor), in that order, and
-    their element type; rows of several passes must share one type (else each pass its own:
-    the first type is the one reported, values are converted per pass)."""
-    rows, reader = index.cols("rows"), index.reader()
-    passes, srows = rows["pass"][entries], rows["srow"][entries]
-    out, types = None, []
-    for pass_id, mine in _by_pass(passes):
-        block, dtype = reader.stored_bits(pass_id, tensor, srows[mine])
-        if out is None:
-            out = np.empty((len(entries),) + block.shape[1:], block.dtype)
-        if block.shape[1:] != out.shape[1:] or block.dtype != out.dtype or (types and dtype != types[0]):
-            return _mixed_rows(index, tensor, passes, srows)
-        out[mine] = block
-        types.append(dtype)
-    return out, types[0]
-
-
-def _by_pass(passes: np.ndarray):
-    """(pass number, positions in ``passes``) of each distinct pass: one sort, not a scan per pass."""
-    by_pass = np.argsort(passes, kind="stable")
-    pass_ids, starts = np.unique(passes[by_pass], return_index=True)
-    return zip(pass_ids.tolist(), np.split(by_pass, starts[1:]))
-
-
-def _mixed_rows(index: Index, tensor: str, passes: np.ndarray, srows: np.ndarray):
-    """Rows of one tensor whose passes store it in different element types: as float64 values."""
-    reader = index.reader()
-    out = None
-    for pass_id, mine in _by_pass(passes):
-        block, dtype = reader.stored_bits(pass_id, tensor, srows[mine])
-        values = to_float64(block.reshape(len(mine), -1), dtype) if dtype.floating else block.reshape(len(mine), -1)
-        if out is None:
-            out = np.empty((len(passes), values.shape[1]), np.float64)
-        out[mine] = values
-    return out, BY_NAME["float64"]
 
 
 def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, test_dtype: Optional[DType] = None,

@@ -46,6 +46,8 @@ class RowReader:
         self._by_tensor = None  # how to find a tensor's positions in index.rows, built on first use
         self._srow: Dict[Tuple[int, str], Dict[int, int]] = {}
         self._layouts: Dict[int, object] = {}
+        self._alike: list = []  # (tensor entries, data size, layout) of a few recent distinct layouts
+        self._broad: set = set()  # passes whose rows of many tensors are about to be asked for
         self._files: Dict[int, PassFile] = {}
         self._cache: "OrderedDict[tuple, dict]" = OrderedDict()  # (pass, stored or None) -> {"rows"|"view"|"file"}
         self._asked: Dict[int, set] = {}  # pass -> stored tensors whose rows were asked for
@@ -133,10 +135,27 @@ class RowReader:
         return by["order"][(by["ends"][code - 1] if code else 0):by["ends"][code]]
 
     def _entry(self, pass_id: int, stored: str):
-        if pass_id not in self._layouts:
-            self._layouts[pass_id] = file_layout(self._refs[pass_id].path)
-        layout = self._layouts[pass_id]
+        layout = self._layouts.get(pass_id, False)
+        if layout is False:
+            layout = self._layouts[pass_id] = file_layout(self._refs[pass_id].path)
+            if layout is not None:
+                self._share_entries(layout)
         return layout.get(stored) if layout else None
+
+    def _share_entries(self, layout):
+        """Decode steps lay their tensors out alike: a file whose tensor entries and data size
+        equal an earlier one's uses that one's checked entries (hundreds per file)."""
+        entries, data_size = layout.tensor_entries(), layout.data_size
+        for known_entries, known_size, known in self._alike:
+            if known_size == data_size and known_entries == entries:
+                layout.share(known)
+                return
+        self._alike = [(entries, data_size, layout)] + self._alike[:3]
+
+    def read_broadly(self, pass_id: int):
+        """The caller is about to ask for rows of many tensors of this pass: a small file is
+        read whole at the first ask (and again if it was evicted meanwhile)."""
+        self._broad.add(pass_id)
 
     # --- reading --------------------------------------------------------------------------------
     def _read_rows(self, pass_id: int, stored: str, entry, k: int, picks: List[int]) -> np.ndarray:
@@ -186,9 +205,10 @@ class RowReader:
             self._cache.move_to_end((pass_id, None))
             return slot["file"]
         size = self._layouts[pass_id].file_size
-        if len(asked) < WHOLE_FILE_AFTER or size > WHOLE_FILE_BYTES or self._thrashing:
+        broad = pass_id in self._broad
+        if (len(asked) < WHOLE_FILE_AFTER and not broad) or size > WHOLE_FILE_BYTES or (self._thrashing and not broad):
             return None
-        if pass_id in self._read_whole:  # whole files would be read again and again, a tensor at a time
+        if pass_id in self._read_whole and not broad:  # read again and again, a tensor at a time
             self._thrashing = True
             return None
         self._read_whole.add(pass_id)

@@ -36,7 +36,7 @@ def small_pass_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
     layout = layout_of_bytes(data)
     if layout is None:
         return None
-    entries = {name: entry for name, entry in layout.header.items() if name != "__metadata__"}
+    entries = layout.tensor_entries()
     meta = pf.meta
     key = (len(data), n_rows, valid.tobytes(), tuple(meta.get("last_rows") or ()), tuple(meta.get("kept_rows") or ()))
     structure = _recall(meta["calls"], key, entries)
