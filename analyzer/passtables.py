@@ -50,8 +50,8 @@ def pass_tables(calls: list, tensor_metas: dict, stored_rows: Dict[str, tuple]) 
             io, slot = _io_and_slot(name)
             stored = tmeta.get("alias") or name
             columns, row_why, is_ids = stored_rows[stored]
-            for append, value in zip(add, (name, call_name, io, slot, tmeta["dtype"], _json_ints(tmeta["shape"]),
-                                           _json_ints(tmeta.get("token_dims")), tmeta.get("rows"), stored,
+            for append, value in zip(add, (name, call_name, io, slot, tmeta["dtype"], json_ints(tmeta["shape"]),
+                                           json_ints(tmeta.get("token_dims")), tmeta.get("rows"), stored,
                                            bool(tensor_metas[stored].get("selected", False)), is_ids,
                                            tmeta.get("why") or row_why)):
                 append(value)
@@ -69,7 +69,7 @@ def _io_and_slot(name: str) -> tuple:
     return (parsed.group("io"), parsed.group("slot") or "") if parsed else ("?", name)
 
 
-def _json_ints(values: Optional[list]) -> str:
+def json_ints(values: Optional[list]) -> str:
     """json.dumps of a list of ints (or None), remembered by value, like the names."""
     return _json_of(None if values is None else tuple(values))
 

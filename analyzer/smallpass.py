@@ -1,30 +1,36 @@
 """Indexing a small pass file: a decode step, hundreds of one-row tensors in a few MB.
 
 Per-tensor Python work, not reading, is what such a pass costs. But the decode steps of a run
-repeat one structure: the same calls, tensor names, shapes and byte offsets; only the token ids,
-positions and tensor bytes change. What follows from the structure (each tensor's row plan,
-where its kept rows lie in the file, which rows are hashed together, the index tables' columns
-other than fingerprints and magnitudes) is a ``Structure``, made once and reused by every later
-pass whose structure is equal (compared whole, never guessed from a hash). Such a pass then
-costs one read of the file, one gather and one row_stats call per (dtype, row shape).
+repeat one structure: the same calls, tensor names, dtypes and shapes; only token ids,
+positions, tensor bytes and (as the metadata's length changes) byte offsets differ. What
+follows from the structure (each tensor's row plan, where its kept rows lie relative to the
+tensor, which rows are hashed together, the index tables' columns other than fingerprints and
+magnitudes) is a ``Structure``, made once and reused by every later pass whose structure is
+equal (compared call by call and tensor by tensor, never guessed from a hash). Such a pass then
+costs one read, one gather and one row_stats call per (dtype, row shape).
+
+A few tensors may change shape every step (an attention mask that grows by one column): once
+seen changing, they become the structure's *volatile* tensors, planned and hashed pass by pass,
+while the rest keeps the shared plan.
 """
 
 from __future__ import annotations
 
 import collections
-import operator
 import threading
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Set
 
 import numpy as np
 
+from . import arrowbuild
 from .filelayout import FileLayout, layout_of_bytes, read_whole_file, usable_layout
 from .fingerprint import row_stats
 from .load import PassFile
-from .passtables import pass_tables, stored_tensors
+from .passtables import json_ints, pass_tables, stored_tensors
 from .rowplan import holds_token_ids, may_hold_token_ids, pass_rows
 
 REMEMBERED = 8  # structures kept: a run's prefill shapes, its decode step, other batch sizes
+MAX_VOLATILE = 16  # more tensors than this changing shape: not one structure
 _known: "collections.deque" = collections.deque(maxlen=REMEMBERED)
 _known_lock = threading.Lock()  # passes are indexed on two threads at once
 
@@ -36,106 +42,250 @@ def small_pass_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
     layout = layout_of_bytes(data)
     if layout is None:
         return None
-    entries = layout.tensor_entries()
     meta = pf.meta
-    key = (len(data), n_rows, valid.tobytes(), tuple(meta.get("last_rows") or ()), tuple(meta.get("kept_rows") or ()))
-    structure = _recall(meta["calls"], key, entries)
-    if structure is None:
-        structure = Structure.of(pf, layout, n_rows, valid)
+    key = (n_rows, valid.tobytes(), tuple(meta.get("last_rows") or ()), tuple(meta.get("kept_rows") or ()))
+    tables = None
+    structure, changed = _recall(meta["calls"], key, layout)
+    if structure is not None and not changed:
+        tables = structure.tables(data, layout, meta)  # None: a volatile tensor's rows changed too
+    if tables is None:
+        volatile = structure.volatile | changed if structure is not None else frozenset()
+        structure = Structure.of(pf, layout, n_rows, valid, volatile if len(volatile) <= MAX_VOLATILE else frozenset())
         if structure is None:
             return None
-        structure.calls, structure.key, structure.entries = meta["calls"], key, entries
+        structure.key = key
         with _known_lock:
             _known.append(structure)
+        tables = structure.tables(data, layout, meta)
     if on_bytes:
-        on_bytes(structure.tensor_bytes)
-    return structure.tables(data, meta["tokens"]["ids"])
+        on_bytes(int(tables.pop("_tensor_bytes")))
+    else:
+        tables.pop("_tensor_bytes")
+    return tables
 
 
-def _recall(calls: list, key: tuple, entries: dict) -> Optional["Structure"]:
-    # Each call is the very object of an earlier pass when load.meta_problem found it equal to
-    # one: identity tests, then the cheap key, then the header entries, compared whole.
+def _recall(calls: list, key: tuple, layout: FileLayout):
+    """(a remembered structure this pass has, the stored tensors whose shape differs from it
+    and are not yet volatile in it), or (None, None)."""
     with _known_lock:
         known = list(_known)
-    return next((s for s in reversed(known) if len(s.calls) == len(calls) and all(map(operator.is_, s.calls, calls))
-                 and s.key == key and s.entries == entries), None)
+    for structure in reversed(known):
+        if structure.key == key and len(structure.calls) == len(calls):
+            changed = structure.changed_tensors(calls, layout)
+            if changed is not None:
+                return structure, changed - structure.volatile
+    return None, None
+
+
+def _shape_changes(old: dict, new: dict) -> Optional[Set[str]]:
+    """Names of the tensors whose shape alone differs between two calls; None when anything
+    else does. Each call is the very object of an earlier pass when load.meta_problem found it
+    equal to one, so most calls are skipped by an identity test."""
+    if old.keys() != new.keys() or any(old[k] != new[k] for k in old if k != "tensors"):
+        return None
+    before, after = old["tensors"], new["tensors"]
+    if list(before) != list(after):
+        return None
+    changed = set()
+    for name, tmeta in before.items():
+        other = after[name]
+        if tmeta != other:
+            if tmeta.keys() != other.keys() or any(tmeta[k] != other[k] for k in tmeta if k != "shape"):
+                return None
+            changed.add(name)
+    return changed
 
 
 class Structure:
     """What indexing a pass of one structure needs besides the bytes."""
 
-    calls: list
     key: tuple
-    entries: dict
 
     @classmethod
-    def of(cls, pf: PassFile, layout: FileLayout, n_rows: int, valid: np.ndarray) -> Optional["Structure"]:
+    def of(cls, pf: PassFile, layout: FileLayout, n_rows: int, valid: np.ndarray,
+           volatile: frozenset = frozenset()) -> Optional["Structure"]:
         tensor_metas, stored_names = stored_tensors(pf)
         if usable_layout(pf, stored_names, layout) is None:
             return None
-        return cls(pf, layout, tensor_metas, stored_names, n_rows, valid)
+        return cls(pf, layout, tensor_metas, stored_names, n_rows, valid, volatile)
 
     def __init__(self, pf: PassFile, layout: FileLayout, tensor_metas: dict, stored_names: list, n_rows: int,
-                 valid: np.ndarray):
+                 valid: np.ndarray, volatile: frozenset):
+        self.calls = pf.meta["calls"]
+        self.volatile = frozenset(v for v in volatile if v in tensor_metas and v in stored_names)
+        self._path = pf.ref.path
+        self._stored = stored_names
+        self._facts = []  # per stored tensor: (header dtype code, header shape, bytes); shape None if volatile
         groups: Dict[tuple, dict] = {}  # (dtype, row shape) -> rows hashed together
-        placed = {}  # stored name -> (its group, first row in the group, rows)
-        self.tensor_bytes = 0
-        self._id_candidates = []  # (stored name, plan, dtype, begin, end): may hold the token ids
+        placed = {}  # stored name -> (first row in the hashed order, or its group and the first row in it)
+        self._volatile = []  # (stored number, name, rows, why, by_token): planned and hashed per pass
+        self._id_candidates = []  # (stored number, plan, dtype): may hold the token ids
         plans = {}
         row_plans = pass_rows(pf.meta, n_rows, valid)
-        for stored in stored_names:
+        for j, stored in enumerate(stored_names):
             dtype, shape, begin, end = layout.get(stored)
+            entry = layout.header[stored]
             plan = plans[stored] = row_plans.plan(pf.ref.path, stored, tensor_metas[stored], shape)
-            self.tensor_bytes += end - begin
+            if stored in self.volatile:
+                self._facts.append((entry["dtype"], None, None))
+                self._volatile.append((j, stored, len(plan.srow), plan.why, plan.by_token))
+                continue
+            self._facts.append((entry["dtype"], entry["shape"], end - begin))
             group = groups.setdefault((dtype.name, plan.view_shape[1:]), {
                 "dtype": dtype, "row_shape": plan.view_shape[1:], "pieces": [], "rows": 0})
-            placed[stored] = (group, group["rows"], len(plan.srow))
+            placed[stored] = (group, group["rows"])
             group["rows"] += len(plan.srow)
+            # where the kept rows lie, from the tensor's first byte
             if plan.contiguous:
-                group["pieces"].extend(plan.byte_runs(begin, dtype))
+                group["pieces"].extend((j, a, b) for a, b in plan.byte_runs(0, dtype))
             else:
-                group["pieces"].append(plan.byte_index(begin, dtype))
+                group["pieces"].append((j, plan.byte_index(0, dtype)))
             if may_hold_token_ids(plan, dtype):
-                self._id_candidates.append((stored, plan, dtype, begin, end))
+                self._id_candidates.append((j, plan, dtype))
         self._groups = list(groups.values())
+        self._fixed_bytes = sum(size for _, _, size in self._facts if size is not None)
         first = 0
-        for group in self._groups:  # rows are hashed group after group: each group's first row
+        for group in self._groups:  # rows are hashed group after group, then the volatile tensors
             group["first"], first = first, first + group["rows"]
-        # The tables, with each row's place in the hashed order where its fingerprint will go.
         stored_rows = {}
-        for stored, (group, offset, count) in placed.items():
-            plan = plans[stored]
-            rest = tuple(s for s in plan.view_shape[1:] if s != 1)
+        for stored, plan in plans.items():
+            if stored in placed:
+                group, offset = placed[stored]
+                start, kind = group["first"] + offset, group["dtype"].name
+            else:
+                start, kind, first = first, layout.get(stored)[0].name, first + len(plan.srow)
+            count = len(plan.srow)
             stored_rows[stored] = ({
-                "row": plan.kept_rows, "fp": np.arange(count, dtype=np.int64) + group["first"] + offset,
-                "rowshape": f"{group['dtype'].name}{list(rest)}", "amax": np.zeros(count),
+                "row": plan.kept_rows, "fp": np.arange(count, dtype=np.int64) + start,
+                "rowshape": _row_shape_text(kind, plan), "amax": np.zeros(count),
                 "nonfinite": np.zeros(count, np.int32), "srow": plan.srow.astype(np.int32)}, plan.why, False)
-        self._tables = pass_tables(pf.meta["calls"], tensor_metas, stored_rows)
+        self._tables = pass_tables(self.calls, tensor_metas, stored_rows)
         self._order = self._tables["rows"]["fp"]  # the hashed row of each rows-table row
-        stored_column = self._tables["tensors"]["stored"]
-        self._id_rows = {name: [i for i, s in enumerate(stored_column) if s == name] for name, *_ in self._id_candidates}
+        # Per tensor name, in table order (pass_tables' order): its stored tensor and where it is.
+        names = [(c, name, tmeta.get("alias") or name) for c, call in enumerate(self.calls)
+                 for name, tmeta in call["tensors"].items()]
+        self._rows_of = collections.defaultdict(list)  # stored name -> its tensors-table positions
+        for i, (_, _, stored) in enumerate(names):
+            self._rows_of[stored].append(i)
+        self._volatile_names = [(i, c, name) for i, (c, name, stored) in enumerate(names) if stored in self.volatile]
+        self._part_shapes = [stored_rows[stored][0]["rowshape"] for _, _, stored in names]
+        self._part_lengths = np.array([len(stored_rows[stored][0]["row"]) for _, _, stored in names], dtype=np.int64)
 
-    def tables(self, data: np.ndarray, token_ids: list) -> Dict[str, dict]:
-        """This structure's tables for one pass file's bytes."""
+    def changed_tensors(self, calls: list, layout: FileLayout) -> Optional[Set[str]]:
+        """The stored tensors whose shape differs in a pass with these calls and header, or None
+        when the pass's structure differs in anything else."""
+        changed_names: Set[str] = set()
+        for old, new in zip(self.calls, calls):
+            if old is not new:
+                names = _shape_changes(old, new)
+                if names is None:
+                    return None
+                changed_names |= names
+        changed = set()
+        if changed_names:
+            stored_of = {name: tmeta.get("alias") or name for call in calls for name, tmeta in call["tensors"].items()}
+            changed = {stored_of[name] for name in changed_names}
+        header = layout.header
+        for stored, (code, shape, _) in zip(self._stored, self._facts):
+            entry = header.get(stored)
+            if type(entry) is not dict or entry.get("dtype") != code:
+                return None
+            if shape is not None and entry.get("shape") != shape and stored not in changed:
+                return None  # the header disagrees with the metadata: the full build says so
+        return changed
+
+    def tables(self, data: np.ndarray, layout: FileLayout, meta: dict) -> Optional[Dict[str, dict]]:
+        """This structure's tables for one pass file, or None when its header does not place
+        the tensors where this structure needs them (then a full build checks the file)."""
+        begins = self._begins(layout)
+        if begins is None:
+            return None
+        volatile = self._volatile_rows(data, layout, meta, begins)
+        if volatile is None:
+            return None
         fps, amaxes, nonfinites = [], [], []
         for group in self._groups:
-            dtype, row_shape, pieces = group["dtype"], group["row_shape"], group["pieces"]
-            parts = [data[p[0]:p[1]] if type(p) is tuple else data[p] for p in pieces]
+            dtype, row_shape = group["dtype"], group["row_shape"]
+            parts = [data[begins[p[0]] + p[1]:begins[p[0]] + p[2]] if len(p) == 3 else data[begins[p[0]] + p[1]]
+                     for p in group["pieces"]]
             joined = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-            rows = joined.view(dtype.bits).reshape((group["rows"],) + row_shape)
-            fp, amax, nonfinite = row_stats(rows, dtype)
-            fps.append(fp)
-            amaxes.append(np.full(len(fp), np.nan) if amax is None else amax)
-            nonfinites.append(nonfinite)
+            _add_stats(row_stats(joined.view(dtype.bits).reshape((group["rows"],) + row_shape), dtype),
+                       fps, amaxes, nonfinites)
+        for stats in volatile["stats"]:
+            _add_stats(stats, fps, amaxes, nonfinites)
         order = self._order
         tables = {name: dict(columns) for name, columns in self._tables.items()}
-        rows = tables["rows"]
+        rows, tensors = tables["rows"], tables["tensors"]
         rows["fp"] = np.concatenate(fps).view(np.int64)[order] if fps else order
         rows["amax"] = np.concatenate(amaxes)[order] if amaxes else rows["amax"]
         rows["nonfinite"] = np.concatenate(nonfinites)[order] if nonfinites else rows["nonfinite"]
-        is_ids = tables["tensors"]["is_ids"] = tables["tensors"]["is_ids"].copy()
-        for stored, plan, dtype, begin, end in self._id_candidates:
-            view = plan.rows(data[begin:end].view(dtype.bits).reshape(plan.shape))
+        is_ids = tensors["is_ids"] = tensors["is_ids"].copy()
+        token_ids = meta["tokens"]["ids"]
+        for j, plan, dtype in self._id_candidates + volatile["id_candidates"]:
+            begin = begins[j]
+            view = plan.rows(data[begin:begin + int(np.prod(plan.shape)) * dtype.size].view(dtype.bits).reshape(plan.shape))
             if holds_token_ids(plan, view, dtype, token_ids):
-                is_ids[self._id_rows[stored]] = True
+                is_ids[self._rows_of[self._stored[j]]] = True
+        if self._volatile_names:
+            shapes = tensors["shape"] = list(tensors["shape"])
+            for i, c, name in self._volatile_names:
+                shapes[i] = json_ints(meta["calls"][c]["tensors"][name]["shape"])
+            part_shapes = list(self._part_shapes)
+            for i, text in volatile["row_shapes"].items():
+                part_shapes[i] = text
+            rows["rowshape"] = arrowbuild.dictionary(part_shapes, self._part_lengths)
+        tables["_tensor_bytes"] = volatile["bytes"] + self._fixed_bytes
         return tables
+
+    def _begins(self, layout: FileLayout) -> Optional[List[int]]:
+        """Each stored tensor's first byte in this file; None where the header places one where
+        it does not fit the structure or the file."""
+        header = layout.header
+        try:
+            offsets = np.array([header[name]["data_offsets"] for name in self._stored], dtype=np.int64).reshape(-1, 2)
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return None
+        sizes = np.array([b if b is not None else -1 for _, _, b in self._facts], dtype=np.int64)
+        fixed = sizes >= 0
+        if not ((offsets[:, 0] >= 0).all() and (offsets[fixed, 1] - offsets[fixed, 0] == sizes[fixed]).all()
+                and (offsets[:, 1] >= offsets[:, 0]).all() and (offsets[:, 1] <= layout.data_size).all()):
+            return None
+        return (offsets[:, 0] + (layout.file_size - layout.data_size)).tolist()
+
+    def _volatile_rows(self, data: np.ndarray, layout: FileLayout, meta: dict, begins: List[int]) -> Optional[dict]:
+        """Row stats, row shape texts, token-id candidates and bytes of the volatile tensors, or
+        None when one of them no longer has the rows the structure planned for."""
+        found = {"stats": [], "row_shapes": {}, "id_candidates": [], "bytes": 0}
+        if not self._volatile:
+            return found
+        tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()}
+        n_rows = len(meta["tokens"]["ids"])
+        row_plans = pass_rows(meta, n_rows, np.asarray(meta["tokens"]["valid"], dtype=bool))
+        for j, stored, count, why, by_token in self._volatile:
+            entry = layout.get(stored)
+            if entry is None or entry[2] != begins[j]:
+                return None
+            dtype, shape, begin, end = entry
+            plan = row_plans.plan(self._path, stored, tensor_metas[stored], shape)
+            if len(plan.srow) != count or plan.why != why or plan.by_token != by_token:
+                return None
+            view = plan.rows(data[begin:end].view(dtype.bits).reshape(shape))
+            found["stats"].append(row_stats(view, dtype))
+            text = _row_shape_text(dtype.name, plan)
+            for i in self._rows_of[stored]:
+                found["row_shapes"][i] = text
+            if may_hold_token_ids(plan, dtype):
+                found["id_candidates"].append((j, plan, dtype))
+            found["bytes"] += end - begin
+        return found
+
+
+def _row_shape_text(kind: str, plan) -> str:
+    return f"{kind}{[s for s in plan.view_shape[1:] if s != 1]}"
+
+
+def _add_stats(stats, fps: list, amaxes: list, nonfinites: list):
+    fp, amax, nonfinite = stats
+    fps.append(fp)
+    amaxes.append(np.full(len(fp), np.nan) if amax is None else amax)
+    nonfinites.append(nonfinite)

@@ -54,18 +54,21 @@ def padded_batch_dump(model, root, **config):
 
 
 @pytest.mark.parametrize("config", [{}, {"positions": "3:"}, {"last_rows": 2}], ids=["all", "positions", "last_rows"])
-def test_padded_batch_steps_index_as_tensor_by_tensor(llama, tmp_path, config):
+def test_padded_batch_steps_index_as_tensor_by_tensor(llama, tmp_path, config, monkeypatch):
+    built = count_structures(monkeypatch)
     dec = padded_batch_dump(llama, tmp_path, **config)
     passes = open_dump(str(dec)).ranks[0].passes
     assert len(passes) == 6
     for ref in passes:
         small, direct = tables_both_ways(ref)
         assert small == direct, ref.path
+    # the prefill; the first decode step; the second, where the masks are seen growing (they
+    # become volatile); the three steps after it reuse that one
+    assert len(built) == 3
 
 
-def test_a_steady_decode_reuses_one_structure_and_notices_a_change(llama, tmp_path, monkeypatch):
-    """One prompt without a mask: every decode step has the same structure, worked out once; a
-    second run with another batch size gets its own, and each step's tables stay exact."""
+def count_structures(monkeypatch) -> list:
+    """Counts the structures built from now on (none remembered from earlier tests)."""
     built = []
     real_init = smallpass.Structure.__init__
 
@@ -74,6 +77,13 @@ def test_a_steady_decode_reuses_one_structure_and_notices_a_change(llama, tmp_pa
         real_init(self, *args)
     monkeypatch.setattr(smallpass.Structure, "__init__", counting_init)
     monkeypatch.setattr(smallpass, "_known", type(smallpass._known)(maxlen=smallpass.REMEMBERED))
+    return built
+
+
+def test_a_steady_decode_reuses_one_structure_and_notices_a_change(llama, tmp_path, monkeypatch):
+    """One prompt without a mask: every decode step has the same structure, worked out once; a
+    second run with another batch size gets its own, and each step's tables stay exact."""
+    built = count_structures(monkeypatch)
     _, dec, _ = dump_pair(llama, tmp_path / "one", prompt_ids(10), new_tokens=8)
     passes = open_dump(dec).ranks[0].passes
     for ref in passes:
