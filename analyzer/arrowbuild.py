@@ -32,6 +32,10 @@ def dictionary(values: List[str], repeats: np.ndarray) -> Dictionary:
     return Dictionary(np.repeat(codes.reshape(-1), repeats), vocabulary.astype(object))
 
 
+def length(values: Column) -> int:
+    return len(values.codes) if isinstance(values, Dictionary) else len(values)
+
+
 def encoded(values: list) -> Dictionary:
     """A text column without nulls as a Dictionary: thousands of rows repeat a few hundred names,
     and a reader turns codes into strings far faster than it decodes each string."""
@@ -52,8 +56,14 @@ def concat(parts: List[Dict[str, Column]]) -> Dict[str, Column]:
     for name, first in parts[0].items():
         pieces = [part[name] for part in parts]
         if isinstance(first, Dictionary):
-            vocabulary = merged_vocabulary(*(p.vocabulary for p in pieces))
-            out[name] = Dictionary(np.concatenate([recode(p.vocabulary, vocabulary)[p.codes] for p in pieces]), vocabulary)
+            # Passes of one structure repeat one vocabulary: each distinct one is merged once.
+            keys = [tuple(p.vocabulary.tolist()) for p in pieces]
+            distinct = {}
+            for key, p in zip(keys, pieces):
+                distinct.setdefault(key, p.vocabulary)
+            vocabulary = merged_vocabulary(*distinct.values())
+            recoded = {key: recode(v, vocabulary) for key, v in distinct.items()}
+            out[name] = Dictionary(np.concatenate([recoded[key][p.codes] for key, p in zip(keys, pieces)]), vocabulary)
         elif isinstance(first, list):
             out[name] = [v for p in pieces for v in p]
         else:

@@ -36,7 +36,7 @@ from .errors import DumpError
 from .filelayout import usable_layout
 from .fingerprint import row_stats
 from .load import Dump, PassFile, show
-from .passtables import pass_tables, stored_tensors
+from .passtables import ENCODED, pass_tables, stored_tensors
 from .rowplan import pass_rows, row_columns
 from .smallpass import small_pass_tables
 
@@ -44,11 +44,7 @@ INDEX_VERSION = 5  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded 
 # 5: text columns dictionary-encoded (ENCODED)
 INDEX_DIR = "index"
 TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
-# Text columns stored dictionary-encoded (the rows table's are built so): reading tens of
-# thousands of tensor names of a long decode run back as strings one by one was most of a
-# strict verdict's own time.
-ENCODED = {"tokens": ("seq", "mode"), "calls": ("call", "module", "cls"),
-           "tensors": ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "stored")}
+
 
 
 class Index:
@@ -403,7 +399,7 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
     small = small_pass_tables(pf, n_rows, valid, on_bytes) if ref.nbytes < INLINE_PASS_BYTES else None
     tables.update(small or _tensor_by_tensor(pf, n_rows, valid, on_bytes))
     for table in tables.values():  # every table says whose rows it holds
-        n = len(next(iter(table.values())))
+        n = arrowbuild.length(next(iter(table.values())))
         table["rank"], table["pass"] = _repeat(ref.rank, n), _repeat(ref.pass_id, n)
     return tables
 

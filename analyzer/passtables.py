@@ -17,6 +17,14 @@ from .errors import DumpError
 from .load import PassFile, show
 
 
+# Text columns stored dictionary-encoded (the rows table's are built so): reading tens of
+# thousands of tensor names of a long decode run back as strings one by one was most of a
+# strict verdict's own time. The calls' and tensors' are encoded pass by pass (a structure's
+# once, analyzer/smallpass.py), the tokens' when the tables are joined.
+ENCODED = {"tokens": ("seq", "mode"), "calls": ("call", "module", "cls"),
+           "tensors": ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "stored")}
+
+
 def stored_tensors(pf: PassFile) -> Tuple[Dict[str, dict], List[str]]:
     """(metadata of every tensor name, the stored tensors in call order): an alias names the
     tensor whose bytes it shares (a module's output that is the next one's input)."""
@@ -59,6 +67,9 @@ def pass_tables(calls: list, tensor_metas: dict, stored_rows: Dict[str, tuple]) 
     tensors["selected"], tensors["is_ids"] = (np.array(tensors[k], dtype=bool) for k in ("selected", "is_ids"))
     tables["tensors"] = tensors
     tables["rows"] = _rows_table(row_parts)
+    for name in ("calls", "tensors"):
+        for column in ENCODED[name]:
+            tables[name][column] = arrowbuild.encoded(tables[name][column])
     return tables
 
 

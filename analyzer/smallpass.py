@@ -167,6 +167,8 @@ class Structure:
         self._rows_of = collections.defaultdict(list)  # stored name -> its tensors-table positions
         for i, (_, _, stored) in enumerate(names):
             self._rows_of[stored].append(i)
+        shape_column = self._tables["tensors"]["shape"]
+        self._shape_texts = shape_column.vocabulary[shape_column.codes].tolist()
         self._volatile_names = [(i, c, name) for i, (c, name, stored) in enumerate(names) if stored in self.volatile]
         self._part_shapes = [stored_rows[stored][0]["rowshape"] for _, _, stored in names]
         self._part_lengths = np.array([len(stored_rows[stored][0]["row"]) for _, _, stored in names], dtype=np.int64)
@@ -227,9 +229,10 @@ class Structure:
             if holds_token_ids(plan, view, dtype, token_ids):
                 is_ids[self._rows_of[self._stored[j]]] = True
         if self._volatile_names:
-            shapes = tensors["shape"] = list(tensors["shape"])
+            shapes = self._shape_texts.copy()
             for i, c, name in self._volatile_names:
                 shapes[i] = json_ints(meta["calls"][c]["tensors"][name]["shape"])
+            tensors["shape"] = arrowbuild.encoded(shapes)
             part_shapes = list(self._part_shapes)
             for i, text in volatile["row_shapes"].items():
                 part_shapes[i] = text
