@@ -20,7 +20,7 @@ from .dtypes import BY_NAME, DType, to_float64
 from .index import Index
 from .rowread import WHOLE_FILE_AFTER
 
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 128 << 20
 _ROW_SHAPE = re.compile(r"^([a-z0-9_]+)(\[.*\])$")
 
 
@@ -68,6 +68,8 @@ def read_batches(index: Index, tensors: List[str], entries: List[np.ndarray]) ->
     for start, stop, pass_id, i in zip(bounds[:-1].tolist(), bounds[1:].tolist(), passes[firsts].tolist(),
                                        batch_of[firsts].tolist()):
         if pass_id != last_pass:
+            if last_pass in broad:
+                reader.drop_whole(last_pass)
             last_pass = pass_id
             if pass_id in broad:
                 reader.read_broadly(pass_id)
@@ -81,6 +83,8 @@ def read_batches(index: Index, tensors: List[str], entries: List[np.ndarray]) ->
             mixed.add(i)
             continue
         out[i][place[mine]] = block
+    if last_pass in broad:
+        reader.drop_whole(last_pass)
     for i in mixed:
         out[i], types[i] = _mixed_rows(index, tensors[i], passes[batch_of == i], srows[batch_of == i])
     return list(zip(out, types))

@@ -152,6 +152,13 @@ class RowReader:
                 return
         self._alike = [(entries, data_size, layout)] + self._alike[:3]
 
+    def drop_whole(self, pass_id: int):
+        """A pass read broadly is done with: its whole file leaves the cache now (pass by pass,
+        it is not asked for again before the next chunk of batches)."""
+        slot = self._cache.pop((pass_id, None), None)
+        if slot is not None and slot["file"] is not None:
+            self._cached -= slot["file"].nbytes
+
     def read_broadly(self, pass_id: int):
         """The caller is about to ask for rows of many tensors of this pass: a small file is
         read whole at the first ask (and again if it was evicted meanwhile)."""
