@@ -282,8 +282,10 @@ def meta_problem(meta: dict) -> Optional[str]:
 
 # Calls already checked, by name. A call equal (==, in C) to one of them is replaced by it: equal
 # JSON values differ at most in 1 vs 1.0 vs true, and the checked one holds the types every later
-# stage relies on. The index build also recognises a decode step's structure by these objects
-# (analyzer/smallpass.py). A few per name: a prefill and its decode steps alternate in a run.
+# stage relies on. What is passed on as written (the scalar arguments a repro replays, the
+# skipped arguments' text) and the tensors' order must match exactly, not only ==. The index
+# build also recognises a decode step's structure by these objects (analyzer/smallpass.py).
+# A few per name: a prefill and its decode steps alternate in a run.
 _checked: Dict[str, list] = {}
 _checked_lock = threading.Lock()
 CHECKED_PER_NAME = 4
@@ -295,7 +297,12 @@ def _checked_call(call) -> Optional[dict]:
         return None
     with _checked_lock:
         known = list(_checked.get(name, ()))
-    return next((k for k in reversed(known) if k == call), None)
+    return next((k for k in reversed(known) if k == call and _same_as_written(k, call)), None)
+
+
+def _same_as_written(known: dict, call: dict) -> bool:
+    return (list(known["tensors"]) == list(call["tensors"])
+            and all(json.dumps(known.get(k)) == json.dumps(call.get(k)) for k in ("values", "skipped")))
 
 
 def _remember_call(call: dict):

@@ -155,6 +155,8 @@ class RowReader:
     def drop_whole(self, pass_id: int):
         """A pass read broadly is done with: its whole file leaves the cache now (pass by pass,
         it is not asked for again before the next chunk of batches)."""
+        self._broad.discard(pass_id)
+        self._read_whole.discard(pass_id)  # read whole on purpose, not a sign of thrashing
         slot = self._cache.pop((pass_id, None), None)
         if slot is not None and slot["file"] is not None:
             self._cached -= slot["file"].nbytes

@@ -47,7 +47,7 @@ def small_pass_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
     tables = None
     structure, changed = _recall(meta["calls"], key, layout)
     if structure is not None and not changed:
-        tables = structure.tables(data, layout, meta)  # None: a volatile tensor's rows changed too
+        tables = structure.tables(data, layout, pf)  # None: a volatile tensor's rows changed too
     if tables is None:
         volatile = structure.volatile | changed if structure is not None else frozenset()
         structure = Structure.of(pf, layout, n_rows, valid, volatile if len(volatile) <= MAX_VOLATILE else frozenset())
@@ -56,7 +56,7 @@ def small_pass_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
         structure.key = key
         with _known_lock:
             _known.append(structure)
-        tables = structure.tables(data, layout, meta)
+        tables = structure.tables(data, layout, pf)
     if on_bytes:
         on_bytes(int(tables.pop("_tensor_bytes")))
     else:
@@ -105,7 +105,8 @@ class Structure:
     def of(cls, pf: PassFile, layout: FileLayout, n_rows: int, valid: np.ndarray,
            volatile: frozenset = frozenset()) -> Optional["Structure"]:
         tensor_metas, stored_names = stored_tensors(pf)
-        if usable_layout(pf, stored_names, layout) is None:
+        if usable_layout(pf, stored_names, layout) is None or any(_large_and_scattered(layout, name, tensor_metas[name])
+                                                                  for name in stored_names):
             return None
         return cls(pf, layout, tensor_metas, stored_names, n_rows, valid, volatile)
 
@@ -113,7 +114,6 @@ class Structure:
                  valid: np.ndarray, volatile: frozenset):
         self.calls = pf.meta["calls"]
         self.volatile = frozenset(v for v in volatile if v in tensor_metas and v in stored_names)
-        self._path = pf.ref.path
         self._stored = stored_names
         self._facts = []  # per stored tensor: (header dtype code, header shape, bytes); shape None if volatile
         groups: Dict[tuple, dict] = {}  # (dtype, row shape) -> rows hashed together
@@ -196,13 +196,14 @@ class Structure:
                 return None  # the header disagrees with the metadata: the full build says so
         return changed
 
-    def tables(self, data: np.ndarray, layout: FileLayout, meta: dict) -> Optional[Dict[str, dict]]:
+    def tables(self, data: np.ndarray, layout: FileLayout, pf: PassFile) -> Optional[Dict[str, dict]]:
         """This structure's tables for one pass file, or None when its header does not place
         the tensors where this structure needs them (then a full build checks the file)."""
+        meta = pf.meta
         begins = self._begins(layout)
         if begins is None:
             return None
-        volatile = self._volatile_rows(data, layout, meta, begins)
+        volatile = self._volatile_rows(data, layout, pf, begins)
         if volatile is None:
             return None
         fps, amaxes, nonfinites = [], [], []
@@ -255,12 +256,13 @@ class Structure:
             return None
         return (offsets[:, 0] + (layout.file_size - layout.data_size)).tolist()
 
-    def _volatile_rows(self, data: np.ndarray, layout: FileLayout, meta: dict, begins: List[int]) -> Optional[dict]:
+    def _volatile_rows(self, data: np.ndarray, layout: FileLayout, pf: PassFile, begins: List[int]) -> Optional[dict]:
         """Row stats, row shape texts, token-id candidates and bytes of the volatile tensors, or
         None when one of them no longer has the rows the structure planned for."""
         found = {"stats": [], "row_shapes": {}, "id_candidates": [], "bytes": 0}
         if not self._volatile:
             return found
+        meta = pf.meta
         tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()}
         n_rows = len(meta["tokens"]["ids"])
         row_plans = pass_rows(meta, n_rows, np.asarray(meta["tokens"]["valid"], dtype=bool))
@@ -269,7 +271,7 @@ class Structure:
             if entry is None or entry[2] != begins[j]:
                 return None
             dtype, shape, begin, end = entry
-            plan = row_plans.plan(self._path, stored, tensor_metas[stored], shape)
+            plan = row_plans.plan(pf.ref.path, stored, tensor_metas[stored], shape)
             if len(plan.srow) != count or plan.why != why or plan.by_token != by_token:
                 return None
             view = plan.rows(data[begin:end].view(dtype.bits).reshape(shape))
@@ -281,6 +283,19 @@ class Structure:
                 found["id_candidates"].append((j, plan, dtype))
             found["bytes"] += end - begin
         return found
+
+
+SCATTERED_BYTES = 1 << 20
+
+
+def _large_and_scattered(layout: FileLayout, name: str, tmeta: dict) -> bool:
+    """A tensor whose token dims do not lead ([B, heads, S, D]) is gathered byte by byte through
+    an index 8x its size, kept with the structure: above SCATTERED_BYTES its pass is read
+    tensor by tensor instead (a prefill, never repeated)."""
+    dims = tmeta.get("token_dims")
+    scattered = dims is not None and not tmeta.get("selected") and dims != list(range(len(dims)))
+    dtype, shape, begin, end = layout.get(name)
+    return scattered and end - begin > SCATTERED_BYTES
 
 
 def _row_shape_text(kind: str, plan) -> str:

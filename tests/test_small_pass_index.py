@@ -157,3 +157,27 @@ def test_a_damaged_step_among_identical_ones_is_refused(llama, tmp_path, damage)
 def pq_rows(dump, table):
     import pyarrow.parquet as pq
     return json.dumps(pq.read_table(f"{dump}/index/{table}.parquet").to_pylist(), default=str)
+
+
+def test_a_step_keeps_its_own_scalar_values_and_tensor_order(llama, tmp_path):
+    """A call taken as already checked must match as written: a scalar argument of another type
+    (replayed by a repro) or another tensor order keeps the pass's own call."""
+    from dump_surgery import edit_pass_meta, pass_path
+    _, dec, _ = dump_pair(llama, tmp_path, prompt_ids(10), new_tokens=8)
+    passes = open_dump(dec).ranks[0].passes
+
+    def edit(meta):
+        root = meta["calls"][0]
+        key = next((k for k, v in root.get("values", {}).items() if type(v) is int), None)
+        if key is not None:
+            root["values"][key] = float(root["values"][key])
+        meta["calls"][2]["tensors"] = dict(reversed(list(meta["calls"][2]["tensors"].items())))
+        return key
+    keys = []
+    edit_pass_meta(pass_path(dec, 5), lambda meta: keys.append(edit(meta)))
+    PassFile(passes[4])  # the undamaged step before: its calls are checked and remembered
+    edited = PassFile(passes[5]).meta
+    assert keys[0] is not None  # the model call takes an int argument (logits_to_keep)
+    assert type(edited["calls"][0]["values"][keys[0]]) is float
+    before = list(PassFile(passes[4]).meta["calls"][2]["tensors"])
+    assert list(edited["calls"][2]["tensors"]) == before[::-1] != before
