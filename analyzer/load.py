@@ -295,14 +295,10 @@ def _checked_call(call) -> Optional[dict]:
     name = call.get("call") if type(call) is dict else None
     if type(name) is not str:
         return None
-    with _checked_lock:
-        known = list(_checked.get(name, ()))
-    return next((k for k in reversed(known) if k == call and _same_as_written(k, call)), None)
-
-
-def _same_as_written(known: dict, call: dict) -> bool:
-    return (list(known["tensors"]) == list(call["tensors"])
-            and all(json.dumps(known.get(k)) == json.dumps(call.get(k)) for k in ("values", "skipped")))
+    for known in reversed(tuple(_checked.get(name, ()))):  # a snapshot: another thread may append
+        if known == call and _same_as_written(known, call):
+            return known
+    return None
 
 
 def _remember_call(call: dict):
@@ -310,6 +306,25 @@ def _remember_call(call: dict):
         known = _checked.setdefault(call["call"], [])
         known.append(call)
         del known[:-CHECKED_PER_NAME]
+
+
+def _same_as_written(known: dict, call: dict) -> bool:
+    """Given known == call: equal as written too (empty ones need no spelling out)."""
+    if list(known["tensors"]) != list(call["tensors"]):
+        return False
+    values, skipped = (known.get("values"), call.get("values")), (known.get("skipped"), call.get("skipped"))
+    return (not any(values) or _alike(*values)) and (not any(skipped) or _alike(*skipped))
+
+
+def _alike(a, b) -> bool:
+    """Equal JSON values spelled alike: same types, same key order (1 is not 1.0 nor true)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        return list(a) == list(b) and all(_alike(a[k], b[k]) for k in a)
+    if type(a) is list:
+        return len(a) == len(b) and all(map(_alike, a, b))
+    return a == b
 
 
 class PassFile:
