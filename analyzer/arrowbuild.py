@@ -36,6 +36,11 @@ def length(values: Column) -> int:
     return len(values.codes) if isinstance(values, Dictionary) else len(values)
 
 
+def decoded(values: Dictionary) -> list:
+    """A Dictionary's values, spelled out."""
+    return values.vocabulary[values.codes].tolist()
+
+
 def encoded(values: list) -> Dictionary:
     """A text column without nulls as a Dictionary: thousands of rows repeat a few hundred names,
     and a reader turns codes into strings far faster than it decodes each string."""

@@ -70,6 +70,12 @@ class Columns:
         vocabulary, codes = np.unique(self[name].astype(str), return_inverse=True)
         return codes.reshape(-1), vocabulary.astype(object)
 
+    def firsts(self, name: str) -> np.ndarray:
+        """Positions of each distinct value's first entry in a text column, in table order (every
+        pass repeats its calls and tensors: a long decode run, hundreds of times)."""
+        codes, _ = self.codes(name)
+        return np.sort(np.unique(codes, return_index=True)[1])
+
     def take(self, which) -> "Columns":
         """The rows at the given positions, where a boolean mask is true, or in a slice (a view)."""
         for name in self.names:

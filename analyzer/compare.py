@@ -102,9 +102,8 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
     io_of = np.full(len(tensors), "", object)
     calls, call_code = [], {}
     tensor_code = {t: i for i, t in enumerate(tensors.tolist())}
-    b_codes, b_names = info.codes("tensor")
-    first = np.sort(np.unique(b_codes, return_index=True)[1])  # each name's first entry, in table order
-    for tensor, call, io in zip(b_names[b_codes[first]].tolist(), info["call"][first].tolist(), info["io"][first].tolist()):
+    first = info.firsts("tensor")
+    for tensor, call, io in zip(info["tensor"][first].tolist(), info["call"][first].tolist(), info["io"][first].tolist()):
         code = tensor_code.get(tensor)
         if code is None:
             continue
@@ -245,7 +244,8 @@ def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray)
     calls_b = b.cols("calls")
     n_calls = max(len(table.calls), 1)
     code_of = {c: i for i, c in enumerate(table.calls.tolist())}
-    codes_b = np.array([code_of.get(c, -1) for c in calls_b["call"].tolist()], dtype=np.int64)
+    codes, names = calls_b.codes("call")  # a long decode run: tens of thousands of entries, a few hundred names
+    codes_b = np.array([code_of.get(c, -1) for c in names.tolist()] or [-1], dtype=np.int64)[codes]
     known = np.nonzero(codes_b >= 0)[0]
     at_calls, at = join(calls_b["pass"][known].astype(np.int64) * n_calls + codes_b[known],
                         np.asarray(pass_b, np.int64) * n_calls + ccode)

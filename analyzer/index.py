@@ -46,7 +46,6 @@ INDEX_DIR = "index"
 TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
 
 
-
 class Index:
     """The five tables of one dump (or of one rank of it). ``index.tokens`` etc. are pandas frames,
     made on first use; ``index.cols("tokens")`` is the same table as numpy columns, which the

@@ -85,9 +85,9 @@ def find_routers(index: Index) -> List[dict]:
     """Router calls of a dump: a gate/router module of an MoE block with a float output over the
     experts, an integer output of chosen expert ids, or both."""
     calls = index.cols("calls")
-    first: Dict[str, tuple] = {}  # call -> (module, cls), as first seen
-    for call, module, cls in calls.rows(("call", "module", "cls")):
-        first.setdefault(call, (module, cls))
+    firsts = calls.firsts("call")
+    first = {call: (module, cls) for call, module, cls in  # call -> (module, cls), as first seen
+             zip(calls["call"][firsts].tolist(), calls["module"][firsts].tolist(), calls["cls"][firsts].tolist())}
     modules = {module for module, _ in first.values()}
     candidates = {}  # call -> (module, cls, parent) of a gate/router module
     for call, (module, cls) in first.items():

@@ -247,9 +247,8 @@ def call_traits(table: RowTable, b: Index) -> tuple:
     by_module: Dict[str, float] = {}
     module_of = {}
     calls_b = b.cols("calls")
-    codes, names = calls_b.codes("call")
-    first = np.unique(codes, return_index=True)[1]  # each call's first entry (every pass repeats it)
-    for call, module in zip(names[codes[first]].tolist(), calls_b["module"][first].tolist()):
+    first = calls_b.firsts("call")
+    for call, module in zip(calls_b["call"][first].tolist(), calls_b["module"][first].tolist()):
         module_of[call] = module or ""
     tensors = b.cols("tensors")
     # On the distinct (call, dtype, io, token rows or not) of B's tensors: a long decode run

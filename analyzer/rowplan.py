@@ -42,6 +42,13 @@ def stored_row_view(tensor: np.ndarray, tmeta: dict) -> np.ndarray:
     return moved.reshape((math.prod(moved.shape[:k]),) + tuple(moved.shape[k:]))  # not -1: a size can be 0
 
 
+def rows_lie_in_order(tmeta: dict) -> bool:
+    """Whether a tensor's token rows are consecutive runs of its bytes: no token dims, rows
+    already selected, or token dims that lead (no moveaxis)."""
+    dims = tmeta.get("token_dims")
+    return dims is None or bool(tmeta.get("selected")) or dims == list(range(len(dims)))
+
+
 def _view_shape(shape: List[int], tmeta: dict) -> tuple:
     """stored_row_view's shape, from the tensor's shape alone."""
     if tmeta.get("selected"):
@@ -56,8 +63,7 @@ class RowPlan:
 
     def __init__(self, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray, shape: tuple):
         self.shape = shape
-        dims = tmeta.get("token_dims")
-        self._view_meta = {"token_dims": dims, "selected": tmeta.get("selected")}  # what stored_row_view reads
+        self._view_meta = {"token_dims": tmeta.get("token_dims"), "selected": tmeta.get("selected")}  # for stored_row_view
         token_rows = token_rows_of(tmeta, meta, n_rows)
         self.why = None
         if token_rows is not None:
@@ -67,13 +73,17 @@ class RowPlan:
         self.by_token = token_rows is not None  # False: the whole tensor is one row
         if not self.by_token:
             self.view_shape, token_rows = (1,) + self.shape, [-1]
+        self.rest = tuple(s for s in self.view_shape[1:] if s != 1)  # a row's shape, unit dims left out
         rows_of = np.asarray(token_rows, dtype=np.int64)
         keep = (rows_of < 0) | valid[np.clip(rows_of, 0, None)] if len(valid) else rows_of < 0
         self.srow = np.nonzero(keep)[0]  # stored rows kept
         self.all_kept = bool(keep.all())
         self.kept_rows = rows_of[self.srow].astype(np.int32)  # their token rows (-1: no token rows)
-        # the rows are consecutive runs of the stored bytes, row after row (no moveaxis)
-        self.contiguous = not self.by_token or bool(tmeta.get("selected")) or dims == list(range(len(dims)))
+        self.contiguous = not self.by_token or rows_lie_in_order(tmeta)
+
+    def row_shape_text(self, kind: str) -> str:
+        """The rows table's ``rowshape`` of these rows holding elements of type ``kind``."""
+        return f"{kind}{list(self.rest)}"
 
     def rows(self, tensor: np.ndarray) -> np.ndarray:
         view = stored_row_view(tensor, self._view_meta) if self.by_token else tensor.reshape(self.view_shape)
@@ -105,8 +115,9 @@ class PassRows:
     """The token rows of a pass, and the row plans of its tensors: passes with the same token
     rows (the decode steps of a batch) share one, so a plan is made once per tensor shape."""
 
-    def __init__(self, meta: dict, n_rows: int, valid: np.ndarray):
+    def __init__(self, meta: dict, n_rows: int, valid: np.ndarray, key: tuple):
         self._meta, self._n_rows, self._valid = meta, n_rows, valid
+        self.key = key  # what the token rows are: equal keys, equal plans
         self._plans = {}
 
     def plan(self, path: str, stored: str, tmeta: dict, shape) -> RowPlan:
@@ -131,7 +142,7 @@ def pass_rows(meta: dict, n_rows: int, valid: np.ndarray) -> PassRows:
     with _pass_rows_lock:
         known = _pass_rows.get(key)
         if known is None:
-            known = _pass_rows[key] = PassRows(meta, n_rows, valid)
+            known = _pass_rows[key] = PassRows(meta, n_rows, valid, key)
             while len(_pass_rows) > 8:
                 _pass_rows.popitem(last=False)
         return known
@@ -142,16 +153,14 @@ def row_columns(plan: RowPlan, view: np.ndarray, dtype: DType, stats, token_ids)
     fps, amax, nonfinite = stats  # fingerprints, max |x|, inf/nan
     if amax is None:
         amax = np.full(len(fps), np.nan)
-    rest = tuple(s for s in plan.view_shape[1:] if s != 1)
-    columns = {"row": plan.kept_rows, "fp": fps.view(np.int64), "rowshape": f"{dtype.name}{list(rest)}",
+    columns = {"row": plan.kept_rows, "fp": fps.view(np.int64), "rowshape": plan.row_shape_text(dtype.name),
                "amax": amax, "nonfinite": nonfinite, "srow": plan.srow.astype(np.int32)}
     return columns, plan.why, holds_token_ids(plan, view, dtype, token_ids)
 
 
 def may_hold_token_ids(plan: RowPlan, dtype: DType) -> bool:
     """Whether the tensor could be the pass's token ids (an integer per token row), by shape alone."""
-    rest = tuple(s for s in plan.view_shape[1:] if s != 1)
-    return plan.why is None and plan.by_token and dtype.kind == "int" and len(rest) == 0
+    return plan.why is None and plan.by_token and dtype.kind == "int" and len(plan.rest) == 0
 
 
 def holds_token_ids(plan: RowPlan, view: np.ndarray, dtype: DType, token_ids) -> bool:

@@ -17,6 +17,7 @@ while the rest keeps the shared plan.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from typing import Dict, List, Optional, Set
 
@@ -27,7 +28,7 @@ from .filelayout import FileLayout, layout_of_bytes, read_whole_file, usable_lay
 from .fingerprint import row_stats
 from .load import PassFile
 from .passtables import json_ints, pass_tables, stored_tensors
-from .rowplan import holds_token_ids, may_hold_token_ids, pass_rows
+from .rowplan import PassRows, holds_token_ids, may_hold_token_ids, pass_rows, rows_lie_in_order
 
 REMEMBERED = 8  # structures kept: a run's prefill shapes, its decode step, other batch sizes
 MAX_VOLATILE = 16  # more tensors than this changing shape: not one structure
@@ -42,25 +43,22 @@ def small_pass_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
     layout = layout_of_bytes(data)
     if layout is None:
         return None
-    meta = pf.meta
-    key = (n_rows, valid.tobytes(), tuple(meta.get("last_rows") or ()), tuple(meta.get("kept_rows") or ()))
-    tables = None
-    structure, changed = _recall(meta["calls"], key, layout)
+    row_plans = pass_rows(pf.meta, n_rows, valid)
+    found = None
+    structure, changed = _recall(pf.meta["calls"], row_plans.key, layout)
     if structure is not None and not changed:
-        tables = structure.tables(data, layout, pf)  # None: a volatile tensor's rows changed too
-    if tables is None:
+        found = structure.tables(data, layout, pf, row_plans)  # None: a volatile tensor's rows changed too
+    if found is None:
         volatile = structure.volatile | changed if structure is not None else frozenset()
-        structure = Structure.of(pf, layout, n_rows, valid, volatile if len(volatile) <= MAX_VOLATILE else frozenset())
+        structure = Structure.of(pf, layout, row_plans, volatile if len(volatile) <= MAX_VOLATILE else frozenset())
         if structure is None:
             return None
-        structure.key = key
         with _known_lock:
             _known.append(structure)
-        tables = structure.tables(data, layout, pf)
+        found = structure.tables(data, layout, pf, row_plans)
+    tables, tensor_bytes = found
     if on_bytes:
-        on_bytes(int(tables.pop("_tensor_bytes")))
-    else:
-        tables.pop("_tensor_bytes")
+        on_bytes(tensor_bytes)
     return tables
 
 
@@ -99,21 +97,20 @@ def _shape_changes(old: dict, new: dict) -> Optional[Set[str]]:
 class Structure:
     """What indexing a pass of one structure needs besides the bytes."""
 
-    key: tuple
-
     @classmethod
-    def of(cls, pf: PassFile, layout: FileLayout, n_rows: int, valid: np.ndarray,
+    def of(cls, pf: PassFile, layout: FileLayout, row_plans: PassRows,
            volatile: frozenset = frozenset()) -> Optional["Structure"]:
         tensor_metas, stored_names = stored_tensors(pf)
         if usable_layout(pf, stored_names, layout) is None or any(_large_and_scattered(layout, name, tensor_metas[name])
                                                                   for name in stored_names):
             return None
-        return cls(pf, layout, tensor_metas, stored_names, n_rows, valid, volatile)
+        return cls(pf, layout, tensor_metas, stored_names, row_plans, volatile)
 
-    def __init__(self, pf: PassFile, layout: FileLayout, tensor_metas: dict, stored_names: list, n_rows: int,
-                 valid: np.ndarray, volatile: frozenset):
+    def __init__(self, pf: PassFile, layout: FileLayout, tensor_metas: dict, stored_names: list, row_plans: PassRows,
+                 volatile: frozenset):
         self.calls = pf.meta["calls"]
-        self.volatile = frozenset(v for v in volatile if v in tensor_metas and v in stored_names)
+        self.key = row_plans.key
+        self.volatile = volatile & set(stored_names)
         self._stored = stored_names
         self._facts = []  # per stored tensor: (header dtype code, header shape, bytes); shape None if volatile
         groups: Dict[tuple, dict] = {}  # (dtype, row shape) -> rows hashed together
@@ -121,7 +118,6 @@ class Structure:
         self._volatile = []  # (stored number, name, rows, why, by_token): planned and hashed per pass
         self._id_candidates = []  # (stored number, plan, dtype): may hold the token ids
         plans = {}
-        row_plans = pass_rows(pf.meta, n_rows, valid)
         for j, stored in enumerate(stored_names):
             dtype, shape, begin, end = layout.get(stored)
             entry = layout.header[stored]
@@ -157,21 +153,22 @@ class Structure:
             count = len(plan.srow)
             stored_rows[stored] = ({
                 "row": plan.kept_rows, "fp": np.arange(count, dtype=np.int64) + start,
-                "rowshape": _row_shape_text(kind, plan), "amax": np.zeros(count),
+                "rowshape": plan.row_shape_text(kind), "amax": np.zeros(count),
                 "nonfinite": np.zeros(count, np.int32), "srow": plan.srow.astype(np.int32)}, plan.why, False)
         self._tables = pass_tables(self.calls, tensor_metas, stored_rows)
         self._order = self._tables["rows"]["fp"]  # the hashed row of each rows-table row
-        # Per tensor name, in table order (pass_tables' order): its stored tensor and where it is.
-        names = [(c, name, tmeta.get("alias") or name) for c, call in enumerate(self.calls)
-                 for name, tmeta in call["tensors"].items()]
+        # Per tensors-table row (one per tensor name; the rows table's parts, in the same order):
+        # its name and stored tensor.
+        tensors = self._tables["tensors"]
+        names, stored_of = arrowbuild.decoded(tensors["tensor"]), arrowbuild.decoded(tensors["stored"])
         self._rows_of = collections.defaultdict(list)  # stored name -> its tensors-table positions
-        for i, (_, _, stored) in enumerate(names):
+        for i, stored in enumerate(stored_of):
             self._rows_of[stored].append(i)
-        shape_column = self._tables["tensors"]["shape"]
-        self._shape_texts = shape_column.vocabulary[shape_column.codes].tolist()
-        self._volatile_names = [(i, c, name) for i, (c, name, stored) in enumerate(names) if stored in self.volatile]
-        self._part_shapes = [stored_rows[stored][0]["rowshape"] for _, _, stored in names]
-        self._part_lengths = np.array([len(stored_rows[stored][0]["row"]) for _, _, stored in names], dtype=np.int64)
+        self._shape_texts = arrowbuild.decoded(tensors["shape"])
+        self._volatile_names = [(i, name) for i, (name, stored) in enumerate(zip(names, stored_of))
+                                if stored in self.volatile]
+        self._part_shapes = [stored_rows[stored][0]["rowshape"] for stored in stored_of]
+        self._part_lengths = np.array([len(stored_rows[stored][0]["row"]) for stored in stored_of], dtype=np.int64)
 
     def changed_tensors(self, calls: list, layout: FileLayout) -> Optional[Set[str]]:
         """The stored tensors whose shape differs in a pass with these calls and header, or None
@@ -196,14 +193,17 @@ class Structure:
                 return None  # the header disagrees with the metadata: the full build says so
         return changed
 
-    def tables(self, data: np.ndarray, layout: FileLayout, pf: PassFile) -> Optional[Dict[str, dict]]:
-        """This structure's tables for one pass file, or None when its header does not place
-        the tensors where this structure needs them (then a full build checks the file)."""
+    def tables(self, data: np.ndarray, layout: FileLayout, pf: PassFile, row_plans: PassRows):
+        """(this structure's tables for one pass file, its tensor bytes), or None when its header
+        does not place the tensors where this structure needs them (then a full build checks
+        the file)."""
         meta = pf.meta
         begins = self._begins(layout)
         if begins is None:
             return None
-        volatile = self._volatile_rows(data, layout, pf, begins)
+        tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()} \
+            if self._volatile else {}
+        volatile = self._volatile_rows(data, layout, pf.ref.path, tensor_metas, row_plans, begins)
         if volatile is None:
             return None
         fps, amaxes, nonfinites = [], [], []
@@ -226,20 +226,19 @@ class Structure:
         token_ids = meta["tokens"]["ids"]
         for j, plan, dtype in self._id_candidates + volatile["id_candidates"]:
             begin = begins[j]
-            view = plan.rows(data[begin:begin + int(np.prod(plan.shape)) * dtype.size].view(dtype.bits).reshape(plan.shape))
+            view = plan.rows(data[begin:begin + math.prod(plan.shape) * dtype.size].view(dtype.bits).reshape(plan.shape))
             if holds_token_ids(plan, view, dtype, token_ids):
                 is_ids[self._rows_of[self._stored[j]]] = True
         if self._volatile_names:
             shapes = self._shape_texts.copy()
-            for i, c, name in self._volatile_names:
-                shapes[i] = json_ints(meta["calls"][c]["tensors"][name]["shape"])
+            for i, name in self._volatile_names:
+                shapes[i] = json_ints(tensor_metas[name]["shape"])
             tensors["shape"] = arrowbuild.encoded(shapes)
             part_shapes = list(self._part_shapes)
             for i, text in volatile["row_shapes"].items():
                 part_shapes[i] = text
             rows["rowshape"] = arrowbuild.dictionary(part_shapes, self._part_lengths)
-        tables["_tensor_bytes"] = volatile["bytes"] + self._fixed_bytes
-        return tables
+        return tables, volatile["bytes"] + self._fixed_bytes
 
     def _begins(self, layout: FileLayout) -> Optional[List[int]]:
         """Each stored tensor's first byte in this file; None where the header places one where
@@ -256,27 +255,22 @@ class Structure:
             return None
         return (offsets[:, 0] + (layout.file_size - layout.data_size)).tolist()
 
-    def _volatile_rows(self, data: np.ndarray, layout: FileLayout, pf: PassFile, begins: List[int]) -> Optional[dict]:
+    def _volatile_rows(self, data: np.ndarray, layout: FileLayout, path: str, tensor_metas: dict, row_plans: PassRows,
+                       begins: List[int]) -> Optional[dict]:
         """Row stats, row shape texts, token-id candidates and bytes of the volatile tensors, or
         None when one of them no longer has the rows the structure planned for."""
         found = {"stats": [], "row_shapes": {}, "id_candidates": [], "bytes": 0}
-        if not self._volatile:
-            return found
-        meta = pf.meta
-        tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()}
-        n_rows = len(meta["tokens"]["ids"])
-        row_plans = pass_rows(meta, n_rows, np.asarray(meta["tokens"]["valid"], dtype=bool))
         for j, stored, count, why, by_token in self._volatile:
             entry = layout.get(stored)
             if entry is None or entry[2] != begins[j]:
                 return None
             dtype, shape, begin, end = entry
-            plan = row_plans.plan(pf.ref.path, stored, tensor_metas[stored], shape)
+            plan = row_plans.plan(path, stored, tensor_metas[stored], shape)
             if len(plan.srow) != count or plan.why != why or plan.by_token != by_token:
                 return None
             view = plan.rows(data[begin:end].view(dtype.bits).reshape(shape))
             found["stats"].append(row_stats(view, dtype))
-            text = _row_shape_text(dtype.name, plan)
+            text = plan.row_shape_text(dtype.name)
             for i in self._rows_of[stored]:
                 found["row_shapes"][i] = text
             if may_hold_token_ids(plan, dtype):
@@ -292,14 +286,8 @@ def _large_and_scattered(layout: FileLayout, name: str, tmeta: dict) -> bool:
     """A tensor whose token dims do not lead ([B, heads, S, D]) is gathered byte by byte through
     an index 8x its size, kept with the structure: above SCATTERED_BYTES its pass is read
     tensor by tensor instead (a prefill, never repeated)."""
-    dims = tmeta.get("token_dims")
-    scattered = dims is not None and not tmeta.get("selected") and dims != list(range(len(dims)))
     dtype, shape, begin, end = layout.get(name)
-    return scattered and end - begin > SCATTERED_BYTES
-
-
-def _row_shape_text(kind: str, plan) -> str:
-    return f"{kind}{[s for s in plan.view_shape[1:] if s != 1]}"
+    return not rows_lie_in_order(tmeta) and end - begin > SCATTERED_BYTES
 
 
 def _add_stats(stats, fps: list, amaxes: list, nonfinites: list):
