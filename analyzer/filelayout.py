@@ -12,7 +12,7 @@ import numpy as np
 
 from .dtypes import BY_CODE
 from .errors import DumpError
-from .load import PassFile, show
+from .errors import show
 
 MAX_HEADER_BYTES = 1 << 30
 
@@ -95,9 +95,9 @@ def _parsed(header_bytes: bytes, data_start: int, file_size: int) -> Optional[Fi
     return FileLayout(header, data_start, file_size) if isinstance(header, dict) else None
 
 
-def usable_layout(pf: PassFile, names: List[str], layout: Optional[FileLayout] = None) -> Optional[FileLayout]:
-    """The file's layout when this reader follows the header for every name, else None."""
-    layout = layout or file_layout(pf.ref.path)
+def usable_layout(pf, names: List[str], layout: Optional[FileLayout] = None) -> Optional[FileLayout]:
+    """The layout of a PassFile's file when this reader follows the header for every name, else None."""
+    layout = layout or pf.layout or file_layout(pf.ref.path)
     return None if layout is None or any(layout.get(name) is None for name in names) else layout
 
 

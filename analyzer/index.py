@@ -327,7 +327,7 @@ def _start_in_processes(small_refs: dict, advance):
 
 def _index_small_pass(ref) -> Dict[str, dict]:
     """A worker process's job: one small pass's table columns."""
-    return index_pass(PassFile(ref))
+    return index_pass(PassFile(ref, whole=True))
 
 
 def build_tables(dump: Dump, progress: bool = True) -> dict:
@@ -345,7 +345,7 @@ def build_tables(dump: Dump, progress: bool = True) -> dict:
             with lock:
                 counted[0] += nbytes
                 bar.update(nbytes)
-        tables = index_pass(PassFile(ref), on_bytes=advance)
+        tables = index_pass(PassFile(ref, whole=ref.nbytes < INLINE_PASS_BYTES), on_bytes=advance)
         with lock:
             bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
         return tables

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
-import threading
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -20,9 +18,11 @@ from safetensors import SafetensorError, safe_open
 from dumper import format as fmt
 
 from .dtypes import BY_CODE, DType
-from .errors import DumpError
+from .errors import DumpError, show
+from .metacheck import is_int, is_str
+from .metaparse import parse_meta
+from .passheader import read_header
 
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 LOCK_FILE = ".lock"  # dumper/writer.py's lock file; its text says whether the writer closed the dump
 
 
@@ -71,11 +71,6 @@ class Dump:
                 notes.append(f"{self.label} rank{rank.rank}: {len(rank.orphans)} uncommitted pass file(s) ignored "
                              f"(writer was killed mid-write): {', '.join(rank.orphans[:3])}")
         return notes
-
-
-def show(path: str) -> str:
-    """A path printable on any terminal, even with undecodable bytes in it."""
-    return os.fsdecode(path).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def open_dump(path: str) -> Dump:
@@ -149,7 +144,7 @@ def _read_rank(rank: int, rank_dir: str) -> RankDump:
             try:
                 entry = json.loads(line.decode("utf-8"))
                 pass_id, name, nbytes = entry["pass"], entry["file"], entry["bytes"]
-                if not (_int(pass_id) and _str(name) and _int(nbytes)):  # json reads Infinity, 1e999, 1.5 too
+                if not (is_int(pass_id) and is_str(name) and is_int(nbytes)):  # json reads Infinity, 1e999, 1.5 too
                     raise ValueError("not a manifest entry")
             except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
                 if number >= len(lines) - 1:  # only the last line can be torn by a crash
@@ -199,167 +194,34 @@ def _safe_open(path: str, framework: str = "numpy"):
     return safe_open(path, framework=framework)
 
 
-# --- the shape of pass metadata (dumper/format.py), checked once here so that every later stage
-# can trust it: a damaged or forged header becomes a DumpError, never a TypeError deep inside.
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
-
-
-def _str(v) -> bool:
-    return isinstance(v, str)
-
-
-def _list_of(v, ok) -> bool:
-    return isinstance(v, list) and all(ok(x) for x in v)
-
-
-def _optional(v, ok) -> bool:
-    return v is None or ok(v)
-
-
-def _ints_within(values, low: int, high: int) -> bool:
-    """A list of ints (JSON ints: never bools) with low <= v < high. Written out, not with the
-    helpers above: it runs for every dim of every tensor of every pass (a decode step has hundreds)."""
-    if type(values) is not list:
-        return False
-    for v in values:
-        if type(v) is not int or v < low or v >= high:
-            return False
-    return True
-
-
-def _tensor_meta_ok(t) -> bool:
-    if type(t) is not dict or not _ints_within(t.get("shape"), 0, 2**63):
-        return False
-    dims = t.get("token_dims")
-    return (type(t.get("dtype")) is str and t.get("rows") in (None, "all", "last")
-            and (dims is None or (_ints_within(dims, 0, len(t["shape"])) and len(set(dims)) == len(dims)))
-            and _optional(t.get("alias"), _str) and _optional(t.get("why"), _str)
-            and type(t.get("selected", False)) is bool)
-
-
-def _call_ok(c) -> bool:
-    return (isinstance(c, dict) and all(_str(c.get(k)) for k in ("call", "module", "cls")) and _int(c.get("pre"))
-            and _optional(c.get("post"), _int) and isinstance(c.get("tensors"), dict)
-            and all(_str(k) and _tensor_meta_ok(v) for k, v in c["tensors"].items())
-            and isinstance(c.get("values", {}), dict) and isinstance(c.get("skipped", {}), dict))
-
-
-def meta_problem(meta: dict) -> Optional[str]:
-    """The first field of the pass metadata the analyzer relies on that is malformed, or None."""
-    tokens = meta.get("tokens")
-    if not isinstance(tokens, dict):
-        return "tokens"
-    columns = {"ids": _int, "pos": _int, "seq": _str, "valid": lambda v: isinstance(v, bool)}
-    for key, ok in columns.items():
-        if not _list_of(tokens.get(key), ok) or len(tokens[key]) != len(tokens.get("ids") or []):
-            return f"tokens.{key}"
-    in_pass = lambda r: _int(r) and 0 <= r < len(tokens["ids"])  # noqa: E731
-    checks = {
-        "token_shape": _list_of(meta.get("token_shape"), _int),
-        "mode": _optional(meta.get("mode"), _str), "step": _optional(meta.get("step"), _int),
-        "kept_rows": _optional(meta.get("kept_rows"), lambda v: _list_of(v, in_pass)),
-        "last_rows": _optional(meta.get("last_rows"), lambda v: _list_of(v, in_pass)),
-        "seqs": _list_of(meta.get("seqs", []), lambda q: isinstance(q, dict) and _str(q.get("seq"))
-                         and _list_of(q.get("rows"), _int) and len(q["rows"]) == 2
-                         and ("prefix_ids" not in q or _list_of(q["prefix_ids"], _int))),
-        "calls": isinstance(meta.get("calls"), list),
-    }
-    bad = next((key for key, ok in checks.items() if not ok), None)
-    if bad:
-        return bad
-    calls = meta["calls"]
-    for i, call in enumerate(calls):
-        known = _checked_call(call)
-        if known is not None:  # a decode step repeats the calls of the step before, shapes and all
-            calls[i] = known
-        elif not _call_ok(call):
-            return f"calls[{i}]"
-        else:
-            _remember_call(call)
-    return None
-
-
-# Calls already checked, by name. A call equal (==, in C) to one of them is replaced by it: equal
-# JSON values differ at most in 1 vs 1.0 vs true, and the checked one holds the types every later
-# stage relies on. What is passed on as written (the scalar arguments a repro replays, the
-# skipped arguments' text) and the tensors' order must match exactly, not only ==. The index
-# build also recognises a decode step's structure by these objects (analyzer/smallpass.py).
-# A few per name: a prefill and its decode steps alternate in a run.
-_checked: Dict[str, list] = {}
-_checked_lock = threading.Lock()
-CHECKED_PER_NAME = 4
-
-
-def _checked_call(call) -> Optional[dict]:
-    name = call.get("call") if type(call) is dict else None
-    if type(name) is not str:
-        return None
-    for known in reversed(tuple(_checked.get(name, ()))):  # a snapshot: another thread may append
-        if known == call and _same_as_written(known, call):
-            return known
-    return None
-
-
-def _remember_call(call: dict):
-    with _checked_lock:
-        known = _checked.setdefault(call["call"], [])
-        known.append(call)
-        del known[:-CHECKED_PER_NAME]
-
-
-def _same_as_written(known: dict, call: dict) -> bool:
-    """Given known == call: equal as written too (empty ones need no spelling out)."""
-    if list(known["tensors"]) != list(call["tensors"]):
-        return False
-    values, skipped = (known.get("values"), call.get("values")), (known.get("skipped"), call.get("skipped"))
-    return (not any(values) or _alike(*values)) and (not any(skipped) or _alike(*skipped))
-
-
-def _alike(a, b) -> bool:
-    """Equal JSON values spelled alike: same types, same key order (1 is not 1.0 nor true)."""
-    if type(a) is not type(b):
-        return False
-    if type(a) is dict:
-        return list(a) == list(b) and all(_alike(a[k], b[k]) for k in a)
-    if type(a) is list:
-        return len(a) == len(b) and all(map(_alike, a, b))
-    return a == b
-
-
 class PassFile:
     """One committed pass: its metadata and lazy access to its tensors."""
 
-    def __init__(self, ref: PassRef):
+    def __init__(self, ref: PassRef, whole: bool = False):
+        """``whole``: read the whole file now and keep its bytes as ``data`` (a small pass)."""
         self.ref = ref
-        self._torch_file = None
-        try:
-            self._file = _safe_open(ref.path)
-            header = self._file.metadata() or {}
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise DumpError(f"{show(ref.path)}: corrupt pass file ({exc}); re-copy or re-dump it") from None
-        raw = header.get(fmt.PASS_META_KEY)
-        if raw is None:
-            raise DumpError(f"{show(ref.path)}: no dumpdiff metadata in the safetensors header; not a dumpdiff pass file")
-        try:
-            self.meta = json.loads(raw)
-            # JSON escapes can smuggle in lone surrogates ("\udcff") that no later stage (parquet, the
-            # report) can encode; refuse them here, with the file's name, instead of failing later.
-            # Only a \uD800-\uDFFF escape makes one: the whole text is checked when it holds one.
-            if _SURROGATE_ESCAPE.search(raw):
-                json.dumps(self.meta, ensure_ascii=False).encode("utf-8")
-        except (ValueError, RecursionError):
-            raise DumpError(f"{show(ref.path)}: pass metadata is not valid JSON or holds invalid text; "
-                            "the file is damaged") from None
-        if not isinstance(self.meta, dict):
-            raise DumpError(f"{show(ref.path)}: pass metadata is not a JSON object; the file is damaged")
-        missing = [k for k in ("tokens", "calls", "token_shape") if k not in self.meta]
-        if missing:
-            raise DumpError(f"{show(ref.path)}: pass metadata lacks {missing}; the file is damaged or from another tool")
-        wrong = meta_problem(self.meta)
-        if wrong:
-            raise DumpError(f"{show(ref.path)}: pass metadata field {wrong} is malformed; the file is damaged")
-        self.names = set(self._file.keys())
+        self._file = self._torch_file = None
+        header, self.data = read_header(ref.path, whole)
+        if self.data is not None and len(self.data) != ref.nbytes:
+            raise DumpError(f"{show(ref.path)}: changed while being read; copy the dump again")
+        if header is not None:  # checked by us as safetensors would: no need to open it yet
+            self.layout, self.names, raw = header.layout, header.names, header.meta_text
+        else:  # safetensors opens it, and names what is wrong
+            self.layout = None
+            raw = self._safetensors().metadata() or {}
+            raw = raw.get(fmt.PASS_META_KEY)
+            if raw is None:
+                raise DumpError(f"{show(ref.path)}: no dumpdiff metadata in the safetensors header; not a dumpdiff pass file")
+            self.names = set(self._file.keys())
+        self.meta = parse_meta(raw, ref.path)
+
+    def _safetensors(self):
+        if self._file is None:
+            try:
+                self._file = _safe_open(self.ref.path)
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise DumpError(f"{show(self.ref.path)}: corrupt pass file ({exc}); re-copy or re-dump it") from None
+        return self._file
 
     def tensor(self, name: str):
         """The tensor as torch (imported here, not before)."""
@@ -376,9 +238,10 @@ class PassFile:
         unless numpy cannot read the type)."""
         self._check(name)
         try:
-            dtype = BY_CODE.get(self._file.get_slice(name).get_dtype())
+            opened = self._safetensors()
+            dtype = BY_CODE.get(opened.get_slice(name).get_dtype())
             if dtype is not None and dtype.native is not None:
-                return np.ascontiguousarray(self._file.get_tensor(name)).view(dtype.bits), dtype
+                return np.ascontiguousarray(opened.get_tensor(name)).view(dtype.bits), dtype
         except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
             raise DumpError(f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged") from None
         from .torchbits import from_torch  # bfloat16, float8: numpy has no such type

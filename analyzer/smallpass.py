@@ -39,8 +39,8 @@ _known_lock = threading.Lock()  # passes are indexed on two threads at once
 def small_pass_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) -> Optional[Dict[str, dict]]:
     """The calls, tensors and rows tables of a small pass, or None when its header is not one
     this reader follows (then the caller reads it tensor by tensor, through safetensors)."""
-    data = read_whole_file(pf.ref.path, pf.ref.nbytes)
-    layout = layout_of_bytes(data)
+    data = pf.data if pf.data is not None else read_whole_file(pf.ref.path, pf.ref.nbytes)
+    layout = pf.layout or layout_of_bytes(data)
     if layout is None:
         return None
     row_plans = pass_rows(pf.meta, n_rows, valid)
@@ -77,8 +77,8 @@ def _recall(calls: list, key: tuple, layout: FileLayout):
 
 def _shape_changes(old: dict, new: dict) -> Optional[Set[str]]:
     """Names of the tensors whose shape alone differs between two calls; None when anything
-    else does. Each call is the very object of an earlier pass when load.meta_problem found it
-    equal to one, so most calls are skipped by an identity test."""
+    else does. A call whose text repeats an earlier pass's is that pass's very object
+    (analyzer/metaparse.py), so most calls are skipped by an identity test."""
     if old.keys() != new.keys() or any(old[k] != new[k] for k in old if k != "tensors"):
         return None
     before, after = old["tensors"], new["tensors"]
@@ -110,6 +110,8 @@ class Structure:
                  volatile: frozenset):
         self.calls = pf.meta["calls"]
         self.key = row_plans.key
+        self._header = layout.header  # a later file whose entries text repeats this one's shares it
+        self._offsets = None  # each stored tensor's first byte from the data start, once checked
         self.volatile = volatile & set(stored_names)
         self._stored = stored_names
         self._facts = []  # per stored tensor: (header dtype code, header shape, bytes); shape None if volatile
@@ -185,6 +187,8 @@ class Structure:
             stored_of = {name: tmeta.get("alias") or name for call in calls for name, tmeta in call["tensors"].items()}
             changed = {stored_of[name] for name in changed_names}
         header = layout.header
+        if header is self._header:  # the very entries this structure was made from
+            return changed
         for stored, (code, shape, _) in zip(self._stored, self._facts):
             entry = header.get(stored)
             if type(entry) is not dict or entry.get("dtype") != code:
@@ -244,6 +248,8 @@ class Structure:
         """Each stored tensor's first byte in this file; None where the header places one where
         it does not fit the structure or the file."""
         header = layout.header
+        if header is self._header and self._offsets is not None:
+            return (self._offsets + (layout.file_size - layout.data_size)).tolist()
         try:
             offsets = np.array([header[name]["data_offsets"] for name in self._stored], dtype=np.int64).reshape(-1, 2)
         except (KeyError, TypeError, ValueError, OverflowError):
@@ -253,6 +259,8 @@ class Structure:
         if not ((offsets[:, 0] >= 0).all() and (offsets[fixed, 1] - offsets[fixed, 0] == sizes[fixed]).all()
                 and (offsets[:, 1] >= offsets[:, 0]).all() and (offsets[:, 1] <= layout.data_size).all()):
             return None
+        if header is self._header:
+            self._offsets = offsets[:, 0]
         return (offsets[:, 0] + (layout.file_size - layout.data_size)).tolist()
 
     def _volatile_rows(self, data: np.ndarray, layout: FileLayout, path: str, tensor_metas: dict, row_plans: PassRows,

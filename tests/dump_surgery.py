@@ -56,7 +56,7 @@ def rewrite_header(path: str, edit: Callable[[dict], object]):
         data = handle.read()
     length = struct.unpack("<Q", data[:8])[0]
     header = edit(json.loads(data[8:8 + length]))
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()  # as safetensors writes
     raw += b" " * (-len(raw) % 8)  # safetensors pads headers to 8 bytes
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
@@ -68,7 +68,7 @@ def edit_pass_meta(path: str, edit: Callable[[dict], None]):
     def change(header):
         meta = json.loads(header["__metadata__"]["dumpdiff.pass"])
         edit(meta)
-        header["__metadata__"]["dumpdiff.pass"] = json.dumps(meta)
+        header["__metadata__"]["dumpdiff.pass"] = json.dumps(meta, separators=(",", ":"))  # as the dumper writes
         return header
     rewrite_header(path, change)
 

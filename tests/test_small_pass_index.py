@@ -126,15 +126,12 @@ def test_row_plans_find_the_bytes_of_kept_rows():
 
 @pytest.mark.parametrize("damage", ["float shape", "bool pre", "string dim"])
 def test_a_damaged_step_among_identical_ones_is_refused(llama, tmp_path, damage):
-    """Steps equal to a checked one skip re-checking; a damaged step is not equal to any, so it is
-    checked and refused (one line, exit 2) or, where JSON's 1 == 1.0 == true makes it equal, read
-    with the checked types: the tables are those of the undamaged dump."""
+    """Calls written as in a checked step skip re-checking; a damaged step's calls are not written
+    so (even where JSON's 1 == 1.0 == true makes them equal), so they are checked and refused:
+    one line, exit 2."""
     from dump_surgery import edit_pass_meta, one_line_error, pass_path
     from helpers import dumpdiff
     _, dec, _ = dump_pair(llama, tmp_path, prompt_ids(10), new_tokens=8)
-    code, _, err = dumpdiff("index", dec, "--no-progress")
-    assert code == 0, err
-    before = {n: pq_rows(dec, n) for n in ("calls", "tensors", "rows")}
 
     def edit(meta):
         tensors = meta["calls"][-1]["tensors"]
@@ -146,17 +143,7 @@ def test_a_damaged_step_among_identical_ones_is_refused(llama, tmp_path, damage)
         else:
             tensors[name]["token_dims"] = ["0"]
     edit_pass_meta(pass_path(dec, 5), edit)
-    result = dumpdiff("index", dec, "--rebuild", "--no-progress")
-    if damage == "string dim" or (damage == "bool pre" and result[0] != 0):
-        one_line_error(result, "pass-000005")
-    else:
-        assert result[0] == 0, result[2]
-        assert {n: pq_rows(dec, n) for n in ("calls", "tensors", "rows")} == before
-
-
-def pq_rows(dump, table):
-    import pyarrow.parquet as pq
-    return json.dumps(pq.read_table(f"{dump}/index/{table}.parquet").to_pylist(), default=str)
+    one_line_error(dumpdiff("index", dec, "--rebuild", "--no-progress"), "pass-000005", "is malformed")
 
 
 def test_a_step_keeps_its_own_scalar_values_and_tensor_order(llama, tmp_path):
