@@ -117,6 +117,8 @@ def error_items(culprit: dict) -> List[Tuple[str, str]]:
              ("dtype", clean(culprit.get("dtype") or "?"))]
     if culprit.get("ref_absmax") is not None:
         items.append(("reference max |x|", fmt_num(culprit["ref_absmax"])))
+    if culprit.get("error_note"):
+        items.append(("note", clean(culprit["error_note"])))
     return items
 
 

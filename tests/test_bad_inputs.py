@@ -259,3 +259,31 @@ def test_damaged_index_is_one_line_and_rebuild_index_recovers(dumps, tmp_path):
                    "rows.parquet: cannot be read", "rerun with --rebuild-index")
     code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress", "--rebuild-index")
     assert code in (0, 1) and "alignment proof: OK" in out, err
+
+
+@pytest.mark.parametrize("every", [False, True], ids=["one decode step", "every decode step"])
+def test_a_tensor_given_other_token_dims_is_compared_without_crashing(dumps, tmp_path, every):
+    """A hand-edited or damaged metadata gives the culprit's output other token dims, so its rows
+    have another shape in some passes (found by the fuzzer: error figures joined rows of two
+    shapes). The verdict still names the call; the error figures come from the rows held alike,
+    or, where none is, say so instead of a number. Every report format renders it."""
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+
+    def edit(meta):
+        call = next(c for c in meta["calls"] if c["call"] == "model.layers.0.self_attn.q_proj#0")
+        call["tensors"]["model.layers.0.self_attn.q_proj#0.out.0"]["token_dims"] = [0]  # rows of [1, 64]
+    decode_steps = [entry["pass"] for entry in read_manifest(dec)][1:]
+    for pass_id in decode_steps if every else decode_steps[:1]:
+        edit_pass_meta(pass_path(dec, pass_id), edit)
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
+    assert code == 1 and "Traceback" not in err, err
+    culprit = json.loads(out)["ranks"]["0"]["culprit"]
+    assert culprit["call"] == "model.layers.0.self_attn.q_proj#0"
+    if not every:
+        assert culprit["max_abs"] > 0 and "error_note" not in culprit
+    else:
+        assert culprit["max_abs"] is None and "other shapes" in culprit["error_note"]
+    for fmt in ("text", "md", "html"):
+        code_f, out_f, err_f = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", fmt)
+        assert code_f == 1 and "q_proj" in out_f and "Traceback" not in err_f, err_f
