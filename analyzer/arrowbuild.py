@@ -23,7 +23,13 @@ class Dictionary(NamedTuple):
     vocabulary: np.ndarray  # distinct strings, sorted
 
 
-Column = Union[np.ndarray, list, Dictionary]
+class TextPieces(NamedTuple):
+    """A text column of many passes, pass by pass: the passes of one structure share one list,
+    turned into an arrow array once."""
+    pieces: list
+
+
+Column = Union[np.ndarray, list, Dictionary, TextPieces]
 
 
 def dictionary(values: List[str], repeats: np.ndarray) -> Dictionary:
@@ -33,6 +39,8 @@ def dictionary(values: List[str], repeats: np.ndarray) -> Dictionary:
 
 
 def length(values: Column) -> int:
+    if isinstance(values, TextPieces):
+        return sum(map(len, values.pieces))
     return len(values.codes) if isinstance(values, Dictionary) else len(values)
 
 
@@ -70,7 +78,7 @@ def concat(parts: List[Dict[str, Column]]) -> Dict[str, Column]:
             recoded = {key: recode(v, vocabulary) for key, v in distinct.items()}
             out[name] = Dictionary(np.concatenate([recoded[key][p.codes] for key, p in zip(keys, pieces)]), vocabulary)
         elif isinstance(first, list):
-            out[name] = [v for p in pieces for v in p]
+            out[name] = TextPieces(pieces)
         else:
             out[name] = np.concatenate(pieces)
     return out
@@ -80,8 +88,10 @@ def table(columns: Dict[str, Column], encode=()):
     """A pyarrow Table; the text columns named in ``encode`` are stored dictionary-encoded when
     they hold no null."""
     import pyarrow as pa
-    columns = {name: encoded(values) if name in encode and isinstance(values, list) and None not in values else values
-               for name, values in columns.items()}
+    def flat(values):
+        return [v for piece in values.pieces for v in piece] if isinstance(values, TextPieces) else values
+    columns = {name: values if name not in encode or not isinstance(values, (list, TextPieces)) or None in flat(values)
+               else encoded(flat(values)) for name, values in columns.items()}
     return pa.Table.from_arrays([_array(values) for values in columns.values()], names=list(columns))
 
 
@@ -92,6 +102,14 @@ def _array(values: Column):
         kind = np.int8 if n_words < 1 << 7 else np.int16 if n_words < 1 << 15 else np.int32
         indices = _numbers(np.asarray(values.codes).astype(kind))
         return pa.DictionaryArray.from_arrays(indices, _text(list(values.vocabulary), large=False))
+    if isinstance(values, TextPieces):
+        if len({id(piece) for piece in values.pieces}) * 2 > len(values.pieces):  # few shared: one array
+            return _text([v for piece in values.pieces for v in piece])
+        made = {}  # id of a piece -> its array: passes of one structure share their lists
+        for piece in values.pieces:
+            if id(piece) not in made:
+                made[id(piece)] = _text(piece)
+        return pa.concat_arrays([made[id(piece)] for piece in values.pieces])
     if isinstance(values, list) or values.dtype == object:
         return _text(list(values))
     return _numbers(values)

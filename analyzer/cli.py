@@ -174,11 +174,10 @@ def index_cmd(dumps, rebuild, no_progress):
     commands reuse it while the dump's manifest is unchanged. Every DUMP is checked before
     any is indexed; give both dumps of a comparison to pay the start-up once.
     """
-    from .index import load_index
+    from .index import load_indexes
     from .load import open_dump, show
     opened = [open_dump(dump) for dump in dumps]
-    for dump in opened:
-        index = load_index(dump, rebuild=rebuild, progress=not no_progress)
+    for index in load_indexes(opened, rebuild=rebuild, progress=not no_progress):
         click.echo(f"{show(index.where)}: {len(index.cols('tokens'))} token rows, {len(index.cols('calls'))} calls, "
                    f"{len(index.cols('tensors'))} tensors, {len(index.cols('rows'))} tensor rows")
 

@@ -8,7 +8,7 @@ from typing import Optional
 from .align import align, prove
 from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
-from .index import load_index
+from .index import load_indexes
 from .load import Dump, open_dump, show
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
@@ -34,10 +34,9 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     dump_a, dump_b = open_dump(path_a), open_dump(path_b)
     floors = _repeat_floors(dump_a, noise_repeat, progress) if noise_repeat else {}
     check_same_model(dump_a, dump_b, allow_mismatch)
-    index_a = load_index(dump_a, rebuild=rebuild_index, progress=progress)
-    index_a.prefetch("rows", VERDICT_ROW_COLUMNS)  # decoded while B's index opens and the rows align
-    index_b = load_index(dump_b, rebuild=rebuild_index, progress=progress)
-    index_b.prefetch("rows", VERDICT_ROW_COLUMNS)
+    index_a, index_b = load_indexes([dump_a, dump_b], rebuild=rebuild_index, progress=progress)
+    for index in (index_a, index_b):
+        index.prefetch("rows", VERDICT_ROW_COLUMNS)  # decoded while the rows align
     ranks = sorted(set(dump_a.ranks) & set(dump_b.ranks))
     if rank is not None:
         if rank not in ranks:
@@ -74,7 +73,7 @@ def _repeat_floors(dump_a: Dump, repeat_path: str, progress: bool) -> dict:
     from .noise import noise_floor_by_call, row_errors
     repeat = open_dump(repeat_path)
     check_same_model(dump_a, repeat, allow=False)
-    index_a, index_r = load_index(dump_a, progress=progress), load_index(repeat, progress=progress)
+    index_a, index_r = load_indexes([dump_a, repeat], progress=progress)
     floors = {}
     for r in sorted(set(dump_a.ranks) & set(repeat.ranks)):
         ia, ir = index_a.rank(r), index_r.rank(r)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -141,30 +142,55 @@ def _stamp(dump: Dump) -> dict:
 
 
 def load_index(dump: Dump, rebuild: bool = False, progress: bool = True) -> Index:
-    _warn(dump)
-    where = index_location(dump)
-    stamp = _stamp(dump)
+    return load_indexes([dump], rebuild, progress)[0]
+
+
+def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True) -> List[Index]:
+    """The index of each dump: read when fresh, else built, all missing ones in one build (a
+    reference's large prefill streams from disk while a decode run's steps are worked on), and
+    saved."""
+    for dump in dumps:
+        _warn(dump)
+    places = [index_location(dump) for dump in dumps]
+    tables: Dict[str, dict] = {}
+    with contextlib.ExitStack() as held:
+        saved = {where: _locked_folder(where, held) for where in sorted(set(places))}
+        todo = {}  # folder -> (dump, stamp): a dump given twice is built once
+        for dump, where in zip(dumps, places):
+            stamp = _stamp(dump)
+            fresh = _read_fresh(where, stamp) if saved[where] and not rebuild else None
+            if fresh is not None:
+                tables[where] = fresh
+            else:
+                todo.setdefault(where, (dump, stamp))
+        building = list(todo.items())
+
+        def save(k: int, made: dict):
+            where, (_, stamp) = building[k]
+            if saved[where]:
+                try:
+                    _write_tables(where, made, stamp)
+                except OSError as exc:
+                    _unsaved(where, exc)
+        built = build_many([dump for _, (dump, _) in building], progress=progress, on_built=save)
+        tables.update((where, made) for (where, _), made in zip(building, built))
+    return [Index(dump, tables[where], where) for dump, where in zip(dumps, places)]
+
+
+def _locked_folder(where: str, held: contextlib.ExitStack) -> bool:
+    """Take the index folder's lock (False: it cannot be made, the index is used from memory).
+    One process at a time reads or builds an index folder: two commands on the same dump at
+    once never see each other's half-replaced tables (the second waits, then reuses the index).
+    Folders are locked in one order, so two commands on one pair wait instead of deadlocking.
+    Closing the file releases the lock, also when the process dies."""
     try:
         os.makedirs(where, exist_ok=True)
-        lock = open(os.path.join(where, ".lock"), "a")
+        lock = held.enter_context(open(os.path.join(where, ".lock"), "a"))
     except OSError as exc:  # a full or read-only disk: the comparison needs no saved index
         _unsaved(where, exc)
-        return Index(dump, build_tables(dump, progress=progress), where)
-    with lock:
-        # One process at a time reads or builds an index folder: two commands on the same dump at
-        # once never see each other's half-replaced tables (the second waits, then reuses the index).
-        # Closing the file releases the lock, also when the process dies.
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not rebuild:
-            tables = _read_fresh(where, stamp)
-            if tables is not None:
-                return Index(dump, tables, where)
-        tables = build_tables(dump, progress=progress)
-        try:
-            _write_tables(where, tables, stamp)
-        except OSError as exc:
-            _unsaved(where, exc)
-    return Index(dump, tables, where)
+        return False
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return True
 
 
 def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
@@ -251,27 +277,30 @@ class LazyParquet:
 
 def _write_tables(where: str, tables: dict, stamp: dict):
     """Called under the index lock. The stamp goes first and comes back last, so a build killed
-    half-way leaves no stamp and is redone, never trusted; each file is renamed into place whole."""
+    half-way leaves no stamp and is redone, never trusted; each file is renamed into place whole.
+    The tables are written at once (pyarrow encodes without holding the GIL)."""
     tag = f".tmp.{os.getpid()}"
     stamp_path = os.path.join(where, "stamp.json")
     if os.path.exists(stamp_path):
         os.unlink(stamp_path)
     import pyarrow.parquet as pq
-    written = []
+    paths = {name: os.path.join(where, f"{name}.parquet") for name in tables}
+
+    def write(name: str):
+        with open(paths[name] + tag, "wb") as handle:
+            pq.write_table(tables[name], handle)
     try:
-        for name, table in tables.items():
-            path = os.path.join(where, f"{name}.parquet")
-            written.append(path + tag)
-            with open(path + tag, "wb") as handle:
-                pq.write_table(table, handle)
+        with concurrent.futures.ThreadPoolExecutor(len(paths) or 1, thread_name_prefix="dumpdiff-index-write") as pool:
+            for done in [pool.submit(write, name) for name in paths]:
+                done.result()
+        for path in paths.values():
             os.replace(path + tag, path)
-        written.append(stamp_path + tag)
         with open(stamp_path + tag, "w") as handle:
             json.dump(stamp, handle)
         os.replace(stamp_path + tag, stamp_path)
     finally:
-        for tmp in written:  # a full disk must not leave half-written temp files behind
-            if os.path.exists(tmp):
+        for tmp in [path + tag for path in paths.values()] + [stamp_path + tag]:
+            if os.path.exists(tmp):  # a full disk must not leave half-written temp files behind
                 os.unlink(tmp)
 
 
@@ -313,7 +342,7 @@ def _start_in_processes(small_refs: dict, advance):
     # still importing would print its own traceback; this process stops them instead.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
     try:
-        futures = {i: pool.submit(_index_small_pass, ref) for i, ref in small_refs.items()}
+        futures = {i: pool.submit(_index_small_pass, ref, ahead) for i, ref, ahead in _with_read_ahead(small_refs)}
     except (OSError, concurrent.futures.BrokenExecutor):  # processes are started here, not before
         pool.shutdown(wait=True, cancel_futures=True)
         return None, None
@@ -325,17 +354,46 @@ def _start_in_processes(small_refs: dict, advance):
     return pool, futures
 
 
-def _index_small_pass(ref) -> Dict[str, dict]:
+def _index_small_pass(ref, ahead: List[str]) -> Dict[str, dict]:
     """A worker process's job: one small pass's table columns."""
+    _will_need(ahead)
     return index_pass(PassFile(ref, whole=True))
 
 
+# Small passes are read one file at a time by the thread indexing them, which would wait on each
+# cold read while the large passes stream: the kernel is asked to read the next few ahead.
+SMALL_READ_AHEAD = 16
+
+
+def _with_read_ahead(small_refs: dict):
+    """(position, ref, the files to ask the kernel for when its indexing starts), in order."""
+    paths = [ref.path for ref in small_refs.values()]
+    for k, (i, ref) in enumerate(small_refs.items()):
+        yield i, ref, paths[1:1 + SMALL_READ_AHEAD] if k == 0 else paths[k + SMALL_READ_AHEAD:k + SMALL_READ_AHEAD + 1]
+
+
+def _will_need(paths: List[str]):
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+        except (OSError, AttributeError):  # no such hint here: the read itself fetches the file
+            pass
+
+
 def build_tables(dump: Dump, progress: bool = True) -> dict:
-    """The five tables of a dump as pyarrow Tables (no pandas: importing it costs more than
-    indexing a decode step's worth of passes)."""
-    refs = [ref for rank in dump.ranks.values() for ref in rank.passes]
-    total = sum(ref.nbytes for ref in refs)
-    bar = _progress(total, f"indexing {show(dump.label)}", progress)
+    return build_many([dump], progress)[0]
+
+
+def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[dict]:
+    """The five tables of each dump as pyarrow Tables (no pandas: importing it costs more than
+    indexing a decode step's worth of passes). ``on_built(k, tables)`` is called, on another
+    thread, as soon as dump k's tables are made, while later dumps are still being indexed."""
+    refs = [(k, ref) for k, dump in enumerate(dumps) for rank in dump.ranks.values() for ref in rank.passes]
+    bar = _progress(sum(ref.nbytes for _, ref in refs), f"indexing {', '.join(show(d.label) for d in dumps)}", progress)
     lock = threading.Lock()  # bytes are reported from the hashing threads
 
     def one(ref):
@@ -353,19 +411,35 @@ def build_tables(dump: Dump, progress: bool = True) -> dict:
     # Small passes (decode steps: per-tensor Python work, little reading) are indexed while the
     # large ones stream from disk (one after the other, the disk would idle): by worker processes
     # when there are many (the work holds the GIL), else by a second thread.
-    small_refs = {i: ref for i, ref in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
+    small_refs = {i: ref for i, (_, ref) in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
     side, small = _start_in_processes(small_refs, lambda n: _locked(lock, bar.update, n))
     if side is None:
         side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
-        small = {i: side.submit(one, ref) for i, ref in small_refs.items()}
+        small = {i: side.submit(lambda ref, ahead: _will_need(ahead) or one(ref), ref, ahead)
+                 for i, ref, ahead in _with_read_ahead(small_refs)}
+    finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-tables")
+
+    def finish(k: int, parts: list) -> dict:
+        tables = _tables_of([small[i].result() if part is None else part for i, part in parts])
+        if on_built is not None:
+            on_built(k, tables)
+        return tables
     try:
-        parts = [None if i in small else one(ref) for i, ref in enumerate(refs)]
-        parts = [small[i].result() if part is None else part for i, part in enumerate(parts)]
+        finishing = []
+        for k in range(len(dumps)):  # a dump's tables are made (and saved) while the next one streams
+            parts = [(i, None if i in small else one(ref)) for i, (j, ref) in enumerate(refs) if j == k]
+            finishing.append(finisher.submit(finish, k, parts))
+        built = [future.result() for future in finishing]
     finally:
         for future in small.values():  # after an error: no pass is indexed for nothing
             future.cancel()
         side.shutdown(wait=True, cancel_futures=True)
+        finisher.shutdown(wait=True, cancel_futures=True)
     bar.close()
+    return built
+
+
+def _tables_of(parts: List[dict]) -> dict:
     return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts]), encode=ENCODED.get(name, ()))
             for name in TABLES}
 

@@ -30,7 +30,7 @@ from .align import align, prove
 from .compare import RowTable, row_table, strict_verdict
 from .diverge import check_same_model
 from .errors import DumpError
-from .index import Index, load_index
+from .index import Index, load_indexes
 from .load import PassFile, open_dump, show
 from .repro_script import runtime, script_text
 
@@ -96,8 +96,7 @@ def _write_text(path: str, text: str):
 def locate(path_a, path_b, call, rank, trust_alignment, allow_mismatch, progress) -> dict:
     dump_a, dump_b = open_dump(path_a), open_dump(path_b)
     check_same_model(dump_a, dump_b, allow_mismatch)
-    index_a = load_index(dump_a, progress=progress)
-    index_b = load_index(dump_b, progress=progress)
+    index_a, index_b = load_indexes([dump_a, dump_b], progress=progress)
     ranks = sorted(set(dump_a.ranks) & set(dump_b.ranks))
     if rank is not None:
         if rank not in ranks:

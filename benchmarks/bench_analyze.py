@@ -9,7 +9,9 @@ prefill of prompt + output. Then, against baselines measured in the same run on 
 * first-divergence with the indexes built: ``--strict-only`` and the default noise-aware pass,
                 time / time of reading both dumps once <= 0.10, and the bytes each read
 
-Cold (page cache dropped before each step: needs root) and warm (files cached on both sides).
+Cold (the dump folders' files evicted from the page cache before each step, the program left
+cached, as on a machine that has run dumpdiff before; "read from storage" shows each command did
+read the dumps) and warm (files cached on both sides).
 Peak RSS and bytes read come from benchmarks/_measure.py, which runs the CLI in-process.
 
     python benchmarks/bench_analyze.py [--work /tmp/dumpdiff-bench-analyze] [--keep]
@@ -29,7 +31,7 @@ import time
 
 import torch
 
-from common import ROOT, dir_bytes, drop_caches, dump_pair, files_under, fmt_bytes, llama, n_params, result
+from common import ROOT, dir_bytes, dump_pair, evict, files_under, fmt_bytes, llama, n_params, result
 
 
 def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, new_tokens: int, dtype=torch.float32,
@@ -139,18 +141,13 @@ def run(args, ref, dec):
     files = files_under(ref) + files_under(dec)
     total = dir_bytes(ref) + dir_bytes(dec)
     print(f"# dump pair: {fmt_bytes(total)} in {len(files)} pass files", flush=True)
-    cold = not args.warm_only and drop_caches()
+    cold = not args.warm_only and evict(ref, dec)
     protocols = (["cold"] if cold else []) + ["warm"]
     rows = {}
     for proto in protocols:
         def prepare():
             if proto == "cold":
-                # The dumps leave the page cache; the program (python, torch, pandas) comes back
-                # into it, as it would be on a machine that has run dumpdiff before.
-                drop_caches()
-                subprocess.run([sys.executable, "-c", "import analyzer.cli, analyzer.diverge, analyzer.index, "
-                                "analyzer.noise, torch"],
-                               cwd=ROOT, check=True)
+                evict(ref, dec)
             else:
                 read_cat(files)  # everything cached (it fits in memory at these sizes)
         prepare()
@@ -163,14 +160,12 @@ def run(args, ref, dec):
         # The same build in this process (imports already paid): the index work alone, as a library
         # call makes it (threads only: the CLI's worker processes would re-import this script, torch
         # and all, in each worker).
-        from analyzer.index import load_index
+        from analyzer.index import load_indexes
         from analyzer.load import open_dump
-        t_inproc = 0.0
-        for path in (ref, dec):
-            prepare()
-            start = time.perf_counter()
-            load_index(open_dump(path), rebuild=True, progress=False)
-            t_inproc += time.perf_counter() - start
+        prepare()
+        start = time.perf_counter()
+        load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False)
+        t_inproc = time.perf_counter() - start
         strict = median_run(prepare, ["first-divergence", ref, dec, "--strict-only", "--format", "json", "--no-progress"],
                             f"{proto}: first-divergence --strict-only")
         noise = median_run(prepare, ["first-divergence", ref, dec, "--format", "json", "--no-progress"],

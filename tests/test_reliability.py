@@ -426,14 +426,18 @@ def test_second_writer_with_cleanup_previous_leaves_the_first_alone(model_dir, c
 def test_two_analyzers_on_the_same_dumps_at_once(model_dir, child_script, tmp_path):
     for exp in ("a", "b"):
         finish(start_child(child_script, model_dir, tmp_path, exp, new=8))
-    # --rebuild-index makes every run rewrite both indexes while the others read them
+    # --rebuild-index makes every run rewrite both indexes while the others read them; the runs
+    # given the dumps the other way round take the two index locks too (in one order: no deadlock)
     runs = [("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress", "--format", "json")] * 2
     runs += [("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress", "--format", "json", "--rebuild-index")] * 3
+    runs += [("first-divergence", tmp_path / "b", tmp_path / "a", "--no-progress", "--format", "json", "--rebuild-index")] * 2
     with ThreadPoolExecutor(len(runs)) as pool:
         results = list(pool.map(lambda args: dumpdiff(*args), runs))
     assert all(code == 0 and err == "" for code, _, err in results), [r[2] for r in results]
-    reports = {json.dumps(json.loads(out), sort_keys=True) for _, out, _ in results}
-    assert len(reports) == 1  # every run saw the same whole index
+    for way in ("ab", "ba"):
+        reports = {json.dumps(json.loads(out), sort_keys=True) for args, (_, out, _) in zip(runs, results)
+                   if str(args[1]).endswith(way[0])}
+        assert len(reports) == 1  # every run saw the same whole index
     assert sorted(os.listdir(tmp_path / "a" / "index")) == [".lock", "calls.parquet", "rows.parquet", "seqs.parquet",
                                                             "stamp.json", "tensors.parquet", "tokens.parquet"]
 
