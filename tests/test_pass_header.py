@@ -99,6 +99,9 @@ def entry_edits(header: bytes):
     yield "exponent", header.replace(b'"data_offsets":[0,', b'"data_offsets":[0e0,', 1)
     yield "zero-size tensor whose dims overflow", put_first({"huge": {"dtype": "F32", "shape": [2**62, 4, 0],
                                                                       "data_offsets": [0, 0]}})
+    yield "a field twice", header.replace(b'":{"dtype":"', b'":{"dtype":"U8","dtype":"', 1)
+    yield "a field twice, once spelt with an escape", header.replace(b'":{"dtype":"', b'":{"d\\u0074ype":"U8","dtype":"', 1)
+    yield "a dim of 2**64 after a 0", put_first({"z": {"dtype": "F32", "shape": [0, 2**64], "data_offsets": [0, 0]}})
     yield "zero-size tensor", put_first({"empty": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}})
     yield "bool dim", edited(lambda h: h[first].update(shape=[True] + h[first]["shape"][1:]))
     yield "dtype of other width", edited(lambda h: h[first].update(dtype="F16" if h[first]["dtype"] != "F16" else "F32"))
