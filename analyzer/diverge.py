@@ -34,9 +34,9 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     dump_a, dump_b = open_dump(path_a), open_dump(path_b)
     floors = _repeat_floors(dump_a, noise_repeat, progress) if noise_repeat else {}
     check_same_model(dump_a, dump_b, allow_mismatch)
-    index_a, index_b = load_indexes([dump_a, dump_b], rebuild=rebuild_index, progress=progress)
-    for index in (index_a, index_b):
-        index.prefetch("rows", VERDICT_ROW_COLUMNS)  # decoded while the rows align
+    # the rows table's columns are decoded in the background while the next index opens and the rows align
+    index_a, index_b = load_indexes([dump_a, dump_b], rebuild=rebuild_index, progress=progress,
+                                    prefetch=("rows", VERDICT_ROW_COLUMNS))
     ranks = sorted(set(dump_a.ranks) & set(dump_b.ranks))
     if rank is not None:
         if rank not in ranks:

@@ -145,10 +145,11 @@ def load_index(dump: Dump, rebuild: bool = False, progress: bool = True) -> Inde
     return load_indexes([dump], rebuild, progress)[0]
 
 
-def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True) -> List[Index]:
+def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True, prefetch=None) -> List[Index]:
     """The index of each dump: read when fresh, else built, all missing ones in one build (a
     reference's large prefill streams from disk while a decode run's steps are worked on), and
-    saved."""
+    saved. ``prefetch``: (table, columns) to start reading in the background as soon as an
+    index is opened, while the next one opens."""
     for dump in dumps:
         _warn(dump)
     places = [index_location(dump) for dump in dumps]
@@ -161,6 +162,8 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
             fresh = _read_fresh(where, stamp) if saved[where] and not rebuild else None
             if fresh is not None:
                 tables[where] = fresh
+                if prefetch and isinstance(fresh.get(prefetch[0]), LazyParquet):
+                    fresh[prefetch[0]].prefetch(prefetch[1])
             else:
                 todo.setdefault(where, (dump, stamp))
         building = list(todo.items())
@@ -172,8 +175,9 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
                     _write_tables(where, made, stamp)
                 except OSError as exc:
                     _unsaved(where, exc)
-        built = build_many([dump for _, (dump, _) in building], progress=progress, on_built=save)
-        tables.update((where, made) for (where, _), made in zip(building, built))
+        if building:  # (nothing to build: no progress bar, not even its import)
+            built = build_many([dump for _, (dump, _) in building], progress=progress, on_built=save)
+            tables.update((where, made) for (where, _), made in zip(building, built))
     return [Index(dump, tables[where], where) for dump, where in zip(dumps, places)]
 
 
