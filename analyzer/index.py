@@ -282,29 +282,28 @@ class LazyParquet:
 def _write_tables(where: str, tables: dict, stamp: dict):
     """Called under the index lock. The stamp goes first and comes back last, so a build killed
     half-way leaves no stamp and is redone, never trusted; each file is renamed into place whole.
-    The tables are written at once (pyarrow encodes without holding the GIL)."""
+    One file at a time: pyarrow writing Python file objects from several threads crashes (SIGSEGV)
+    when the disk fills up."""
     tag = f".tmp.{os.getpid()}"
     stamp_path = os.path.join(where, "stamp.json")
     if os.path.exists(stamp_path):
         os.unlink(stamp_path)
     import pyarrow.parquet as pq
-    paths = {name: os.path.join(where, f"{name}.parquet") for name in tables}
-
-    def write(name: str):
-        with open(paths[name] + tag, "wb") as handle:
-            pq.write_table(tables[name], handle)
+    written = []
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(paths) or 1, thread_name_prefix="dumpdiff-index-write") as pool:
-            for done in [pool.submit(write, name) for name in paths]:
-                done.result()
-        for path in paths.values():
+        for name, table in tables.items():
+            path = os.path.join(where, f"{name}.parquet")
+            written.append(path + tag)
+            with open(path + tag, "wb") as handle:
+                pq.write_table(table, handle)
             os.replace(path + tag, path)
+        written.append(stamp_path + tag)
         with open(stamp_path + tag, "w") as handle:
             json.dump(stamp, handle)
         os.replace(stamp_path + tag, stamp_path)
     finally:
-        for tmp in [path + tag for path in paths.values()] + [stamp_path + tag]:
-            if os.path.exists(tmp):  # a full disk must not leave half-written temp files behind
+        for tmp in written:  # a full disk must not leave half-written temp files behind
+            if os.path.exists(tmp):
                 os.unlink(tmp)
 
 

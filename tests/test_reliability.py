@@ -305,6 +305,25 @@ def test_disk_full_mid_write_leaves_no_partial_pass(model_dir, small_disk, caplo
     assert_stopped_cleanly(model, small_disk, out, logits, state, caplog, "No space left on device")
 
 
+def test_index_on_a_full_disk_is_used_from_memory(model_dir, small_disk, tmp_path):
+    """Dumps analysed where the disk is full (the index cannot be saved): every run warns, builds the
+    index in memory and answers. Run a few times: writing the index files from several threads
+    once crashed pyarrow (SIGSEGV) on a full disk, one run in three."""
+    from helpers import dump_pair
+    _, dec, _ = dump_pair(load_model(model_dir), tmp_path / "d", prompt_ids(8), new_tokens=3, min_free_bytes=0)
+    shutil.copytree(dec, small_disk / "dec", ignore=shutil.ignore_patterns("index"))
+    with open(small_disk / "fill", "wb") as handle:  # the rest of the disk
+        try:
+            while True:
+                handle.write(b"\0" * 65536)
+                handle.flush()
+        except OSError:
+            pass
+    for _ in range(5):
+        code, out, err = dumpdiff("index", small_disk / "dec", "--no-progress")
+        assert code == 0 and "could not save the index" in err and "tensor rows" in out, (code, err)
+
+
 def test_manifest_append_cut_short_is_undone(model_dir, child_script, tmp_path):
     """The kernel refuses to grow the manifest past RLIMIT_FSIZE mid-line (a short write, then
     an error), as a full disk does: the line is truncated away and its pass file removed."""
