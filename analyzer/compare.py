@@ -365,10 +365,13 @@ def _error_figures(call: str, mine: Columns, table: RowTable, a: Index, b: Index
     test = [reader_b.bits(p, tensor, [r]) for p, r in zip(chosen["pass_b"].tolist(), chosen["row_b"].tolist())]
     # Element-wise only where both sides hold the row alike: a pass whose metadata gives the
     # tensor other token dims (a damaged or hand-edited dump) has rows of another shape.
-    alike = [(r, t) for (r, kind), (t, other) in zip(ref, test) if r.shape == t.shape and kind == other]
-    alike = [(r, t) for r, t in alike if r.shape == alike[0][0].shape]
+    alike = [(r, t, kind) for (r, kind), (t, other) in zip(ref, test) if r.shape == t.shape and kind == other]
+    alike = [(r, t, kind) for r, t, kind in alike if r.shape == alike[0][0].shape and kind == alike[0][2]]
     if alike:
-        figures = error_stats(np.concatenate([r for r, _ in alike]), np.concatenate([t for _, t in alike]), ref[0][1])
+        figures = error_stats(np.concatenate([r for r, _, _ in alike]), np.concatenate([t for _, t, _ in alike]), alike[0][2])
+        if len(alike) < len(ref):
+            figures["error_note"] = (f"from {len(alike)} of the {len(ref)} rows read: the others are held in other "
+                                     "shapes or types by one of the dumps")
     else:
         figures = {"max_abs": None, "max_ulp": None, "rel": None, "dtype": ref[0][1].name,
                    "error_note": f"the dumps hold its rows in other shapes or types ({list(ref[0][0].shape[1:])} "

@@ -153,48 +153,64 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
     for dump in dumps:
         _warn(dump)
     places = [index_location(dump) for dump in dumps]
-    tables: Dict[str, dict] = {}
     with contextlib.ExitStack() as held:
-        saved = {where: _locked_folder(where, held) for where in sorted(set(places))}
-        todo = {}  # folder -> (dump, stamp): a dump given twice is built once
+        folder = _locked_folders(places, held)  # place -> its folder's identity (None: not saved)
+        tables: Dict[object, dict] = {}
+        todo = {}  # folder -> (dump, where, stamp): one dump given twice (or spelt two ways) is built once
         for dump, where in zip(dumps, places):
+            key = folder[where] or where
+            if key in tables or key in todo:
+                continue
             stamp = _stamp(dump)
-            fresh = _read_fresh(where, stamp) if saved[where] and not rebuild else None
+            fresh = _read_fresh(where, stamp) if folder[where] and not rebuild else None
             if fresh is not None:
-                tables[where] = fresh
+                tables[key] = fresh
                 if prefetch and isinstance(fresh.get(prefetch[0]), LazyParquet):
                     fresh[prefetch[0]].prefetch(prefetch[1])
             else:
-                todo.setdefault(where, (dump, stamp))
+                todo[key] = (dump, where, stamp)
         building = list(todo.items())
 
         def save(k: int, made: dict):
-            where, (_, stamp) = building[k]
-            if saved[where]:
+            _, (_, where, stamp) = building[k]
+            if folder[where]:
                 try:
                     _write_tables(where, made, stamp)
                 except OSError as exc:
                     _unsaved(where, exc)
         if building:  # (nothing to build: no progress bar, not even its import)
-            built = build_many([dump for _, (dump, _) in building], progress=progress, on_built=save)
-            tables.update((where, made) for (where, _), made in zip(building, built))
-    return [Index(dump, tables[where], where) for dump, where in zip(dumps, places)]
+            built = build_many([dump for _, (dump, _, _) in building], progress=progress, on_built=save)
+            tables.update((key, made) for (key, _), made in zip(building, built))
+    return [Index(dump, tables[folder[where] or where], where) for dump, where in zip(dumps, places)]
 
 
-def _locked_folder(where: str, held: contextlib.ExitStack) -> bool:
-    """Take the index folder's lock (False: it cannot be made, the index is used from memory).
-    One process at a time reads or builds an index folder: two commands on the same dump at
-    once never see each other's half-replaced tables (the second waits, then reuses the index).
-    Folders are locked in one order, so two commands on one pair wait instead of deadlocking.
-    Closing the file releases the lock, also when the process dies."""
-    try:
-        os.makedirs(where, exist_ok=True)
-        lock = held.enter_context(open(os.path.join(where, ".lock"), "a"))
-    except OSError as exc:  # a full or read-only disk: the comparison needs no saved index
-        _unsaved(where, exc)
-        return False
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    return True
+def _locked_folders(places: List[str], held: contextlib.ExitStack) -> dict:
+    """Take each index folder's lock; {place: the folder's identity (device, inode of its lock
+    file), or None where it cannot be made: that index is used from memory}. One process at a
+    time reads or builds an index folder: two commands on the same dump at once never see each
+    other's half-replaced tables (the second waits, then reuses the index). A folder named two
+    ways (relative, absolute, through a link) is locked once, and folders are locked in the
+    order of their identities, the same in every process: two commands on one pair, whatever
+    their argument order and spelling, wait for each other instead of deadlocking. Closing the
+    files releases the locks, also when the process dies."""
+    found, handles = {}, {}
+    for where in dict.fromkeys(places):
+        try:
+            os.makedirs(where, exist_ok=True)
+            handle = open(os.path.join(where, ".lock"), "a")
+        except OSError as exc:  # a full or read-only disk: the comparison needs no saved index
+            _unsaved(where, exc)
+            found[where] = None
+            continue
+        stat = os.fstat(handle.fileno())
+        found[where] = (stat.st_dev, stat.st_ino)
+        if found[where] in handles:
+            handle.close()  # locking it again through a second open file would wait for ourselves
+        else:
+            handles[found[where]] = held.enter_context(handle)
+    for identity in sorted(handles):
+        fcntl.flock(handles[identity], fcntl.LOCK_EX)
+    return found
 
 
 def _read_fresh(where: str, stamp: dict) -> Optional[dict]:

@@ -45,12 +45,14 @@ def culprit_lines(culprit: dict, labels, rows_compared: int) -> List[str]:
         f"  module: {culprit['module']}",
         f"  token rows: {culprit['n_rows']} of {rows_compared} compared rows: {rows}{more}",
         f"  shapes (M = token rows in the pass):\n    {shapes_line(culprit, labels)}",
-        f"  error on {culprit['tensor']}: " + (culprit["error_note"] if culprit.get("error_note") else
+        f"  error on {culprit['tensor']}: " + (culprit["error_note"] if culprit.get("max_abs") is None else
                                               f"max abs {fmt_num(culprit['max_abs'])}, max ulp {fmt_num(culprit['max_ulp'])}, "
                                               f"rel {fmt_num(culprit['rel'])}, {culprit['elements_differ']} of "
                                               f"{culprit.get('elements', '?')} elements differ"),
         f"  victims: {culprit['victims']} later calls differ because of it",
     ]
+    if culprit.get("error_note") and culprit.get("max_abs") is not None:
+        lines.append(f"  note on the error: {culprit['error_note']}")
     if culprit.get("note"):
         lines.append(f"  note: {culprit['note']}")
     return lines

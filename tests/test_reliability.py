@@ -461,6 +461,29 @@ def test_two_analyzers_on_the_same_dumps_at_once(model_dir, child_script, tmp_pa
                                                             "stamp.json", "tensors.parquet", "tokens.parquet"]
 
 
+def test_one_dump_named_two_ways_and_two_commands_in_other_orders_never_deadlock(model_dir, tmp_path):
+    """Index folders are locked by identity, not by name: one dump given twice (relative and
+    absolute, or through a link) is locked and built once, and two commands naming a pair with
+    other spellings and orders take the locks in the same order (a third process holding one
+    lock for a moment makes them wait on each other)."""
+    from helpers import dump_pair
+    ref, dec, _ = dump_pair(load_model(model_dir), tmp_path / "d", prompt_ids(8), new_tokens=3, min_free_bytes=0)
+    os.symlink(dec, tmp_path / "link")
+    relative = lambda path: os.path.relpath(path, ROOT)  # noqa: E731 - dumpdiff runs in ROOT
+    code, out, err = dumpdiff("index", dec, relative(dec), tmp_path / "link", "--no-progress", timeout=60)
+    assert code == 0 and out.count("tensor rows") == 3, err
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2)",
+                               os.path.join(dec, "index", ".lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    runs = [("index", dec, relative(ref), "--no-progress", "--rebuild"), ("index", relative(dec), ref, "--no-progress", "--rebuild"),
+            ("index", ref, tmp_path / "link", "--no-progress", "--rebuild")]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        results = list(pool.map(lambda args: dumpdiff(*args, timeout=60), runs))
+    holder.wait()
+    assert all(code == 0 for code, _, _ in results), [err for _, _, err in results]
+
+
 def test_a_redump_into_the_same_folder_never_reuses_a_stale_index(tmp_path):
     """DUMPER_CLEANUP_PREVIOUS rewrites pass files with the same ids and sizes; the index must notice."""
     prompt = prompt_ids(12)
