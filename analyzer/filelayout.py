@@ -11,8 +11,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .dtypes import BY_CODE
-from .errors import DumpError
-from .errors import show
+from .errors import DumpError, show
 
 MAX_HEADER_BYTES = 1 << 30
 

@@ -331,7 +331,7 @@ PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up cos
 
 
 def allow_index_processes():
-    """Let build_tables index many small passes in worker processes (the CPU count less one, at
+    """Let build_many index many small passes in worker processes (the CPU count less one, at
     most 8; DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
     global INDEX_PROCESSES
     setting = os.environ.get("DUMPDIFF_INDEX_PROCESSES", "")
@@ -401,10 +401,6 @@ def _will_need(paths: List[str]):
                 os.close(fd)
         except (OSError, AttributeError):  # no such hint here: the read itself fetches the file
             pass
-
-
-def build_tables(dump: Dump, progress: bool = True) -> dict:
-    return build_many([dump], progress)[0]
 
 
 def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[dict]:

@@ -53,16 +53,25 @@ def parse_meta(raw: str, path: str) -> dict:
 def _parsed_whole(raw: str, path: str):
     try:
         meta = json.loads(raw)
-        if SURROGATE_ESCAPE.search(raw):
-            _encodable(meta)
-        return meta
-    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        readable = _encodable(raw, meta)
+    except (ValueError, RecursionError):
+        readable = False
+    if not readable:
         raise DumpError(f"{show(path)}: pass metadata is not valid JSON or holds invalid text; "
-                        "the file is damaged") from None
+                        "the file is damaged")
+    return meta
 
 
-def _encodable(value):
-    json.dumps(value, ensure_ascii=False).encode("utf-8")
+def _encodable(text: str, value) -> bool:
+    """False when ``value``, parsed from ``text``, holds a lone surrogate (only a \\uD800-\\uDFFF
+    escape in the text makes one: the value is checked whole only then)."""
+    if not SURROGATE_ESCAPE.search(text):
+        return True
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except ValueError:  # UnicodeEncodeError is one
+        return False
+    return True
 
 
 def _with_recalled_calls(raw: str) -> Optional[dict]:
@@ -87,10 +96,7 @@ def _with_recalled_calls(raw: str) -> Optional[dict]:
     if type(meta) is not dict or len(constants) != 1 or meta.get("calls") is not _MARK:
         return None
     meta["calls"] = calls
-    try:
-        if SURROGATE_ESCAPE.search(probe):
-            _encodable(meta)
-    except ValueError:
+    if not _encodable(probe, meta):
         return None
     global _last_array
     _last_array = (raw[start + len(CALLS_AT):end], tuple(calls), texts)  # a tuple: no pass edits another's
@@ -136,12 +142,7 @@ def _read_call(raw: str, i: int) -> Tuple[str, Optional[dict]]:
     known = _calls_by_text.get(text)
     if known is not None:
         return text, known
-    try:
-        if SURROGATE_ESCAPE.search(text):
-            _encodable(value)
-    except ValueError:
-        return "", None
-    if not call_ok(value):
+    if not _encodable(text, value) or not call_ok(value):
         return "", None
     with _lock:
         _calls_by_text[text] = value

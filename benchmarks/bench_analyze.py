@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from common import ROOT, dir_bytes, dump_pair, evict, files_under, fmt_bytes, llama, n_params, result
+from common import ROOT, dir_bytes, dump_pair, evict, files_under, fmt_bytes, llama, median, n_params, result
 
 
 def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, new_tokens: int, dtype=torch.float32,
@@ -90,21 +90,28 @@ def start_floor(runs: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def read_cat(files) -> float:
-    start = time.perf_counter()
+def median_seconds(prepare, work, runs: int = 3) -> float:
+    """Median seconds of ``work()`` over a few runs, each after ``prepare()``, as median_run times
+    the command lines."""
+    times = []
+    for _ in range(runs):
+        prepare()
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def read_cat(files):
     subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
-    return time.perf_counter() - start
 
 
-def read_python(files) -> float:
-    buffer = bytearray(16 << 20)
-    view = memoryview(buffer)
-    start = time.perf_counter()
+def read_python(files):
+    view = memoryview(bytearray(16 << 20))
     for path in files:
         with open(path, "rb", buffering=0) as handle:
             while handle.readinto(view):
                 pass
-    return time.perf_counter() - start
 
 
 def main(argv=None):
@@ -150,13 +157,7 @@ def run(args, ref, dec):
                 evict(ref, dec)
             else:
                 read_cat(files)  # everything cached (it fits in memory at these sizes)
-        def median_read(read):  # the median of 3 reads, as the commands below are timed
-            times = []
-            for _ in range(3):
-                prepare()
-                times.append(read(files))
-            return sorted(times)[1]
-        t_cat, t_py = median_read(read_cat), median_read(read_python)
+        t_cat, t_py = median_seconds(prepare, lambda: read_cat(files)), median_seconds(prepare, lambda: read_python(files))
         idx = median_run(prepare, ["index", ref, dec, "--rebuild"], f"{proto}: index ref dec (one command)")
         t_index = idx["seconds"]
         # The same build in this process (imports already paid): the index work alone, as a library
@@ -164,13 +165,7 @@ def run(args, ref, dec):
         # and all, in each worker).
         from analyzer.index import load_indexes
         from analyzer.load import open_dump
-        inproc = []
-        for _ in range(3):  # the median of 3, as for the command line
-            prepare()
-            start = time.perf_counter()
-            load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False)
-            inproc.append(time.perf_counter() - start)
-        t_inproc = sorted(inproc)[1]
+        t_inproc = median_seconds(prepare, lambda: load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False))
         strict = median_run(prepare, ["first-divergence", ref, dec, "--strict-only", "--format", "json", "--no-progress"],
                             f"{proto}: first-divergence --strict-only")
         noise = median_run(prepare, ["first-divergence", ref, dec, "--format", "json", "--no-progress"],

@@ -49,17 +49,27 @@ def match_manifest_size(path: str):
     write_manifest(dump, entries)
 
 
+def split_header(data: bytes):
+    """(JSON header, tensor bytes) of a safetensors file's bytes."""
+    length = struct.unpack("<Q", data[:8])[0]
+    return data[8:8 + length], data[8 + length:]
+
+
+def with_header(header: bytes, body: bytes) -> bytes:
+    """A safetensors file's bytes: the header padded as safetensors pads it (to 8 bytes), then ``body``."""
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + body
+
+
 def rewrite_header(path: str, edit: Callable[[dict], object]):
     """Rewrite a safetensors file's JSON header; ``edit`` returns the new header (dict or raw bytes).
     The tensor bytes are kept and the manifest is updated to the new size."""
     with open(path, "rb") as handle:
-        data = handle.read()
-    length = struct.unpack("<Q", data[:8])[0]
-    header = edit(json.loads(data[8:8 + length]))
+        header, body = split_header(handle.read())
+    header = edit(json.loads(header))
     raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()  # as safetensors writes
-    raw += b" " * (-len(raw) % 8)  # safetensors pads headers to 8 bytes
     with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+        handle.write(with_header(raw, body))
     match_manifest_size(path)
 
 

@@ -20,7 +20,7 @@ from analyzer.dtypes import BY_CODE
 from analyzer.errors import DumpError
 from analyzer.load import PassFile, open_dump
 from analyzer.metacheck import meta_problem
-from dump_surgery import match_manifest_size, pass_path
+from dump_surgery import match_manifest_size, pass_path, split_header, with_header
 from dumper.format import PASS_META_KEY
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 
@@ -38,16 +38,6 @@ def forget():
     metaparse._calls_by_text.clear()
     metaparse._last_array = ("", (), [])
     passheader._by_text.clear()
-
-
-def split(data: bytes):
-    n = int.from_bytes(data[:8], "little")
-    return data[8:8 + n], data[8 + n:]
-
-
-def with_header(header: bytes, body: bytes) -> bytes:
-    header += b" " * (-len(header) % 8)
-    return len(header).to_bytes(8, "little") + header + body
 
 
 def safetensors_view(path: str):
@@ -125,7 +115,7 @@ def test_vouched_headers_read_as_safetensors_reads_them(decode_dump, tmp_path):
     tensor bytes are the ones safetensors reads. Recalled entries (a second file with the same
     entries text) obey the same rule."""
     original = open(pass_path(decode_dump, 3), "rb").read()
-    header, body = split(original)
+    header, body = split_header(original)
     meta_end = header.index(b'"},"') + 2
     rng = random.Random(7)
     variants = list(entry_edits(header))
@@ -162,7 +152,7 @@ def test_a_header_it_does_not_vouch_for_is_read_by_safetensors(decode_dump, tmp_
     safetensors, with the same metadata and tensors."""
     path = pass_path(decode_dump, 2)
     whole = PassFile(open_dump(decode_dump).ranks[0].passes[2])
-    header, body = split(open(path, "rb").read())
+    header, body = split_header(open(path, "rb").read())
     parsed = json.loads(header)
     name = next(k for k in parsed if k != "__metadata__")
     parsed[name]["extra"] = 1
@@ -235,7 +225,7 @@ def cached_parse(text: str):
 def test_metadata_reads_as_json_loads_reads_it(decode_dump):
     """With nothing remembered and with the calls of an earlier step remembered, every text
     reads as json.loads reads it (same values, types and key order) or is refused by both."""
-    raw = [json.loads(split(open(pass_path(decode_dump, p), "rb").read())[0])["__metadata__"][PASS_META_KEY]
+    raw = [json.loads(split_header(open(pass_path(decode_dump, p), "rb").read())[0])["__metadata__"][PASS_META_KEY]
            for p in (1, 2)]
     checked = 0
     for text in meta_edits(raw[1]):
@@ -263,6 +253,6 @@ def test_steps_share_their_calls(decode_dump):
     first, later = opened[0].meta["calls"], opened[-1].meta["calls"]
     assert len(first) == len(later) and sum(a is b for a, b in zip(first, later)) >= len(first) - 2
     for pf in opened:
-        raw = json.loads(split(pf.data.tobytes())[0])["__metadata__"][PASS_META_KEY]
+        raw = json.loads(split_header(pf.data.tobytes())[0])["__metadata__"][PASS_META_KEY]
         assert json.dumps(pf.meta) == json.dumps(json.loads(raw))
     forget()
