@@ -15,6 +15,7 @@ verdict never imports pandas or torch, and never builds a million-row frame of s
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Dict, List, Optional
 
@@ -86,17 +87,48 @@ DENSE_CELLS = 8 << 20  # token rows x tensors up to which joins use dense grids 
 
 
 def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
-    """Join both sides' fingerprints on (pair, tensor), on integer codes."""
+    """Join both sides' fingerprints on (pair, tensor), on integer codes. Each side's share of the
+    work runs on its own thread: numpy lets go of the GIL in these loops over a million entries."""
     pairs = alignment.cols
     rows = {"a": a.cols("rows"), "b": b.cols("rows")}
-    tensor_codes = {s: r.codes("tensor") for s, r in rows.items()}
-    shape_codes = {s: r.codes("rowshape") for s, r in rows.items()}
-    tensors = merged_vocabulary(*(v for _, v in tensor_codes.values()))
-    shapes = merged_vocabulary(*(v for _, v in shape_codes.values()))
-    tcodes = {s: recode(vocabulary, tensors)[codes] for s, (codes, vocabulary) in tensor_codes.items()}
-    found = _join_in_grid(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors))
-    pair, tcode, entry_a, entry_b = found if found is not None else _join_on_keys(pairs, rows, tcodes, len(tensors))
-    # Every tensor belongs to one call (its name is call.io.slot); B's tensors table says which.
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dumpdiff-join") as pool:
+        def both(work) -> Dict[str, object]:
+            return dict(zip(SIDES, pool.map(work, SIDES)))
+        tensor_codes = both(lambda s: rows[s].codes("tensor"))
+        shape_codes = both(lambda s: rows[s].codes("rowshape"))
+        tensors = merged_vocabulary(*(v for _, v in tensor_codes.values()))
+        shapes = merged_vocabulary(*(v for _, v in shape_codes.values()))
+        tcodes = both(lambda s: recode(tensor_codes[s][1], tensors)[tensor_codes[s][0]])
+        found = _join_in_grid(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors), both)
+        pair, tcode, entry_a, entry_b = found if found is not None else _join_on_keys(pairs, rows, tcodes, len(tensors))
+        call_of, io_of, calls = _calls_of_tensors(b, tensors)
+        keep = call_of[tcode] >= 0
+        if not keep.all():
+            entry_a, entry_b, pair, tcode = entry_a[keep], entry_b[keep], pair[keep], tcode[keep]
+        entry = {"a": entry_a, "b": entry_b}
+
+        def gather(side: str) -> Dict[str, np.ndarray]:
+            r, at = rows[side], entry[side]
+            nonfinite = r["nonfinite"]
+            codes, vocabulary = shape_codes[side]
+            return {f"fp_{side}": r["fp"][at], f"shape_{side}": recode(vocabulary, shapes)[codes[at]],
+                    # rows holding NaN or inf are rare: no gather when the side has none
+                    f"nonfinite_{side}": nonfinite[at] if nonfinite.any() else np.zeros(len(at), nonfinite.dtype)}
+        columns = {"pair": pair, "tcode": tcode, "ccode": call_of[tcode], "entry_a": entry_a, "entry_b": entry_b}
+        for gathered in both(gather).values():
+            columns.update(gathered)
+    columns["is_in"], columns["is_out"] = (io_of == "in")[tcode], (io_of == "out")[tcode]  # on codes, not strings
+    columns["comparable"] = columns["shape_a"] == columns["shape_b"]
+    columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])
+    return RowTable(pairs, columns, tensors, np.array(calls, dtype=object), shapes, io_of)
+
+
+SIDES = ("a", "b")
+
+
+def _calls_of_tensors(b: Index, tensors: np.ndarray):
+    """(call code by tensor code, -1 for a tensor B's tensors table lacks; "in"/"out" by tensor
+    code; call names by code). Every tensor belongs to one call (its name is call.io.slot)."""
     info = b.cols("tensors")
     call_of = np.full(len(tensors), -1, np.int64)
     io_of = np.full(len(tensors), "", object)
@@ -111,18 +143,7 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
             call_code[call] = len(calls)
             calls.append(call)
         call_of[code], io_of[code] = call_code[call], io
-    keep = call_of[tcode] >= 0
-    entry_a, entry_b, pair, tcode = entry_a[keep], entry_b[keep], pair[keep], tcode[keep]
-    columns = {"pair": pair, "tcode": tcode, "ccode": call_of[tcode], "entry_a": entry_a, "entry_b": entry_b}
-    for name in ("fp", "nonfinite"):
-        columns[f"{name}_a"], columns[f"{name}_b"] = rows["a"][name][entry_a], rows["b"][name][entry_b]
-    for side, entry in (("a", entry_a), ("b", entry_b)):
-        codes, vocabulary = shape_codes[side]
-        columns[f"shape_{side}"] = recode(vocabulary, shapes)[codes[entry]]
-    columns["is_in"], columns["is_out"] = (io_of == "in")[tcode], (io_of == "out")[tcode]  # on codes, not strings
-    columns["comparable"] = columns["shape_a"] == columns["shape_b"]
-    columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])
-    return RowTable(pairs, columns, tensors, np.array(calls, dtype=object), shapes, io_of)
+    return call_of, io_of, calls
 
 
 def _join_on_keys(pairs: Columns, rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray], n_tensors: int):
@@ -140,11 +161,13 @@ def _join_on_keys(pairs: Columns, rows: Dict[str, Columns], tcodes: Dict[str, np
 
 
 def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray],
-                  n_tensors: int):
+                  n_tensors: int, both):
     """The same join through a dense grid of (token row, tensor) -> entry per side: no sorting of a
-    million keys. None when the grid would be too large or a cell holds two entries."""
-    grids, gids = {}, {}
-    for side, r in rows.items():
+    million keys. None when the grid would be too large or a cell holds two entries. ``both(work)``
+    runs work(side) for both sides at once."""
+    def side_grid(side: str):
+        """(the side's grid, each pair's row in it), or None."""
+        r = rows[side]
         tokens = indexes[side].cols("tokens")
         passes, counts = np.unique(tokens["pass"], return_counts=True)
         n_gid = int(counts.sum())
@@ -167,20 +190,23 @@ def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Col
         grid[cells] = placed
         if not np.array_equal(grid[cells], placed):  # a (row, tensor) twice: the general join handles it
             return None
-        grids[side] = grid.reshape(n_gid, n_tensors)
-        gids[side] = gid(pairs[f"pass_{side}"], pairs[f"row_{side}"])
-    if (gids["a"] < 0).any() or (gids["b"] < 0).any():
+        return grid.reshape(n_gid, n_tensors), gid(pairs[f"pass_{side}"], pairs[f"row_{side}"])
+    made = both(side_grid)
+    if made["a"] is None or made["b"] is None:
         return None
-    at_a = np.sort(grids["a"][gids["a"]], axis=1)  # each pair's entries in A's order, the -1s (none) first
+    (grid_a, gids_a), (grid_b, gids_b) = made["a"], made["b"]
+    if (gids_a < 0).any() or (gids_b < 0).any():
+        return None
+    at_a = np.sort(grid_a[gids_a], axis=1)  # each pair's entries in A's order, the -1s (none) first
     present = at_a >= 0
     pair = np.repeat(np.arange(len(at_a)), present.sum(axis=1))
     entry_a = at_a[present]
     tcode = tcodes["a"][entry_a]
-    entry_b = grids["b"][gids["b"][pair], tcode]
+    entry_b = grid_b[gids_b[pair], tcode]
     if (entry_b >= 0).all():
         return pair, tcode, entry_a, entry_b
-    both = entry_b >= 0
-    return pair[both], tcode[both], entry_a[both], entry_b[both]
+    both_sides = entry_b >= 0
+    return pair[both_sides], tcode[both_sides], entry_a[both_sides], entry_b[both_sides]
 
 
 def call_order(index: Index) -> Dict[str, int]:

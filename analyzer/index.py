@@ -15,31 +15,19 @@ a parquet file readable by pandas or duckdb:
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import queue
-import signal
-import sys
-import threading
 from typing import Dict, List, Optional
 
 import numpy as np
 
-from . import arrowbuild
 from .columns import Columns
 from .errors import DumpError
-from .filelayout import usable_layout
-from .fingerprint import row_stats
-from .load import Dump, PassFile, show
-from .passtables import ENCODED, pass_tables, stored_tensors
-from .rowplan import pass_rows, row_columns
-from .smallpass import small_pass_tables
+from .load import Dump, show
 
 INDEX_VERSION = 5  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone;
 # 5: text columns dictionary-encoded (ENCODED)
@@ -66,6 +54,7 @@ class Index:
         if name not in self._frames:
             whole = self._shared.get(("frame", name))
             if whole is None:
+                from .passtables import ENCODED
                 whole = self._shared[("frame", name)] = _plain_text(self._tables[name].to_pandas(), ENCODED.get(name, ()))
             self._frames[name] = whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
         return self._frames[name]
@@ -124,6 +113,7 @@ def index_location(dump: Dump) -> str:
     inside = os.path.join(dump.path, INDEX_DIR)
     if os.access(dump.path, os.W_OK):
         return inside
+    import hashlib  # (OpenSSL: only for a read-only dump)
     digest = hashlib.sha256(os.path.abspath(dump.path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return os.path.join(os.path.expanduser("~/.cache/dumpdiff/index"), digest)
 
@@ -178,7 +168,8 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
                     _write_tables(where, made, stamp)
                 except OSError as exc:
                     _unsaved(where, exc)
-        if building:  # (nothing to build: no progress bar, not even its import)
+        if building:  # (nothing to build: none of the build's modules is imported)
+            from .indexbuild import build_many
             built = build_many([dump for _, (dump, _, _) in building], progress=progress, on_built=save)
             tables.update((key, made) for (key, _), made in zip(building, built))
     return [Index(dump, tables[folder[where] or where], where) for dump, where in zip(dumps, places)]
@@ -327,309 +318,11 @@ def _write_tables(where: str, tables: dict, stamp: dict):
 # a dump has many. Off (0) unless the command line turns it on: a worker process imports the
 # parent's main module, which only an entry point written for it (ours) survives.
 INDEX_PROCESSES = 0
-PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up costs more than it saves
 
 
 def allow_index_processes():
-    """Let build_many index many small passes in worker processes (the CPU count less one, at
-    most 8; DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
+    """Let the index build (analyzer/indexbuild.py) index many small passes in worker processes
+    (the CPU count less one, at most 8; DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
     global INDEX_PROCESSES
     setting = os.environ.get("DUMPDIFF_INDEX_PROCESSES", "")
     INDEX_PROCESSES = int(setting) if setting.isdigit() else min(max((os.cpu_count() or 1) - 1, 0), 8)
-
-
-def _process_pool(n_small: int):
-    workers = min(INDEX_PROCESSES, n_small // PASSES_PER_PROCESS)
-    if workers < 2:
-        return None
-    try:
-        import multiprocessing
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    except (ImportError, OSError, ValueError):  # no process support here (a sandbox): threads do it
-        return None
-    logging.getLogger("dumpdiff").info("indexing %d small passes in %d worker processes", n_small, workers)
-    return pool
-
-
-def _start_in_processes(small_refs: dict, advance):
-    """(pool, futures) indexing the small passes in worker processes, or (None, None) when there
-    are too few or processes cannot be started here (then a thread does it)."""
-    pool = _process_pool(len(small_refs))
-    if pool is None:
-        return None, None
-    # Workers start with SIGINT blocked: Ctrl-C reaches the whole process group, and a worker
-    # still importing would print its own traceback; this process stops them instead.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
-    try:
-        futures = {i: pool.submit(_index_small_pass, ref, ahead) for i, ref, ahead in _with_read_ahead(small_refs)}
-    except (OSError, concurrent.futures.BrokenExecutor):  # processes are started here, not before
-        pool.shutdown(wait=True, cancel_futures=True)
-        return None, None
-    finally:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    for i, future in futures.items():
-        future.add_done_callback(lambda f, n=small_refs[i].nbytes: f.cancelled() or advance(n))
-    return pool, futures
-
-
-def _index_small_pass(ref, ahead: List[str]) -> Dict[str, dict]:
-    """A worker process's job: one small pass's table columns."""
-    _will_need(ahead)
-    return index_pass(PassFile(ref, whole=True))
-
-
-# Small passes are read one file at a time by the thread indexing them, which would wait on each
-# cold read while the large passes stream: the kernel is asked to read the next few ahead.
-SMALL_READ_AHEAD = 16
-
-
-def _with_read_ahead(small_refs: dict):
-    """(position, ref, the files to ask the kernel for when its indexing starts), in order."""
-    paths = [ref.path for ref in small_refs.values()]
-    for k, (i, ref) in enumerate(small_refs.items()):
-        yield i, ref, paths[1:1 + SMALL_READ_AHEAD] if k == 0 else paths[k + SMALL_READ_AHEAD:k + SMALL_READ_AHEAD + 1]
-
-
-def _will_need(paths: List[str]):
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-        except (OSError, AttributeError):  # no such hint here: the read itself fetches the file
-            pass
-
-
-def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[dict]:
-    """The five tables of each dump as pyarrow Tables (no pandas: importing it costs more than
-    indexing a decode step's worth of passes). ``on_built(k, tables)`` is called, on another
-    thread, as soon as dump k's tables are made, while later dumps are still being indexed."""
-    refs = [(k, ref) for k, dump in enumerate(dumps) for rank in dump.ranks.values() for ref in rank.passes]
-    bar = _progress(sum(ref.nbytes for _, ref in refs), f"indexing {', '.join(show(d.label) for d in dumps)}", progress)
-    lock = threading.Lock()  # bytes are reported from the hashing threads
-
-    def one(ref):
-        counted = [0]
-
-        def advance(nbytes: int):
-            with lock:
-                counted[0] += nbytes
-                bar.update(nbytes)
-        tables = index_pass(PassFile(ref, whole=ref.nbytes < INLINE_PASS_BYTES), on_bytes=advance)
-        with lock:
-            bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
-        return tables
-
-    # Small passes (decode steps: per-tensor Python work, little reading) are indexed while the
-    # large ones stream from disk (one after the other, the disk would idle): by worker processes
-    # when there are many (the work holds the GIL), else by a second thread.
-    small_refs = {i: ref for i, (_, ref) in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
-    side, small = _start_in_processes(small_refs, lambda n: _locked(lock, bar.update, n))
-    if side is None:
-        side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
-        small = {i: side.submit(lambda ref, ahead: _will_need(ahead) or one(ref), ref, ahead)
-                 for i, ref, ahead in _with_read_ahead(small_refs)}
-    finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-tables")
-
-    def finish(k: int, parts: list) -> dict:
-        tables = _tables_of([small[i].result() if part is None else part for i, part in parts])
-        if on_built is not None:
-            on_built(k, tables)
-        return tables
-    try:
-        finishing = []
-        for k in range(len(dumps)):  # a dump's tables are made (and saved) while the next one streams
-            parts = [(i, None if i in small else one(ref)) for i, (j, ref) in enumerate(refs) if j == k]
-            finishing.append(finisher.submit(finish, k, parts))
-        built = [future.result() for future in finishing]
-    finally:
-        for future in small.values():  # after an error: no pass is indexed for nothing
-            future.cancel()
-        side.shutdown(wait=True, cancel_futures=True)
-        finisher.shutdown(wait=True, cancel_futures=True)
-    bar.close()
-    return built
-
-
-def _tables_of(parts: List[dict]) -> dict:
-    return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts]), encode=ENCODED.get(name, ()))
-            for name in TABLES}
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                disable=(not enabled) or None, leave=False)
-
-
-def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
-    """The five tables' columns (arrowbuild columns) for one pass file; ``on_bytes(n)`` reports
-    tensor bytes as they are done."""
-    meta, ref = pf.meta, pf.ref
-    tokens = meta["tokens"]
-    n_rows = len(tokens["ids"])
-    if not all(len(tokens.get(k, ())) == n_rows for k in ("pos", "seq", "valid")):
-        raise DumpError(f"{show(ref.path)}: token lists of unequal length in the pass metadata; the file is damaged")
-    seqs = meta.get("seqs", [])
-    valid = np.asarray(tokens["valid"], dtype=bool)
-    tables = {
-        "tokens": {"row": np.arange(n_rows, dtype=np.int32), "seq": list(tokens["seq"]),
-                   "pos": np.asarray(tokens["pos"], dtype=np.int64), "id": np.asarray(tokens["ids"], dtype=np.int64),
-                   "valid": valid, "mode": [meta.get("mode", "unknown")] * n_rows,
-                   "step": _repeat(meta.get("step"), n_rows)},
-        "seqs": {"seq": [q["seq"] for q in seqs], "first": np.array([q["rows"][0] for q in seqs], dtype=np.int64),
-                 "end": np.array([q["rows"][1] for q in seqs], dtype=np.int64),
-                 "prefix_ids": [json.dumps(q["prefix_ids"]) if "prefix_ids" in q else None for q in seqs]},
-    }
-    small = small_pass_tables(pf, n_rows, valid, on_bytes) if ref.nbytes < INLINE_PASS_BYTES else None
-    tables.update(small or _tensor_by_tensor(pf, n_rows, valid, on_bytes))
-    for table in tables.values():  # every table says whose rows it holds
-        n = arrowbuild.length(next(iter(table.values())))
-        table["rank"], table["pass"] = _repeat(ref.rank, n), _repeat(ref.pass_id, n)
-    return tables
-
-
-def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) -> Dict[str, dict]:
-    """The calls, tensors and rows tables of a large pass: every stored tensor is read once, in
-    the order its bytes lie in the file, by a read-ahead thread, and hashed by a pool of threads
-    while the next tensors are read."""
-    tensor_metas, stored_names = stored_tensors(pf)
-    stored_rows: Dict[str, tuple] = {}  # stored tensor name -> (row columns, why, is_ids)
-    token_ids = pf.meta["tokens"]["ids"]
-    plans = pass_rows(pf.meta, n_rows, valid)
-
-    def work(stored, tensor, dtype, release):
-        try:
-            plan = plans.plan(pf.ref.path, stored, tensor_metas[stored], tensor.shape)
-            view = plan.rows(tensor)
-            return row_columns(plan, view, dtype, row_stats(view, dtype), token_ids)
-        finally:
-            release()
-
-    if HASH_THREADS <= 1:
-        for stored, tensor, dtype, release in read_tensors(pf, stored_names, on_bytes):
-            stored_rows[stored] = work(stored, tensor, dtype, release)
-            del tensor
-    else:
-        pending: "collections.deque" = collections.deque()
-        try:
-            for stored, tensor, dtype, release in read_tensors(pf, stored_names, on_bytes):
-                pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, release)))
-                del tensor
-                while len(pending) > 2 * HASH_THREADS or (pending and pending[0][1].done()):
-                    done, future = pending.popleft()
-                    stored_rows[done] = future.result()
-            while pending:
-                done, future = pending.popleft()
-                stored_rows[done] = future.result()
-        finally:
-            for _, future in pending:  # after an error: let no task outlive this pass
-                future.cancel()
-            concurrent.futures.wait([future for _, future in pending])
-    return pass_tables(pf.meta["calls"], tensor_metas, stored_rows)
-
-
-def _locked(lock, func, *args):
-    with lock:
-        func(*args)
-
-
-def _repeat(value: Optional[int], n: int) -> np.ndarray:
-    return np.full(n, -1 if value is None else value, dtype=np.int64)
-
-
-# --- reading pass files for the index: sequential, read ahead, bounded memory --------------------
-READ_AHEAD_BYTES = 256 << 20  # tensor bytes read ahead of the hashing (one tensor is always allowed)
-INLINE_PASS_BYTES = 32 << 20  # smaller pass files are hashed by the calling thread alone
-# Tensors hashed at once (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8).
-HASH_THREADS = max(1, int(os.environ.get("DUMPDIFF_HASH_THREADS", "0") or 0) or min(os.cpu_count() or 1, 8))
-_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
-
-
-def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="dumpdiff-index")
-        return _pool
-
-
-def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
-    """Yield (name, bits, DType, release) for every name, in file order. A thread reads ahead with
-    plain sequential reads (no memory map: the page cache is not charged to this process), so
-    reading overlaps hashing. ``release()`` says the tensor is done with: its buffer is reused,
-    and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release."""
-    layout = usable_layout(pf, names)
-    if layout is None:
-        for name in names:  # safetensors reads them and names what is wrong with the file
-            tensor, dtype = pf.bits(name)
-            yield name, tensor, dtype, (lambda nbytes=tensor.nbytes: on_bytes and on_bytes(nbytes))
-        return
-    order = sorted(names, key=lambda n: layout.get(n)[2])
-    results: "queue.Queue" = queue.Queue()
-    state = {"held": 0, "stop": False, "pool": []}  # pool: freed buffers, reused (no fresh pages)
-    cond = threading.Condition()
-
-    def take_buffer(nbytes: int) -> np.ndarray:
-        with cond:
-            pool = state["pool"]
-            fits = [i for i, b in enumerate(pool) if nbytes <= b.nbytes <= 2 * nbytes + (1 << 20)]
-            if fits:
-                return pool.pop(min(fits, key=lambda i: pool[i].nbytes))
-        return np.empty(max(nbytes, 1), dtype=np.uint8)
-
-    def reader():
-        try:
-            with open(pf.ref.path, "rb", buffering=0) as handle:
-                for name in order:
-                    dtype, shape, begin, end = layout.get(name)
-                    nbytes = end - begin
-                    with cond:
-                        while state["held"] and state["held"] + nbytes > READ_AHEAD_BYTES and not state["stop"]:
-                            cond.wait()
-                        if state["stop"]:
-                            return
-                        state["held"] += nbytes
-                    buffer = take_buffer(nbytes)
-                    handle.seek(begin)
-                    view, got = memoryview(buffer)[:nbytes], 0
-                    while got < nbytes:
-                        n = handle.readinto(view[got:])
-                        if not n:
-                            raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
-                        got += n
-                    tensor = buffer[:nbytes].view(dtype.bits).reshape(shape) if nbytes else \
-                        np.empty(shape, dtype=dtype.bits)
-                    results.put((name, tensor, dtype, nbytes, buffer, None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-            results.put((None, None, None, 0, None, exc))
-
-    thread = threading.Thread(target=reader, name="dumpdiff-index-read", daemon=True)
-    thread.start()
-    try:
-        for _ in order:
-            name, tensor, dtype, nbytes, buffer, error = results.get()
-            if error is not None:
-                if isinstance(error, OSError):
-                    raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
-                raise error
-            def release(nbytes=nbytes, buffer=buffer):  # the consumer keeps nothing pointing into it
-                with cond:
-                    state["held"] -= nbytes
-                    if sum(b.nbytes for b in state["pool"]) + buffer.nbytes <= READ_AHEAD_BYTES:
-                        state["pool"].append(buffer)
-                    cond.notify_all()
-                if on_bytes:
-                    on_bytes(nbytes)
-
-            yield name, tensor, dtype, release
-            del tensor
-    finally:
-        with cond:
-            state["stop"] = True
-            cond.notify_all()
-        thread.join()

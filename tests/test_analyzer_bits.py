@@ -280,3 +280,26 @@ def test_noise_walk_over_more_small_files_than_the_cache_holds_reads_them_once(t
     decode_files = sum(os.path.getsize(os.path.join(dec, "rank0", f)) for f in os.listdir(os.path.join(dec, "rank0"))
                        if f.endswith(".safetensors"))
     assert read[300_000] <= 1.5 * read[rowread.CACHE_BYTES] and read[300_000] < 3 * decode_files, (read, decode_files)
+
+
+@pytest.mark.parametrize("case", ["unique-small-range", "duplicates", "wide-range", "negative", "empty-side",
+                                  "no-match", "unsigned"])
+def test_key_join_matches_every_equal_key_in_order(case):
+    """keyjoin.join (the verdict's joins) equals a brute-force join: every (side, probe) pair of
+    equal keys, by probe position then side position, whether it takes its lookup-table path
+    (unique keys, small range) or its sorted path."""
+    from analyzer.keyjoin import join
+    rng = np.random.default_rng(len(case))
+    side = {"unique-small-range": rng.permutation(5000)[:3000] + 7, "duplicates": rng.integers(0, 300, 4000),
+            "wide-range": rng.permutation(3000) * (1 << 40), "negative": rng.permutation(4000)[:2500] - 2000,
+            "empty-side": np.zeros(0, np.int64), "no-match": np.arange(100, 200),
+            "unsigned": rng.permutation(3000).astype(np.uint32)}[case]
+    probe = np.concatenate([rng.choice(side, 2000) if len(side) else np.zeros(0, side.dtype),
+                            rng.integers(-3000, 6000, 500).astype(side.dtype) if case != "wide-range" else
+                            rng.integers(0, 3000, 500) * (1 << 40) + 1])
+    at_side, at_probe = join(side, probe)
+    where = {}
+    for k, key in enumerate(side.tolist()):
+        where.setdefault(key, []).append(k)
+    expected = [(s, p) for p, key in enumerate(probe.tolist()) for s in where.get(key, [])]
+    assert list(zip(at_side.tolist(), at_probe.tolist())) == expected

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from analyzer import index, smallpass
+from analyzer import indexbuild, smallpass
 from analyzer.dtypes import BY_NAME
 from analyzer.load import PassFile, open_dump
 from analyzer.rowplan import RowPlan
@@ -24,7 +24,7 @@ def tables_both_ways(ref):
     n_rows = len(valid)
     small = smallpass.small_pass_tables(pf, n_rows, valid)
     assert small is not None
-    direct = index._tensor_by_tensor(pf, n_rows, valid)
+    direct = indexbuild._tensor_by_tensor(pf, n_rows, valid)
     as_text = lambda tables: json.dumps({t: {c: (v.tolist() if isinstance(v, np.ndarray) else  # noqa: E731
                                                  [v.codes.tolist(), v.vocabulary.tolist()] if hasattr(v, "codes") else v)
                                              for c, v in cols.items()} for t, cols in tables.items()}, default=str)
