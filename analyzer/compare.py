@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -87,11 +88,11 @@ DENSE_CELLS = 8 << 20  # token rows x tensors up to which joins use dense grids 
 
 
 def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
-    """Join both sides' fingerprints on (pair, tensor), on integer codes. Each side's share of the
-    work runs on its own thread: numpy lets go of the GIL in these loops over a million entries."""
+    """Join both sides' fingerprints on (pair, tensor), on integer codes. The work is split by
+    pairs over a few threads: numpy lets go of the GIL in these loops over a million entries."""
     pairs = alignment.cols
     rows = {"a": a.cols("rows"), "b": b.cols("rows")}
-    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="dumpdiff-join") as pool:
+    with concurrent.futures.ThreadPoolExecutor(JOIN_THREADS, thread_name_prefix="dumpdiff-join") as pool:
         def both(work) -> Dict[str, object]:
             return dict(zip(SIDES, pool.map(work, SIDES)))
         tensor_codes = both(lambda s: rows[s].codes("tensor"))
@@ -99,31 +100,67 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
         tensors = merged_vocabulary(*(v for _, v in tensor_codes.values()))
         shapes = merged_vocabulary(*(v for _, v in shape_codes.values()))
         tcodes = both(lambda s: recode(tensor_codes[s][1], tensors)[tensor_codes[s][0]])
-        found = _join_in_grid(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors), both)
-        pair, tcode, entry_a, entry_b = found if found is not None else _join_on_keys(pairs, rows, tcodes, len(tensors))
         call_of, io_of, calls = _calls_of_tensors(b, tensors)
-        keep = call_of[tcode] >= 0
-        if not keep.all():
-            entry_a, entry_b, pair, tcode = entry_a[keep], entry_b[keep], pair[keep], tcode[keep]
-        entry = {"a": entry_a, "b": entry_b}
-
-        def gather(side: str) -> Dict[str, np.ndarray]:
-            r, at = rows[side], entry[side]
-            nonfinite = r["nonfinite"]
-            codes, vocabulary = shape_codes[side]
-            return {f"fp_{side}": r["fp"][at], f"shape_{side}": recode(vocabulary, shapes)[codes[at]],
-                    # rows holding NaN or inf are rare: no gather when the side has none
-                    f"nonfinite_{side}": nonfinite[at] if nonfinite.any() else np.zeros(len(at), nonfinite.dtype)}
-        columns = {"pair": pair, "tcode": tcode, "ccode": call_of[tcode], "entry_a": entry_a, "entry_b": entry_b}
-        for gathered in both(gather).values():
-            columns.update(gathered)
-    columns["is_in"], columns["is_out"] = (io_of == "in")[tcode], (io_of == "out")[tcode]  # on codes, not strings
-    columns["comparable"] = columns["shape_a"] == columns["shape_b"]
-    columns["differ"] = columns["comparable"] & (columns["fp_a"] != columns["fp_b"])
+        grids = _grids(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors), both)
+        if grids is not None:
+            pieces = list(pool.map(lambda span: _grid_piece(span, grids, tcodes["a"], call_of),
+                                   _spans(len(pairs), JOIN_THREADS)))
+        else:
+            pair, tcode, entry_a, entry_b = _join_on_keys(pairs, rows, tcodes, len(tensors))
+            keep = call_of[tcode] >= 0
+            found = [pair[keep], tcode[keep], entry_a[keep], entry_b[keep]]
+            pieces = [[column[lo:hi] for column in found] for lo, hi in _spans(len(found[0]), JOIN_THREADS)]
+        columns = _columns(pieces, rows, shape_codes, shapes, call_of, io_of, pool)
     return RowTable(pairs, columns, tensors, np.array(calls, dtype=object), shapes, io_of)
 
 
 SIDES = ("a", "b")
+JOIN_THREADS = min(os.cpu_count() or 1, 8)
+
+
+def _spans(n: int, parts: int):
+    """[lo, hi) of up to ``parts`` near-equal spans covering range(n); none when n is 0."""
+    bounds = np.linspace(0, n, min(parts, n) + 1).astype(np.int64) if n else np.zeros(1, np.int64)
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+
+
+def _columns(pieces, rows: Dict[str, Columns], shape_codes, shapes: np.ndarray, call_of: np.ndarray,
+             io_of: np.ndarray, pool) -> Dict[str, np.ndarray]:
+    """The row table's columns from the joined pieces ([pair, tensor code, entry in A's rows,
+    entry in B's rows], in order), each piece filled in by its own thread."""
+    sizes = [len(piece[0]) for piece in pieces]
+    starts = np.r_[0, np.cumsum(sizes, dtype=np.int64)].tolist()
+    entry_dtype = pieces[0][2].dtype if pieces else np.int64
+    into_shapes = {s: recode(shape_codes[s][1], shapes) for s in SIDES}
+    shape_dtype = into_shapes["a"].dtype
+    kinds = {"pair": np.int64, "tcode": np.int64, "ccode": np.int64, "entry_a": entry_dtype, "entry_b": entry_dtype,
+             "is_in": bool, "is_out": bool, "comparable": bool, "differ": bool}
+    for s in SIDES:
+        kinds.update({f"fp_{s}": rows[s]["fp"].dtype, f"shape_{s}": shape_dtype, f"nonfinite_{s}": rows[s]["nonfinite"].dtype})
+    out = {name: np.empty(starts[-1], kind) for name, kind in kinds.items()}
+    nonfinite = {s: rows[s]["nonfinite"].any() for s in SIDES}  # rows holding NaN or inf are rare: no gather then
+    is_in, is_out = io_of == "in", io_of == "out"  # on codes, not strings
+
+    def fill(k: int):
+        at = slice(starts[k], starts[k + 1])
+        pair, tcode, entry_a, entry_b = pieces[k]
+        cell = {name: column[at] for name, column in out.items()}
+        cell["pair"][:], cell["tcode"][:], cell["entry_a"][:], cell["entry_b"][:] = pair, tcode, entry_a, entry_b
+        np.take(call_of, tcode, out=cell["ccode"], mode="clip")
+        for s, entry in (("a", entry_a), ("b", entry_b)):
+            np.take(rows[s]["fp"], entry, out=cell[f"fp_{s}"], mode="clip")
+            np.take(into_shapes[s], shape_codes[s][0][entry], out=cell[f"shape_{s}"], mode="clip")
+            if nonfinite[s]:
+                np.take(rows[s]["nonfinite"], entry, out=cell[f"nonfinite_{s}"], mode="clip")
+            else:
+                cell[f"nonfinite_{s}"][:] = 0
+        np.take(is_in, tcode, out=cell["is_in"], mode="clip")
+        np.take(is_out, tcode, out=cell["is_out"], mode="clip")
+        np.equal(cell["shape_a"], cell["shape_b"], out=cell["comparable"])
+        np.not_equal(cell["fp_a"], cell["fp_b"], out=cell["differ"])
+        cell["differ"] &= cell["comparable"]
+    list(pool.map(fill, range(len(pieces))))
+    return out
 
 
 def _calls_of_tensors(b: Index, tensors: np.ndarray):
@@ -160,13 +197,13 @@ def _join_on_keys(pairs: Columns, rows: Dict[str, Columns], tcodes: Dict[str, np
     return pair, tcode, entries["a"][at_a], entries["b"][at_b]
 
 
-def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray],
-                  n_tensors: int, both):
-    """The same join through a dense grid of (token row, tensor) -> entry per side: no sorting of a
-    million keys. None when the grid would be too large or a cell holds two entries. ``both(work)``
-    runs work(side) for both sides at once."""
+def _grids(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray],
+           n_tensors: int, both):
+    """Per side, a dense grid of (token row, tensor) -> entry and each pair's row in it: the join
+    without sorting a million keys. None when a grid would be too large, a cell holds two entries
+    or a pair's row is not in the grid (then the general join does it). ``both(work)`` runs
+    work(side) for both sides at once."""
     def side_grid(side: str):
-        """(the side's grid, each pair's row in it), or None."""
         r = rows[side]
         tokens = indexes[side].cols("tokens")
         passes, counts = np.unique(tokens["pass"], return_counts=True)
@@ -188,25 +225,29 @@ def _join_in_grid(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Col
         cells = entry_gid[placed] * n_tensors + tcodes[side][placed]
         grid = np.full(n_gid * n_tensors, -1, np.int32 if len(r) < 1 << 31 else np.int64)  # half the memory
         grid[cells] = placed
-        if not np.array_equal(grid[cells], placed):  # a (row, tensor) twice: the general join handles it
+        if not np.array_equal(grid[cells], placed):  # a (row, tensor) twice
             return None
-        return grid.reshape(n_gid, n_tensors), gid(pairs[f"pass_{side}"], pairs[f"row_{side}"])
+        of_pairs = gid(pairs[f"pass_{side}"], pairs[f"row_{side}"])
+        return None if (of_pairs < 0).any() else (grid.reshape(n_gid, n_tensors), of_pairs)
     made = both(side_grid)
-    if made["a"] is None or made["b"] is None:
-        return None
-    (grid_a, gids_a), (grid_b, gids_b) = made["a"], made["b"]
-    if (gids_a < 0).any() or (gids_b < 0).any():
-        return None
-    at_a = np.sort(grid_a[gids_a], axis=1)  # each pair's entries in A's order, the -1s (none) first
+    return None if made["a"] is None or made["b"] is None else made
+
+
+def _grid_piece(span, grids: dict, tcodes_a: np.ndarray, call_of: np.ndarray) -> list:
+    """[pair, tensor code, entry in A's rows, entry in B's rows] of the pairs in span = [lo, hi):
+    every tensor both sides hold on a pair, that B's tensors table names, by pair, then A's order."""
+    (grid_a, gids_a), (grid_b, gids_b) = grids["a"], grids["b"]
+    lo, hi = span
+    at_a = np.sort(grid_a[gids_a[lo:hi]], axis=1)  # each pair's entries in A's order, the -1s (none) first
     present = at_a >= 0
-    pair = np.repeat(np.arange(len(at_a)), present.sum(axis=1))
+    pair = np.repeat(np.arange(lo, hi), present.sum(axis=1))
     entry_a = at_a[present]
-    tcode = tcodes["a"][entry_a]
+    tcode = tcodes_a[entry_a]
     entry_b = grid_b[gids_b[pair], tcode]
-    if (entry_b >= 0).all():
-        return pair, tcode, entry_a, entry_b
-    both_sides = entry_b >= 0
-    return pair[both_sides], tcode[both_sides], entry_a[both_sides], entry_b[both_sides]
+    keep = (entry_b >= 0) & (call_of[tcode] >= 0)
+    if keep.all():
+        return [pair, tcode, entry_a, entry_b]
+    return [pair[keep], tcode[keep], entry_a[keep], entry_b[keep]]
 
 
 def call_order(index: Index) -> Dict[str, int]:

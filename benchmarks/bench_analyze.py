@@ -31,7 +31,8 @@ import time
 
 import torch
 
-from common import ROOT, dir_bytes, dump_pair, evict, files_under, fmt_bytes, llama, median, n_params, result
+from common import (ROOT, compile_bytecode, dir_bytes, dump_pair, evict, files_under, fmt_bytes, llama, median,
+                    n_params, result)
 
 
 def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, new_tokens: int, dtype=torch.float32,
@@ -148,6 +149,7 @@ def run(args, ref, dec):
     files = files_under(ref) + files_under(dec)
     total = dir_bytes(ref) + dir_bytes(dec)
     print(f"# dump pair: {fmt_bytes(total)} in {len(files)} pass files", flush=True)
+    print(f"# {compile_bytecode()}", flush=True)
     cold = not args.warm_only and evict(ref, dec)
     protocols = (["cold"] if cold else []) + ["warm"]
     rows = {}
