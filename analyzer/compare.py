@@ -101,7 +101,7 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
         shapes = merged_vocabulary(*(v for _, v in shape_codes.values()))
         tcodes = both(lambda s: recode(tensor_codes[s][1], tensors)[tensor_codes[s][0]])
         call_of, io_of, calls = _calls_of_tensors(b, tensors)
-        grids = _grids(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors), both)
+        grids = _grids(pairs, {"a": a, "b": b}, rows, tcodes, len(tensors), pool)
         if grids is not None:
             pieces = list(pool.map(lambda span: _grid_piece(span, grids, tcodes["a"], call_of),
                                    _spans(len(pairs), JOIN_THREADS)))
@@ -198,15 +198,14 @@ def _join_on_keys(pairs: Columns, rows: Dict[str, Columns], tcodes: Dict[str, np
 
 
 def _grids(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray],
-           n_tensors: int, both):
+           n_tensors: int, pool):
     """Per side, a dense grid of (token row, tensor) -> entry and each pair's row in it: the join
-    without sorting a million keys. None when a grid would be too large, a cell holds two entries
-    or a pair's row is not in the grid (then the general join does it). ``both(work)`` runs
-    work(side) for both sides at once."""
-    def side_grid(side: str):
-        r = rows[side]
-        tokens = indexes[side].cols("tokens")
-        passes, counts = np.unique(tokens["pass"], return_counts=True)
+    without sorting a million keys, filled by spans of entries on the pool's threads. None when a
+    grid would be too large, a cell holds two entries or a pair's row is not in the grid (then the
+    general join does it)."""
+    made = {}
+    for side in SIDES:
+        passes, counts = np.unique(indexes[side].cols("tokens")["pass"], return_counts=True)
         n_gid = int(counts.sum())
         if not n_gid or max(n_gid, len(pairs)) * max(n_tensors, 1) > DENSE_CELLS:
             return None
@@ -214,23 +213,35 @@ def _grids(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], 
             return None  # pass numbers far apart: no lookup array
         slot = np.full(int(passes[-1]) + 2, len(passes), np.int64)  # pass number -> place; unknown: one past
         slot[passes] = np.arange(len(passes))
-        offsets = np.r_[np.cumsum(counts) - counts, -1]
-        counts = np.r_[counts, 0]
+        grid = np.full(n_gid * n_tensors, -1, np.int32 if len(rows[side]) < 1 << 31 else np.int64)  # half the memory
+        made[side] = (slot, np.r_[np.cumsum(counts) - counts, -1], np.r_[counts, 0], grid)
 
-        def gid(pass_ids, token_rows):  # a dense number per (pass, token row); -1 for none
-            at = slot[np.clip(pass_ids, -1, len(slot) - 1)]
-            return np.where((token_rows >= 0) & (token_rows < counts[at]), offsets[at] + token_rows, -1)
-        entry_gid = gid(r["pass"], r["row"])
+    def gid(side: str, pass_ids, token_rows):  # a dense number per (pass, token row); -1 for none
+        slot, offsets, counts, _ = made[side]
+        at = slot[np.clip(pass_ids, -1, len(slot) - 1)]
+        return np.where((token_rows >= 0) & (token_rows < counts[at]), offsets[at] + token_rows, -1)
+
+    def place(task):
+        side, lo, hi = task
+        r = rows[side]
+        entry_gid = gid(side, r["pass"][lo:hi], r["row"][lo:hi])
         placed = np.nonzero(entry_gid >= 0)[0]
-        cells = entry_gid[placed] * n_tensors + tcodes[side][placed]
-        grid = np.full(n_gid * n_tensors, -1, np.int32 if len(r) < 1 << 31 else np.int64)  # half the memory
-        grid[cells] = placed
-        if not np.array_equal(grid[cells], placed):  # a (row, tensor) twice
+        cells = entry_gid[placed] * n_tensors + tcodes[side][lo:hi][placed]
+        placed += lo
+        made[side][3][cells] = placed
+        return side, cells, placed
+    tasks = [(side, lo, hi) for side in SIDES for lo, hi in _spans(len(rows[side]), JOIN_THREADS)]
+    placed = list(pool.map(place, tasks))
+    # a (row, tensor) twice: one of its writes was lost
+    if not all(pool.map(lambda done: np.array_equal(made[done[0]][3][done[1]], done[2]), placed)):
+        return None
+    grids = {}
+    for side in SIDES:
+        of_pairs = gid(side, pairs[f"pass_{side}"], pairs[f"row_{side}"])
+        if (of_pairs < 0).any():
             return None
-        of_pairs = gid(pairs[f"pass_{side}"], pairs[f"row_{side}"])
-        return None if (of_pairs < 0).any() else (grid.reshape(n_gid, n_tensors), of_pairs)
-    made = both(side_grid)
-    return None if made["a"] is None or made["b"] is None else made
+        grids[side] = (made[side][3].reshape(-1, max(n_tensors, 1)), of_pairs)
+    return grids
 
 
 def _grid_piece(span, grids: dict, tcodes_a: np.ndarray, call_of: np.ndarray) -> list:
@@ -276,33 +287,41 @@ def _per_call(table: RowTable, b: Index) -> Columns:
     time in its pass (post) and its canonical order. Grouped on integers."""
     calls = table.calls
     n_calls = max(len(calls), 1)
-    key = table["pair"].astype(np.int64) * n_calls + table["ccode"]
-    differ = table["differ"]
-    n_cells = (int(table["pair"][-1]) + 1 if len(key) else 0) * n_calls  # the table is ordered by pair
+    n_entries = len(table["pair"])
+    n_cells = (int(table["pair"][-1]) + 1 if n_entries else 0) * n_calls  # the table is ordered by pair
     if n_cells <= DENSE_CELLS:  # a flag per (pair, call) cell: no sort, a byte per cell
+        flags = {name: np.zeros(n_cells, bool) for name in ("present", "in", "out")}
 
-        def cells(where):
-            flags = np.zeros(n_cells, bool)
-            flags[key[where] if where is not None else key] = True
-            return flags
-        present = np.nonzero(cells(None))[0]
-        in_differ = cells(differ & table["is_in"])[present]
-        out_differ = cells(differ & table["is_out"])[present]
+        def mark(span):  # spans of entries on threads; where two meet on a pair, both write True
+            at = slice(*span)
+            key = table["pair"][at].astype(np.int64) * n_calls + table["ccode"][at]
+            differ = table["differ"][at]
+            flags["present"][key] = True
+            flags["in"][key[differ & table["is_in"][at]]] = True
+            flags["out"][key[differ & table["is_out"][at]]] = True
+        with concurrent.futures.ThreadPoolExecutor(JOIN_THREADS, thread_name_prefix="dumpdiff-calls") as pool:
+            list(pool.map(mark, _spans(n_entries, JOIN_THREADS)))
+        pair, ccode = np.nonzero(flags["present"].reshape(-1, n_calls))  # (pair, call) cells: no division
+        present = pair * n_calls + ccode
+        in_differ, out_differ = flags["in"][present], flags["out"][present]
     else:
+        key = table["pair"].astype(np.int64) * n_calls + table["ccode"]
+        differ = table["differ"]
         present, inverse = np.unique(key, return_inverse=True)
         inverse = inverse.reshape(-1)
         in_differ = np.zeros(len(present), bool)
         out_differ = np.zeros(len(present), bool)
         in_differ[inverse[differ & table["is_in"]]] = True
         out_differ[inverse[differ & table["is_out"]]] = True
-    pair, ccode = np.divmod(present, n_calls)
+        pair, ccode = np.divmod(present, n_calls)
     pass_b = table.pairs["pass_b"].astype(np.int64)[pair]
     at_calls, at = calls_of_b(table, b, pass_b, ccode)
     order = call_order(b)
     order_of = np.array([order.get(c, 0) for c in calls.tolist()], dtype=np.int64)
-    return Columns({"pair": pair[at], "pass_b": pass_b[at], "ccode": ccode[at], "in_differ": in_differ[at],
-                    "out_differ": out_differ[at], "post": b.cols("calls")["post"][at_calls],
-                    "order": order_of[ccode[at]]})
+    if not np.array_equal(at, np.arange(len(pair))):  # cells B's calls table lacks (or holds twice)
+        pair, pass_b, ccode, in_differ, out_differ = pair[at], pass_b[at], ccode[at], in_differ[at], out_differ[at]
+    return Columns({"pair": pair, "pass_b": pass_b, "ccode": ccode, "in_differ": in_differ, "out_differ": out_differ,
+                    "post": b.cols("calls")["post"][at_calls], "order": order_of[ccode]})
 
 
 def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray):
