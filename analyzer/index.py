@@ -209,8 +209,11 @@ def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
         with open(os.path.join(where, "stamp.json")) as handle:
             if json.load(handle) != stamp:
                 return None
-        # Python's open, not pyarrow's: pyarrow cannot open a path with non-UTF-8 bytes.
-        return {n: _read_table(os.path.join(where, f"{n}.parquet"), lazy=n == "rows") for n in TABLES}
+        # Python's open, not pyarrow's: pyarrow cannot open a path with non-UTF-8 bytes. The
+        # tables are read at once (pyarrow lets go of the GIL): each read waits on the disk.
+        with concurrent.futures.ThreadPoolExecutor(len(TABLES), thread_name_prefix="dumpdiff-tables") as pool:
+            read = {n: pool.submit(_read_table, os.path.join(where, f"{n}.parquet"), n == "rows") for n in TABLES}
+            return {n: future.result() for n, future in read.items()}
     except (OSError, ValueError):
         return None  # absent, stale or damaged: rebuilt
 
