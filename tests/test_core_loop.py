@@ -210,3 +210,36 @@ def test_tiny_qwen3_moe_end_to_end(tmp_path):
     assert any("experts" in n["call"] for n in verdict["not_comparable"])
     if code == 1:
         assert result["culprit"]["call"]
+
+
+def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_path, monkeypatch):
+    """The row table (both indexes joined on token row and tensor) is built through dense grids
+    split over threads, or through a general sorted join; every way gives the same verdict, to
+    the last number. A batch of three lengths (left padding) dumped in float32 diverges naturally
+    in many rows, so the spans of entries and of pairs split sequences and rows at odd places."""
+    import json
+    import dumper
+    from analyzer import compare, diverge
+    model = load_model(llama_dir, torch.float32)
+    plant_stale_kv(model, layer=1)
+    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        handle.configure(exp_name="ref")
+        for prompt, row in zip(prompts, out):
+            model(torch.tensor([prompt + row[width:].tolist()]))
+    handle.remove()
+    verdicts = {}
+    for threads, dense in ((1, 0), (1, compare.DENSE_CELLS), (3, compare.DENSE_CELLS), (7, compare.DENSE_CELLS), (7, 0)):
+        monkeypatch.setattr(compare, "JOIN_THREADS", threads)
+        monkeypatch.setattr(compare, "DENSE_CELLS", dense)
+        result = diverge.first_divergence(str(tmp_path / "ref"), str(tmp_path / "dec"), progress=False)
+        verdicts[(threads, dense)] = json.dumps(result, sort_keys=True, default=str)
+    assert len(set(verdicts.values())) == 1, "the join paths disagree"
+    result = json.loads(next(iter(verdicts.values())))
+    verdict = result["ranks"]["0"]
+    assert result["culprit"] and verdict["rows_differing"] > 3 and verdict["rows_compared"] > 3 * 4
