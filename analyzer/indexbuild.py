@@ -24,6 +24,7 @@ from .filelayout import usable_layout
 from .fingerprint import row_stats
 from .load import Dump, PassFile, show
 from .passtables import ENCODED, pass_tables, stored_tensors
+from .readahead import will_need
 from .rowplan import pass_rows, row_columns
 from .smallpass import small_pass_tables
 
@@ -67,7 +68,7 @@ def _start_in_processes(small_refs: dict, advance):
 
 def _index_small_pass(ref, ahead: List[str]) -> Dict[str, dict]:
     """A worker process's job: one small pass's table columns."""
-    _will_need(ahead)
+    will_need(ahead)
     return index_pass(PassFile(ref, whole=True))
 
 
@@ -81,18 +82,6 @@ def _with_read_ahead(small_refs: dict):
     paths = [ref.path for ref in small_refs.values()]
     for k, (i, ref) in enumerate(small_refs.items()):
         yield i, ref, paths[1:1 + SMALL_READ_AHEAD] if k == 0 else paths[k + SMALL_READ_AHEAD:k + SMALL_READ_AHEAD + 1]
-
-
-def _will_need(paths: List[str]):
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-        except (OSError, AttributeError):  # no such hint here: the read itself fetches the file
-            pass
 
 
 def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[dict]:
@@ -122,7 +111,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
     side, small = _start_in_processes(small_refs, lambda n: _locked(lock, bar.update, n))
     if side is None:
         side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
-        small = {i: side.submit(lambda ref, ahead: _will_need(ahead) or one(ref), ref, ahead)
+        small = {i: side.submit(lambda ref, ahead: will_need(ahead) or one(ref), ref, ahead)
                  for i, ref, ahead in _with_read_ahead(small_refs)}
     finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-tables")
 
