@@ -110,7 +110,8 @@ def row_table(alignment: Alignment, a: Index, b: Index) -> RowTable:
             keep = call_of[tcode] >= 0
             found = [pair[keep], tcode[keep], entry_a[keep], entry_b[keep]]
             pieces = [[column[lo:hi] for column in found] for lo, hi in _spans(len(found[0]), JOIN_THREADS)]
-        columns = _columns(pieces, rows, shape_codes, shapes, call_of, io_of, pool)
+        entry_dtype = grids["a"][0].dtype if grids is not None else pieces[0][2].dtype if pieces else np.int64
+        columns = _columns(pieces, entry_dtype, rows, shape_codes, shapes, call_of, io_of, pool)
     return RowTable(pairs, columns, tensors, np.array(calls, dtype=object), shapes, io_of)
 
 
@@ -124,13 +125,12 @@ def _spans(n: int, parts: int):
     return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
-def _columns(pieces, rows: Dict[str, Columns], shape_codes, shapes: np.ndarray, call_of: np.ndarray,
+def _columns(pieces, entry_dtype, rows: Dict[str, Columns], shape_codes, shapes: np.ndarray, call_of: np.ndarray,
              io_of: np.ndarray, pool) -> Dict[str, np.ndarray]:
     """The row table's columns from the joined pieces ([pair, tensor code, entry in A's rows,
     entry in B's rows], in order), each piece filled in by its own thread."""
     sizes = [len(piece[0]) for piece in pieces]
     starts = np.r_[0, np.cumsum(sizes, dtype=np.int64)].tolist()
-    entry_dtype = pieces[0][2].dtype if pieces else np.int64
     into_shapes = {s: recode(shape_codes[s][1], shapes) for s in SIDES}
     shape_dtype = into_shapes["a"].dtype
     kinds = {"pair": np.int64, "tcode": np.int64, "ccode": np.int64, "entry_a": entry_dtype, "entry_b": entry_dtype,
@@ -214,10 +214,10 @@ def _grids(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], 
         slot = np.full(int(passes[-1]) + 2, len(passes), np.int64)  # pass number -> place; unknown: one past
         slot[passes] = np.arange(len(passes))
         grid = np.full(n_gid * n_tensors, -1, np.int32 if len(rows[side]) < 1 << 31 else np.int64)  # half the memory
-        made[side] = (slot, np.r_[np.cumsum(counts) - counts, -1], np.r_[counts, 0], grid)
+        made[side] = (slot, np.r_[np.cumsum(counts) - counts, -1], np.r_[counts, 0], grid, n_gid)
 
     def gid(side: str, pass_ids, token_rows):  # a dense number per (pass, token row); -1 for none
-        slot, offsets, counts, _ = made[side]
+        slot, offsets, counts = made[side][:3]
         at = slot[np.clip(pass_ids, -1, len(slot) - 1)]
         return np.where((token_rows >= 0) & (token_rows < counts[at]), offsets[at] + token_rows, -1)
 
@@ -240,7 +240,7 @@ def _grids(pairs: Columns, indexes: Dict[str, Index], rows: Dict[str, Columns], 
         of_pairs = gid(side, pairs[f"pass_{side}"], pairs[f"row_{side}"])
         if (of_pairs < 0).any():
             return None
-        grids[side] = (made[side][3].reshape(-1, max(n_tensors, 1)), of_pairs)
+        grids[side] = (made[side][3].reshape(made[side][4], n_tensors), of_pairs)
     return grids
 
 

@@ -21,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -213,9 +214,18 @@ def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
         # tables are read at once (pyarrow lets go of the GIL): each read waits on the disk.
         with concurrent.futures.ThreadPoolExecutor(len(TABLES), thread_name_prefix="dumpdiff-tables") as pool:
             read = {n: pool.submit(_read_table, os.path.join(where, f"{n}.parquet"), n == "rows") for n in TABLES}
-            return {n: future.result() for n, future in read.items()}
     except (OSError, ValueError):
         return None  # absent, stale or damaged: rebuilt
+    tables = {n: future.result() for n, future in read.items() if future.exception() is None}
+    if len(tables) < len(TABLES):
+        for table in tables.values():  # one is damaged: the rows table opened beside it is let go now
+            if isinstance(table, LazyParquet):
+                table.close()
+        error = next(f.exception() for f in read.values() if f.exception() is not None)
+        if not isinstance(error, (OSError, ValueError)):
+            raise error
+        return None
+    return tables
 
 
 def _unsaved(where: str, exc: OSError):
@@ -247,12 +257,18 @@ class LazyParquet:
         import pyarrow.parquet as pq
         self._path = path
         self._handle = open(path, "rb")
-        self._file = pq.ParquetFile(self._handle)  # reads the footer: a damaged file fails here
+        try:
+            self._file = pq.ParquetFile(self._handle)  # reads the footer: a damaged file fails here
+        except BaseException:
+            self._handle.close()
+            raise
         self.column_names = list(self._file.schema_arrow.names)
         self.num_rows = self._file.metadata.num_rows
 
         self._prefetch: Optional[concurrent.futures.Future] = None
         self._ready: dict = {}  # name -> column read ahead
+        self._lock = threading.Lock()  # one reader of the file at a time (a dump compared with itself
+        #                                shares this object between both sides' threads)
 
     def prefetch(self, names):
         """Start reading these columns in the background, all at once (pyarrow decodes them on
@@ -266,14 +282,19 @@ class LazyParquet:
             pool.shutdown(wait=False)  # the thread ends with the read
 
     def column(self, name: str):
-        self._settle()
-        if name in self._ready:
-            return self._ready[name]
-        return self._read([name]).column(0)
+        with self._lock:
+            self._settle()
+            if name in self._ready:
+                return self._ready[name]
+            return self._read([name]).column(0)
 
     def to_pandas(self):
-        self._settle()
-        return self._read(None).to_pandas()
+        with self._lock:
+            self._settle()
+            return self._read(None).to_pandas()
+
+    def close(self):
+        self._handle.close()
 
     def _settle(self):
         """Wait for the read-ahead: one reader of the file at a time."""

@@ -261,6 +261,38 @@ def test_damaged_index_is_one_line_and_rebuild_index_recovers(dumps, tmp_path):
     assert code in (0, 1) and "alignment proof: OK" in out, err
 
 
+@pytest.mark.parametrize("table", ["tokens", "calls", "rows"])
+def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path, table):
+    """The five tables of a saved index are opened at once; when one is damaged (its footer
+    zeroed) the index is rebuilt, and the tables opened beside it are closed then, not when the
+    garbage collector gets to them (the rebuild renames new files over them)."""
+    import gc
+    from analyzer.index import load_index
+    from analyzer.load import open_dump
+    dec = copy_dump(dumps[1], tmp_path / "dec")
+    load_index(open_dump(dec), progress=False)
+    path = os.path.join(dec, "index", f"{table}.parquet")
+    with open(path, "r+b") as handle:
+        handle.seek(-8, 2)
+        handle.write(b"\0" * 8)
+
+    def open_tables():
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass
+        return [f for f in found if ".parquet" in f and str(tmp_path) in f]
+    gc.disable()
+    try:
+        index = load_index(open_dump(dec), progress=False)
+        assert open_tables() == []  # the rebuilt index is used from memory
+    finally:
+        gc.enable()
+    assert len(index.cols("tokens")) and len(index.cols("rows"))
+
+
 @pytest.mark.parametrize("every", [False, True], ids=["one decode step", "every decode step"])
 def test_a_tensor_given_other_token_dims_is_compared_without_crashing(dumps, tmp_path, every):
     """A hand-edited or damaged metadata gives the culprit's output other token dims, so its rows

@@ -7,6 +7,8 @@ op is the only source of difference, and assert that first.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,7 +219,6 @@ def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_pa
     split over threads, or through a general sorted join; every way gives the same verdict, to
     the last number. A batch of three lengths (left padding) dumped in float32 diverges naturally
     in many rows, so the spans of entries and of pairs split sequences and rows at odd places."""
-    import json
     import dumper
     from analyzer import compare, diverge
     model = load_model(llama_dir, torch.float32)
@@ -243,3 +244,25 @@ def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_pa
     result = json.loads(next(iter(verdicts.values())))
     verdict = result["ranks"]["0"]
     assert result["culprit"] and verdict["rows_differing"] > 3 and verdict["rows_compared"] > 3 * 4
+
+
+def test_dumps_without_tensor_rows_compare_clean_when_alignment_is_trusted(llama_dir, tmp_path):
+    """non_intrusive_mode=core stores pass metadata only (token ids, positions, sequences), no
+    tensor. Without rows the alignment cannot be proved (exit 2); trusted, the comparison has
+    nothing that differs and says so (exit 0)."""
+    model = load_model(llama_dir, torch.float32)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(12), new_tokens=4, non_intrusive_mode="core")
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json", "--trust-alignment")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["divergence"] is False and result["culprit"] is None
+
+
+def test_a_dump_compared_with_itself_does_not_diverge(llama_dir, tmp_path):
+    """Both sides then share one saved index, read by both sides' threads at once."""
+    model = load_model(llama_dir, torch.float32)
+    _, dec, _ = dump_pair(model, tmp_path, prompt_ids(16), new_tokens=6)
+    assert dumpdiff("index", dec, "--no-progress")[0] == 0
+    for _ in range(3):
+        code, out, err = dumpdiff("first-divergence", dec, dec, "--no-progress", "--strict-only")
+        assert code == 0 and "NO DIVERGENCE" in out, out + err
