@@ -222,10 +222,17 @@ def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
             if isinstance(table, LazyParquet):
                 table.close()
         error = next(f.exception() for f in read.values() if f.exception() is not None)
-        if not isinstance(error, (OSError, ValueError)):
+        if not isinstance(error, _unreadable_errors()):
             raise error
         return None
     return tables
+
+
+def _unreadable_errors() -> tuple:
+    """What reading a damaged saved table raises: the OS's errors, and pyarrow's (most are
+    ValueErrors; a damaged footer can also give ArrowNotImplementedError)."""
+    import pyarrow as pa
+    return (OSError, ValueError, pa.ArrowException)
 
 
 def _unsaved(where: str, exc: OSError):
@@ -305,7 +312,7 @@ class LazyParquet:
     def _read(self, columns, threads: bool = False):
         try:
             return self._file.read(columns=columns, use_threads=threads)  # threads for the read-ahead only
-        except (OSError, ValueError) as exc:
+        except _unreadable_errors() as exc:
             raise DumpError(f"{show(self._path)}: cannot be read ({exc}); the index is damaged: "
                             "rerun with --rebuild-index") from None
 

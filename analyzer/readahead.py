@@ -12,7 +12,7 @@ from typing import Iterable, List
 def will_need(paths: Iterable[str]):
     for path in paths:
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a named pipe put there must not block
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             finally:
@@ -22,12 +22,17 @@ def will_need(paths: Iterable[str]):
 
 
 def saved_index_files(dumps: Iterable[str]) -> List[str]:
-    """The files of each dump's index saved inside it (where a writable dump keeps it)."""
+    """The regular files of each dump's index saved inside it (where a writable dump keeps it):
+    its stamp and tables, not temporary files of a build or anything else put there."""
     found = []
     for dump in dumps:
         folder = os.path.join(os.fspath(dump), "index")
         try:
-            found += [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if not name.startswith(".")]
+            names = sorted(os.listdir(folder))
         except OSError:
             continue
+        for name in names:
+            path = os.path.join(folder, name)
+            if (name == "stamp.json" or name.endswith(".parquet")) and os.path.isfile(path):
+                found.append(path)
     return found

@@ -293,6 +293,58 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
     assert len(index.cols("tokens")) and len(index.cols("rows"))
 
 
+@pytest.mark.parametrize("where", ["beside the tables", "in place of the rows table"])
+def test_a_named_pipe_in_the_index_folder_does_not_hang_the_comparison(dumps, tmp_path, where):
+    """first-divergence asks the kernel to read the saved index ahead; opening a named pipe for
+    that would wait for a writer forever. Beside the tables it is ignored; in place of a table
+    (its stamp gone), the index is rebuilt over it."""
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+    assert dumpdiff("index", dec, "--no-progress")[0] == 0
+    folder = os.path.join(dec, "index")
+    if where == "beside the tables":
+        os.mkfifo(os.path.join(folder, "notes"))
+    else:
+        os.unlink(os.path.join(folder, "stamp.json"))
+        os.unlink(os.path.join(folder, "rows.parquet"))
+        os.mkfifo(os.path.join(folder, "rows.parquet"))
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress", timeout=60)
+    assert code in (0, 1) and "alignment proof: OK" in out, err
+
+
+def test_a_table_footer_pyarrow_cannot_read_is_rebuilt(dumps, tmp_path):
+    """Some damaged footers make pyarrow raise ArrowNotImplementedError, neither an OSError nor
+    a ValueError: that table, too, is damaged, and the index is rebuilt."""
+    import io
+    import random
+    import struct
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+    assert dumpdiff("index", dec, "--no-progress")[0] == 0
+    path = os.path.join(dec, "index", "tokens.parquet")
+    data = open(path, "rb").read()
+    footer = len(data) - 8 - struct.unpack("<I", data[-8:-4])[0]
+    rng = random.Random(1)
+    for _ in range(20000):  # byte edits of the footer until pyarrow says "not implemented"
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(footer, len(data) - 8)] = rng.randrange(256)
+        try:
+            pq.ParquetFile(io.BytesIO(bytes(damaged)))
+        except pa.ArrowNotImplementedError:
+            break
+        except Exception:  # noqa: BLE001 - other damage: try another edit
+            continue
+    else:
+        pytest.skip("no footer edit made pyarrow raise ArrowNotImplementedError")
+    with open(path, "wb") as handle:
+        handle.write(bytes(damaged))
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress")
+    assert code in (0, 1) and "alignment proof: OK" in out, err
+
+
 @pytest.mark.parametrize("every", [False, True], ids=["one decode step", "every decode step"])
 def test_a_tensor_given_other_token_dims_is_compared_without_crashing(dumps, tmp_path, every):
     """A hand-edited or damaged metadata gives the culprit's output other token dims, so its rows
