@@ -40,6 +40,25 @@ def dump_pair(model, root, prompt, new_tokens: int = 6, setup=None, **config):
     return os.path.join(root, "ref"), os.path.join(root, "dec"), output
 
 
+def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5):
+    """Dump 'dec' (one left-padded batch of prompts of these lengths, pad id 0, generated
+    together) and 'ref' (each prompt+output alone, unpadded). Returns (prompts, ref, dec)."""
+    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in lengths]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec"))
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            handle.configure(exp_name="ref")
+            for prompt, row in zip(prompts, out):
+                model(torch.tensor([prompt + row[width:].tolist()]))
+    finally:
+        handle.remove()
+    return prompts, os.path.join(root, "ref"), os.path.join(root, "dec")
+
+
 def dumpdiff(*args, env: Optional[dict] = None, timeout: int = 300):
     """Run the real CLI; returns (exit code, stdout, stderr)."""
     proc = subprocess.run([sys.executable, "-m", "analyzer.cli", *map(str, args)], capture_output=True, text=True,

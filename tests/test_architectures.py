@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import dump_pair, first_divergence_json, prompt_ids
+from helpers import dump_padded_batch, dump_pair, first_divergence_json, prompt_ids
 from test_core_loop import plant_stale_kv
 from analyzer.index import load_index
 from analyzer.load import open_dump
@@ -117,20 +117,9 @@ def test_left_padded_batch_of_a_state_space_model_pairs_every_row(tmp_path):
     """Mamba's decode steps get neither the attention mask nor positions: each row's position is
     carried from the pass before, padding excluded, so every decode row of every padded prompt
     pairs with its own reference prefill."""
-    import dumper
     model = tiny("mamba", tmp_path)
-    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (ids != 0).long()  # prompt ids start at 3: 0 is padding only
-    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path / "dumps"), enable=True, exp_name="dec"))
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        handle.configure(exp_name="ref")
-        for prompt, row in zip(prompts, out):
-            model(torch.tensor([prompt + row[width:].tolist()]))
-    handle.remove()
-    code, result = first_divergence_json(tmp_path / "dumps" / "ref", tmp_path / "dumps" / "dec")
+    prompts, ref, dec = dump_padded_batch(model, tmp_path / "dumps", new_tokens=4)
+    code, result = first_divergence_json(ref, dec)
     alignment = result["ranks"]["0"]["alignment"]
     assert alignment["rows_b"] == sum(map(len, prompts)) + 3 * 3  # 3 decode steps per prompt
     assert alignment["unkeyed_b"] == alignment["unaligned_b"] == 0, alignment

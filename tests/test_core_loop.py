@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, make_tiny_qwen3_moe, prompt_ids
+from helpers import (dump_padded_batch, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama,
+                     make_tiny_qwen3_moe, prompt_ids)
 
 
 @pytest.fixture(scope="module")
@@ -150,20 +151,9 @@ def test_identical_runs_exit_zero(llama_dir, tmp_path):
 
 
 def test_batch_of_three_lengths_aligns_per_sequence(llama_dir, tmp_path):
-    import dumper
     model = load_model(llama_dir, torch.float32)
-    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding, pad id 0
-    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        handle.configure(exp_name="ref")
-        for prompt, row in zip(prompts, out):
-            model(torch.tensor([prompt + row[width:].tolist()]))  # each sequence alone, unpadded
-    handle.remove()
-    code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
+    prompts, ref, dec = dump_padded_batch(model, tmp_path)
+    code, result = first_divergence_json(ref, dec)
     align = result["ranks"]["0"]["alignment"]
     assert align["unaligned_b"] == 0 and align["unkeyed_b"] == 0
     assert align["rows_b"] == sum(len(p) for p in prompts) + 3 * 4  # padding rows are not token rows
@@ -219,26 +209,15 @@ def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_pa
     split over threads, or through a general sorted join; every way gives the same verdict, to
     the last number. A batch of three lengths (left padding) dumped in float32 diverges naturally
     in many rows, so the spans of entries and of pairs split sequences and rows at odd places."""
-    import dumper
     from analyzer import compare, diverge
     model = load_model(llama_dir, torch.float32)
     plant_stale_kv(model, layer=1)
-    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
-        handle.configure(exp_name="ref")
-        for prompt, row in zip(prompts, out):
-            model(torch.tensor([prompt + row[width:].tolist()]))
-    handle.remove()
+    _, ref, dec = dump_padded_batch(model, tmp_path)
     verdicts = {}
     for threads, dense in ((1, 0), (1, compare.DENSE_CELLS), (3, compare.DENSE_CELLS), (7, compare.DENSE_CELLS), (7, 0)):
         monkeypatch.setattr(compare, "JOIN_THREADS", threads)
         monkeypatch.setattr(compare, "DENSE_CELLS", dense)
-        result = diverge.first_divergence(str(tmp_path / "ref"), str(tmp_path / "dec"), progress=False)
+        result = diverge.first_divergence(ref, dec, progress=False)
         verdicts[(threads, dense)] = json.dumps(result, sort_keys=True, default=str)
     assert len(set(verdicts.values())) == 1, "the join paths disagree"
     result = json.loads(next(iter(verdicts.values())))
