@@ -134,7 +134,8 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
                    (amplification over a threshold derived from the run, or --atol/--rtol,
                    or the differences of a repeat run given with --noise): the state bug
     """
-    from .readahead import saved_index_files, will_need
+    from .indexfiles import saved_index_files
+    from .readahead import will_need
     will_need(saved_index_files([reference, test]))  # fetched from storage while numpy and pyarrow import
     from .diverge import first_divergence
     result = first_divergence(reference, test, trust_alignment=trust_alignment, allow_mismatch=allow_mismatch,

@@ -28,12 +28,11 @@ import numpy as np
 
 from .columns import Columns
 from .errors import DumpError
+from .indexfiles import STAMP_FILE, TABLES, index_folder, table_path
 from .load import Dump, show
 
 INDEX_VERSION = 5  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone;
 # 5: text columns dictionary-encoded (ENCODED)
-INDEX_DIR = "index"
-TABLES = ("tokens", "seqs", "calls", "tensors", "rows")
 
 
 class Index:
@@ -110,13 +109,7 @@ def _rows_of_rank(table: Columns, rank: int) -> Columns:
 
 
 def index_location(dump: Dump) -> str:
-    """Inside the dump when writable; else a per-dump folder in the user's cache."""
-    inside = os.path.join(dump.path, INDEX_DIR)
-    if os.access(dump.path, os.W_OK):
-        return inside
-    import hashlib  # (OpenSSL: only for a read-only dump)
-    digest = hashlib.sha256(os.path.abspath(dump.path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(os.path.expanduser("~/.cache/dumpdiff/index"), digest)
+    return index_folder(dump.path)
 
 
 def _stamp(dump: Dump) -> dict:
@@ -207,13 +200,13 @@ def _locked_folders(places: List[str], held: contextlib.ExitStack) -> dict:
 
 def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
     try:
-        with open(os.path.join(where, "stamp.json")) as handle:
+        with open(os.path.join(where, STAMP_FILE)) as handle:
             if json.load(handle) != stamp:
                 return None
         # Python's open, not pyarrow's: pyarrow cannot open a path with non-UTF-8 bytes. The
         # tables are read at once (pyarrow lets go of the GIL): each read waits on the disk.
         with concurrent.futures.ThreadPoolExecutor(len(TABLES), thread_name_prefix="dumpdiff-tables") as pool:
-            read = {n: pool.submit(_read_table, os.path.join(where, f"{n}.parquet"), n == "rows") for n in TABLES}
+            read = {n: pool.submit(_read_table, table_path(where, n), n == "rows") for n in TABLES}
     except (OSError, ValueError):
         return None  # absent, stale or damaged: rebuilt
     tables = {n: future.result() for n, future in read.items() if future.exception() is None}
@@ -323,14 +316,14 @@ def _write_tables(where: str, tables: dict, stamp: dict):
     One file at a time: pyarrow writing Python file objects from several threads crashes (SIGSEGV)
     when the disk fills up."""
     tag = f".tmp.{os.getpid()}"
-    stamp_path = os.path.join(where, "stamp.json")
+    stamp_path = os.path.join(where, STAMP_FILE)
     if os.path.exists(stamp_path):
         os.unlink(stamp_path)
     import pyarrow.parquet as pq
     written = []
     try:
         for name, table in tables.items():
-            path = os.path.join(where, f"{name}.parquet")
+            path = table_path(where, name)
             written.append(path + tag)
             with open(path + tag, "wb") as handle:
                 pq.write_table(table, handle)

@@ -6,7 +6,7 @@ without the call, is simply read when asked for. Imports nothing heavy."""
 from __future__ import annotations
 
 import os
-from typing import Iterable, List
+from typing import Iterable
 
 
 def will_need(paths: Iterable[str]):
@@ -19,20 +19,3 @@ def will_need(paths: Iterable[str]):
                 os.close(fd)
         except (OSError, AttributeError):  # no such hint here: the read itself fetches the file
             pass
-
-
-def saved_index_files(dumps: Iterable[str]) -> List[str]:
-    """The regular files of each dump's index saved inside it (where a writable dump keeps it):
-    its stamp and tables, not temporary files of a build or anything else put there."""
-    found = []
-    for dump in dumps:
-        folder = os.path.join(os.fspath(dump), "index")
-        try:
-            names = sorted(os.listdir(folder))
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(folder, name)
-            if (name == "stamp.json" or name.endswith(".parquet")) and os.path.isfile(path):
-                found.append(path)
-    return found
