@@ -9,8 +9,9 @@ a parquet file readable by pandas or duckdb:
     calls.parquet    rank, pass, call, module, cls, pre, post, skipped  (one per hooked call)
     tensors.parquet  rank, pass, tensor, call, io, slot, dtype, shape, token_dims, rows, stored,
                      selected, is_ids, why                               (one per captured tensor)
-    rows.parquet     rank, pass, tensor, row, fp, rowshape, amax, nonfinite, srow
-                     (one per token row of each tensor; row -1 = a tensor without token rows)
+    rows.parquet     rank, pass, tensor, row, fp, rowshape, amax, nonfinite, srow, offset
+                     (one per token row of each tensor; row -1 = a tensor without token rows;
+                     offset: the row's first byte in the pass file, -1 where it is not one range)
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from .errors import DumpError
 from .indexfiles import STAMP_FILE, TABLES, index_folder, table_path
 from .load import Dump, show
 
-INDEX_VERSION = 5  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone;
-# 5: text columns dictionary-encoded (ENCODED)
+INDEX_VERSION = 6  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone;
+# 5: text columns dictionary-encoded (ENCODED); 6: each row's byte offset in its pass file
 
 
 class Index:

@@ -182,23 +182,23 @@ def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
     token_ids = pf.meta["tokens"]["ids"]
     plans = pass_rows(pf.meta, n_rows, valid)
 
-    def work(stored, tensor, dtype, release):
+    def work(stored, tensor, dtype, begin, release):
         try:
             plan = plans.plan(pf.ref.path, stored, tensor_metas[stored], tensor.shape)
             view = plan.rows(tensor)
-            return row_columns(plan, view, dtype, row_stats(view, dtype), token_ids)
+            return row_columns(plan, view, dtype, row_stats(view, dtype), token_ids, begin)
         finally:
             release()
 
     if HASH_THREADS <= 1:
-        for stored, tensor, dtype, release in read_tensors(pf, stored_names, on_bytes):
-            stored_rows[stored] = work(stored, tensor, dtype, release)
+        for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes):
+            stored_rows[stored] = work(stored, tensor, dtype, begin, release)
             del tensor
     else:
         pending: "collections.deque" = collections.deque()
         try:
-            for stored, tensor, dtype, release in read_tensors(pf, stored_names, on_bytes):
-                pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, release)))
+            for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes):
+                pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, begin, release)))
                 del tensor
                 while len(pending) > 2 * HASH_THREADS or (pending and pending[0][1].done()):
                     done, future = pending.popleft()
@@ -240,7 +240,7 @@ def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
-    """Yield (name, bits, DType, release) for every name, in file order. A thread reads ahead with
+    """Yield (name, bits, DType, first byte in the file or None, release) for every name, in file order. A thread reads ahead with
     plain sequential reads (no memory map: the page cache is not charged to this process), so
     reading overlaps hashing. ``release()`` says the tensor is done with: its buffer is reused,
     and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release."""
@@ -248,7 +248,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
     if layout is None:
         for name in names:  # safetensors reads them and names what is wrong with the file
             tensor, dtype = pf.bits(name)
-            yield name, tensor, dtype, (lambda nbytes=tensor.nbytes: on_bytes and on_bytes(nbytes))
+            yield name, tensor, dtype, None, (lambda nbytes=tensor.nbytes: on_bytes and on_bytes(nbytes))
         return
     order = sorted(names, key=lambda n: layout.get(n)[2])
     results: "queue.Queue" = queue.Queue()
@@ -285,15 +285,15 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                         got += n
                     tensor = buffer[:nbytes].view(dtype.bits).reshape(shape) if nbytes else \
                         np.empty(shape, dtype=dtype.bits)
-                    results.put((name, tensor, dtype, nbytes, buffer, None))
+                    results.put((name, tensor, dtype, begin, nbytes, buffer, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-            results.put((None, None, None, 0, None, exc))
+            results.put((None, None, None, None, 0, None, exc))
 
     thread = threading.Thread(target=reader, name="dumpdiff-index-read", daemon=True)
     thread.start()
     try:
         for _ in order:
-            name, tensor, dtype, nbytes, buffer, error = results.get()
+            name, tensor, dtype, begin, nbytes, buffer, error = results.get()
             if error is not None:
                 if isinstance(error, OSError):
                     raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
@@ -307,7 +307,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                 if on_bytes:
                     on_bytes(nbytes)
 
-            yield name, tensor, dtype, release
+            yield name, tensor, dtype, begin, release
             del tensor
     finally:
         with cond:

@@ -29,7 +29,7 @@ from typing import Dict, Optional
 import numpy as np
 
 from .align import Alignment
-from .batchread import chunks, read_batches, row_bytes
+from .batchread import chunks, in_file_order, read_batches, row_bytes
 from .columns import Columns
 from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
 from .dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
@@ -82,6 +82,7 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     order = np.argsort(key, kind="stable")
     bounds = np.r_[0, np.nonzero(np.diff(key[order]))[0] + 1, len(order)] if len(order) else np.zeros(1, np.int64)
     batches = [order[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
+    batches = in_file_order(b, table["entry_b"][at], batches)
     codes = [int(table["tcode"][at[batch[0]]]) for batch in batches]
     sizes = [len(batch) * max(row_bytes(table.shapes[table["shape_a"][at[batch[0]]]]), 1) for batch in batches]
     for chunk in chunks(sizes):

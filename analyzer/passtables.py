@@ -99,4 +99,5 @@ def _rows_table(parts: List[tuple]) -> dict:
     return {"row": concat("row", np.int32), "fp": concat("fp", np.int64),
             "rowshape": arrowbuild.dictionary([c["rowshape"] for _, c in parts], lengths),
             "amax": concat("amax", np.float64), "nonfinite": concat("nonfinite", np.int32),
-            "srow": concat("srow", np.int32), "tensor": arrowbuild.dictionary([name for name, _ in parts], lengths)}
+            "srow": concat("srow", np.int32), "offset": concat("offset", np.int64),
+            "tensor": arrowbuild.dictionary([name for name, _ in parts], lengths)}

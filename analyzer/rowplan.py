@@ -104,6 +104,17 @@ class RowPlan:
                 runs.append([first, first + width])
         return [tuple(run) for run in runs]
 
+    def row_offsets(self, begin: Optional[int], dtype: DType) -> np.ndarray:
+        """The file offset of each kept row's first byte, for a tensor stored from byte ``begin``;
+        -1 where a row is not one byte range (token dims that do not lead) or ``begin`` is None.
+        The index keeps them, so a reader slices rows out of plain reads without the header."""
+        if begin is None or not self.contiguous:
+            return np.full(len(self.srow), -1, dtype=np.int64)
+        if not self.by_token:
+            return np.full(len(self.srow), begin, dtype=np.int64)
+        width = math.prod(self.view_shape[1:]) * dtype.size
+        return begin + self.srow.astype(np.int64) * width
+
     def byte_index(self, begin: int, dtype: DType) -> np.ndarray:
         """The file offset of every byte of the kept rows, in row order (rows not contiguous)."""
         elements = np.arange(math.prod(self.shape), dtype=np.int64).reshape(self.shape)
@@ -148,13 +159,15 @@ def pass_rows(meta: dict, n_rows: int, valid: np.ndarray) -> PassRows:
         return known
 
 
-def row_columns(plan: RowPlan, view: np.ndarray, dtype: DType, stats, token_ids) -> tuple:
-    """(row columns, why, is_ids) of one tensor from its kept rows and their row_stats."""
+def row_columns(plan: RowPlan, view: np.ndarray, dtype: DType, stats, token_ids, begin: Optional[int]) -> tuple:
+    """(row columns, why, is_ids) of one tensor from its kept rows and their row_stats; ``begin``:
+    its first byte in the pass file (None: not known)."""
     fps, amax, nonfinite = stats  # fingerprints, max |x|, inf/nan
     if amax is None:
         amax = np.full(len(fps), np.nan)
     columns = {"row": plan.kept_rows, "fp": fps.view(np.int64), "rowshape": plan.row_shape_text(dtype.name),
-               "amax": amax, "nonfinite": nonfinite, "srow": plan.srow.astype(np.int32)}
+               "amax": amax, "nonfinite": nonfinite, "srow": plan.srow.astype(np.int32),
+               "offset": plan.row_offsets(begin, dtype)}
     return columns, plan.why, holds_token_ids(plan, view, dtype, token_ids)
 
 

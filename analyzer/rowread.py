@@ -36,7 +36,7 @@ class RowReader:
     def __init__(self, index: Index, cache_bytes: int = CACHE_BYTES):
         self.index = index
         rank_ids = np.unique(index.cols("tokens")["rank"]).tolist()
-        self._refs = {p.pass_id: p for r in rank_ids for p in index.dump.ranks[int(r)].passes}
+        self.refs = {p.pass_id: p for r in rank_ids for p in index.dump.ranks[int(r)].passes}
         tensors = index.cols("tensors")
         self._tensors = tensors
         self._by_pass = None  # tensors table entries in pass order, and where each pass's begin
@@ -140,7 +140,7 @@ class RowReader:
     def _entry(self, pass_id: int, stored: str):
         layout = self._layouts.get(pass_id, False)
         if layout is False:
-            layout = self._layouts[pass_id] = file_layout(self._refs[pass_id].path)
+            layout = self._layouts[pass_id] = file_layout(self.refs[pass_id].path)
             if layout is not None:
                 self._share_entries(layout)
         return layout.get(stored) if layout else None
@@ -186,7 +186,7 @@ class RowReader:
         if need:
             if need[0] < 0 or need[-1] >= n_rows:
                 raise IndexError(f"row {need[-1]} of {stored!r} in pass {pass_id}: the tensor has {n_rows} rows")
-            fd = os.open(self._refs[pass_id].path, os.O_RDONLY)
+            fd = os.open(self.refs[pass_id].path, os.O_RDONLY)
             try:
                 start = 0
                 while start < len(need):  # one read per run of adjacent rows
@@ -195,7 +195,7 @@ class RowReader:
                         stop += 1
                     first, count = need[start], stop - start
                     buffer = np.empty(count * row_bytes, dtype=np.uint8)
-                    _pread_into(fd, buffer, begin + first * row_bytes)
+                    read_exactly(fd, buffer, begin + first * row_bytes)
                     block = buffer.view(dtype.bits).reshape((count,) + row_shape) if row_bytes else \
                         np.empty((count,) + row_shape, dtype=dtype.bits)
                     for i in range(count):
@@ -224,7 +224,7 @@ class RowReader:
             self._thrashing = True
             return None
         self._read_whole.add(pass_id)
-        data = read_whole_file(self._refs[pass_id].path, size)
+        data = read_whole_file(self.refs[pass_id].path, size)
         self.bytes_read += size
         self._slot((pass_id, None), "file")["file"] = data
         self._cached += size
@@ -236,7 +236,7 @@ class RowReader:
         if slot.get("view") is None:
             pass_file = self._files.get(pass_id)
             if pass_file is None:
-                pass_file = self._files[pass_id] = PassFile(self._refs[pass_id])
+                pass_file = self._files[pass_id] = PassFile(self.refs[pass_id])
             data, dtype = pass_file.bits(stored)
             self.bytes_read += data.nbytes
             view = stored_row_view(data, {"token_dims": dims, "selected": selected}) if dims is not None \
@@ -263,7 +263,8 @@ class RowReader:
             self._cached -= sum(r.nbytes for r in old["rows"].values())
 
 
-def _pread_into(fd: int, buffer: np.ndarray, offset: int):
+def read_exactly(fd: int, buffer: np.ndarray, offset: int):
+    """Fill ``buffer`` from byte ``offset`` of the file; OSError at its end."""
     view, got = memoryview(buffer), 0
     while got < buffer.nbytes:
         n = os.preadv(fd, [view[got:]], offset + got)

@@ -150,13 +150,16 @@ class Structure:
             if stored in placed:
                 group, offset = placed[stored]
                 start, kind = group["first"] + offset, group["dtype"].name
-            else:
+                within = plan.row_offsets(0, group["dtype"])  # from the tensor's first byte, in every pass
+            else:  # volatile: its rows' width may change from pass to pass (set per pass)
                 start, kind, first = first, layout.get(stored)[0].name, first + len(plan.srow)
+                within = plan.row_offsets(None, layout.get(stored)[0])
             count = len(plan.srow)
             stored_rows[stored] = ({
                 "row": plan.kept_rows, "fp": np.arange(count, dtype=np.int64) + start,
                 "rowshape": plan.row_shape_text(kind), "amax": np.zeros(count),
-                "nonfinite": np.zeros(count, np.int32), "srow": plan.srow.astype(np.int32)}, plan.why, False)
+                "nonfinite": np.zeros(count, np.int32), "srow": plan.srow.astype(np.int32), "offset": within},
+                plan.why, False)
         self._tables = pass_tables(self.calls, tensor_metas, stored_rows)
         self._order = self._tables["rows"]["fp"]  # the hashed row of each rows-table row
         # Per tensors-table row (one per tensor name; the rows table's parts, in the same order):
@@ -171,6 +174,11 @@ class Structure:
                                 if stored in self.volatile]
         self._part_shapes = [stored_rows[stored][0]["rowshape"] for stored in stored_of]
         self._part_lengths = np.array([len(stored_rows[stored][0]["row"]) for stored in stored_of], dtype=np.int64)
+        number = {stored: j for j, stored in enumerate(stored_names)}
+        # Per rows-table row: its stored tensor's number and where the row lies from that tensor's first byte
+        self._row_stored = np.repeat(np.array([number[s] for s in stored_of], dtype=np.int64), self._part_lengths)
+        self._row_within = self._tables["rows"]["offset"]
+        self._part_starts = np.cumsum(self._part_lengths) - self._part_lengths
 
     def changed_tensors(self, calls: list, layout: FileLayout) -> Optional[Set[str]]:
         """The stored tensors whose shape differs in a pass with these calls and header, or None
@@ -226,6 +234,11 @@ class Structure:
         rows["fp"] = np.concatenate(fps).view(np.int64)[order] if fps else order
         rows["amax"] = np.concatenate(amaxes)[order] if amaxes else rows["amax"]
         rows["nonfinite"] = np.concatenate(nonfinites)[order] if nonfinites else rows["nonfinite"]
+        within = self._row_within
+        rows["offset"] = np.where(within >= 0, np.asarray(begins, dtype=np.int64)[self._row_stored] + within, -1)
+        for stored, offsets in volatile["offsets"].items():
+            for i in self._rows_of[stored]:
+                rows["offset"][self._part_starts[i]:self._part_starts[i] + len(offsets)] = offsets
         is_ids = tensors["is_ids"] = tensors["is_ids"].copy()
         token_ids = meta["tokens"]["ids"]
         for j, plan, dtype in self._id_candidates + volatile["id_candidates"]:
@@ -267,7 +280,7 @@ class Structure:
                        begins: List[int]) -> Optional[dict]:
         """Row stats, row shape texts, token-id candidates and bytes of the volatile tensors, or
         None when one of them no longer has the rows the structure planned for."""
-        found = {"stats": [], "row_shapes": {}, "id_candidates": [], "bytes": 0}
+        found = {"stats": [], "row_shapes": {}, "id_candidates": [], "bytes": 0, "offsets": {}}
         for j, stored, count, why, by_token in self._volatile:
             entry = layout.get(stored)
             if entry is None or entry[2] != begins[j]:
@@ -278,6 +291,7 @@ class Structure:
                 return None
             view = plan.rows(data[begin:end].view(dtype.bits).reshape(shape))
             found["stats"].append(row_stats(view, dtype))
+            found["offsets"][stored] = plan.row_offsets(begin, dtype)
             text = plan.row_shape_text(dtype.name)
             for i in self._rows_of[stored]:
                 found["row_shapes"][i] = text

@@ -196,13 +196,51 @@ def test_row_reader_reads_a_small_pass_read_broadly_once(tmp_path, monkeypatch):
         mine = np.nonzero((rows["pass"] == last) & (rows["row"] >= 0))[0]
         got = [reader.bits(last, tensor, [row]) for tensor, row in zip(rows["tensor"][mine].tolist(),
                                                                         rows["row"][mine].tolist())]
-        return got, reader.bytes_read, reader._refs[last].path, len(mine)
+        return got, reader.bytes_read, reader.refs[last].path, len(mine)
 
     whole, read_whole, path, n_tensors = read_all(1)  # whole from the first tensor asked for
     alone, read_alone, _, _ = read_all(10 ** 9)  # never whole: row by row
     assert n_tensors > 8 and read_whole == os.path.getsize(path) > read_alone
     for (bits_w, type_w), (bits_a, type_a) in zip(whole, alone):
         assert type_w == type_a and bits_w.dtype == bits_a.dtype and np.array_equal(bits_w, bits_a)
+
+
+@pytest.mark.parametrize("group_bytes", [64 << 20, 1], ids=["one-read", "a-read-per-file"])
+def test_rows_sliced_from_decode_files_equal_rows_read_alone(tmp_path, monkeypatch, group_bytes):
+    """The noise-aware walk slices the rows of decode-step files out of span reads at the byte
+    offsets the index holds (batchread._from_small_files): every row of every tensor, batches in
+    file order or not, entries in any order, equals the row the row reader finds through the
+    file's header, in the same element type."""
+    from analyzer import batchread, rowread
+    from analyzer.index import load_index
+    from analyzer.load import open_dump
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    _, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=10)
+    monkeypatch.setattr(batchread, "GROUP_BYTES", group_bytes)
+    index = load_index(open_dump(dec), progress=False).rank(0)
+    codes, names = index.cols("rows").codes("tensor")
+    rng = np.random.default_rng(0)
+    entries = [rng.permutation(np.nonzero(codes == c)[0]) for c in range(len(names))]
+    tensors = [str(names[c]) for c, e in enumerate(entries) if len(e)]
+    entries = [e for e in entries if len(e)]
+    sliced = []
+    real = batchread._from_small_files
+    monkeypatch.setattr(batchread, "_from_small_files", lambda *a: sliced.append(real(*a)) or sliced[-1])
+    starts = np.cumsum([0] + [len(e) for e in entries])
+    spans = [np.arange(start, stop) for start, stop in zip(starts[:-1], starts[1:])]  # batches as in_file_order takes them
+    number = {int(span[0]): i for i, span in enumerate(spans)}
+    in_file = [number[int(span[0])] for span in batchread.in_file_order(index, np.concatenate(entries), spans)]
+    assert in_file != list(range(len(entries)))
+    for order in (list(range(len(entries))), in_file):
+        fast = batchread.read_batches(index, [tensors[i] for i in order], [entries[i] for i in order])
+        monkeypatch.setattr(batchread, "WHOLE_FILE_AFTER", 10 ** 9)  # the row reader alone, row by row
+        alone = batchread.read_batches(load_index(open_dump(dec), progress=False).rank(0),
+                                       [tensors[i] for i in order], [entries[i] for i in order])
+        monkeypatch.setattr(batchread, "WHOLE_FILE_AFTER", rowread.WHOLE_FILE_AFTER)
+        for (rows_f, type_f), (rows_a, type_a), i in zip(fast, alone, order):
+            assert type_f == type_a and rows_f.dtype == rows_a.dtype, tensors[i]
+            assert np.array_equal(rows_f.reshape(len(rows_f), -1), rows_a.reshape(len(rows_a), -1)), tensors[i]
+    assert sliced[0].mean() > 0.5  # most rows (every decode step's) were sliced, not read alone
 
 
 def test_input_error_is_the_running_max_over_the_sequence():

@@ -67,6 +67,30 @@ def test_padded_batch_steps_index_as_tensor_by_tensor(llama, tmp_path, config, m
     assert len(built) == 3
 
 
+@pytest.mark.parametrize("config", [{}, {"positions": "3:"}, {"last_rows": 2}], ids=["all", "positions", "last_rows"])
+def test_the_index_says_where_each_row_lies_in_its_file(llama, tmp_path, config):
+    """The rows table's offset of a row is where its bytes are in the pass file (the noise-aware
+    walk slices rows out of whole-file reads by it): checked against the row reader, which
+    finds them through the file's header, for every row of a padded batch's prefill and decode
+    steps (growing masks, padding rows, selected and last rows); -1 only where token dims do
+    not lead."""
+    from analyzer.index import load_indexes
+    dec = padded_batch_dump(llama, tmp_path, **config)
+    index = load_indexes([open_dump(str(dec))], progress=False)[0].rank(0)
+    rows, tensors = index.frame("rows"), index.frame("tensors")
+    rows = rows.merge(tensors[["pass", "tensor", "token_dims", "selected"]], on=["pass", "tensor"])
+    leading = [dims in (None, "null") or sel or json.loads(dims) == list(range(len(json.loads(dims))))
+               for dims, sel in zip(rows["token_dims"], rows["selected"])]
+    assert ((rows["offset"] >= 0) == np.array(leading)).all()
+    assert np.array(leading).mean() > 0.9
+    reader, paths = index.reader(), {p.pass_id: p.path for p in open_dump(str(dec)).ranks[0].passes}
+    files = {pass_id: np.fromfile(path, np.uint8) for pass_id, path in paths.items()}
+    for pass_id, tensor, srow, offset in zip(rows["pass"], rows["tensor"], rows["srow"], rows["offset"]):
+        if offset >= 0:
+            expected = reader.stored_bits(int(pass_id), tensor, [int(srow)])[0].reshape(-1).view(np.uint8)
+            assert np.array_equal(files[pass_id][offset:offset + len(expected)], expected), (pass_id, tensor, srow)
+
+
 def count_structures(monkeypatch) -> list:
     """Counts the structures built from now on (none remembered from earlier tests)."""
     built = []
@@ -117,8 +141,12 @@ def test_row_plans_find_the_bytes_of_kept_rows():
         expected = plan.rows(tensor).reshape(-1).view(np.uint8)
         if contiguous:
             got = np.concatenate([file[a:b] for a, b in plan.byte_runs(begin, f32)])
+            width = len(expected) // len(plan.srow)
+            by_offset = np.concatenate([file[o:o + width] for o in plan.row_offsets(begin, f32).tolist()])
+            assert np.array_equal(by_offset, expected), tmeta
         else:
             got = file[plan.byte_index(begin, f32)]
+            assert (plan.row_offsets(begin, f32) == -1).all()
         assert np.array_equal(got, expected), tmeta
     dropped = RowPlan(cases[0][0], meta, 6, valid, (2, 3, 4))
     assert dropped.kept_rows.tolist() == [0, 2, 3, 4] and len(dropped.byte_runs(0, f32)) == 2  # rows 0 | 2-4
