@@ -23,7 +23,8 @@ from .index import Index
 from .rowread import WHOLE_FILE_AFTER, WHOLE_FILE_BYTES, read_exactly
 
 CHUNK_BYTES = 128 << 20
-GROUP_BYTES = 64 << 20  # small pass files read whole at once by _from_small_files
+GROUP_BYTES = 64 << 20  # spans of pass files read at once by _from_spans
+MAX_SPAN_BYTES = 64 << 20  # a longer span is left to the row reader: memory stays bounded
 _ROW_SHAPE = re.compile(r"^([a-z0-9_]+)(\[.*\])$")
 
 
@@ -71,7 +72,7 @@ def read_batches(index: Index, tensors: List[str], entries: List[np.ndarray]) ->
     passes, srows = rows["pass"][entry], rows["srow"][entry]
     out: list = [None] * len(entries)
     types: list = [None] * len(entries)
-    sliced = _from_small_files(index, entry, batch_of, place, passes, len(entries), out, types)
+    sliced = _from_spans(index, entry, batch_of, place, passes, len(entries), out, types)
     if sliced.all():
         return list(zip(out, types))
     every = (batch_of, passes, srows)
@@ -113,13 +114,17 @@ def read_batches(index: Index, tensors: List[str], entries: List[np.ndarray]) ->
     return list(zip(out, types))
 
 
-def _from_small_files(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np.ndarray, passes: np.ndarray,
-                      n_batches: int, out: list, types: list) -> np.ndarray:
-    """Fill the batches whose every row lies in a small pass file that many batches read from
-    (decode steps), at the byte offset the index holds: those files are read whole, a group at a
-    time, and each batch's rows are sliced out of a group in one gather (no per-row or per-file
-    Python step). Returns which entries were filled; the others are left to the row reader."""
-    rows, refs = index.cols("rows"), index.reader().refs
+def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np.ndarray, passes: np.ndarray,
+                n_batches: int, out: list, types: list) -> np.ndarray:
+    """Fill rows straight from the byte offsets the index holds, reading spans of files: of a
+    small pass file that many batches read from (a decode step), the span that holds all of
+    them (callers ask for batches in file order, so a chunk's span is a slice of the file); of
+    a larger one, each batch's span when its rows are at least half of it (a prefill whose rows
+    are all compared). Spans are read a group of at most GROUP_BYTES at a time into one reused
+    buffer, and each batch's rows are gathered out of a group in one numpy step: no Python step
+    per row or per file. Returns which entries were filled; the row reader reads the others
+    (sparse rows, token dims that do not lead)."""
+    rows, reader = index.cols("rows"), index.reader()
     done = np.zeros(len(entry), dtype=bool)
     if "offset" not in rows or not len(entry):
         return done
@@ -127,53 +132,63 @@ def _from_small_files(index: Index, entry: np.ndarray, batch_of: np.ndarray, pla
     shape_codes, shape_texts = rows.codes("rowshape")
     shape_codes = shape_codes[entry]
     pass_ids, pass_of, batches_in_pass = _passes_and_batches(passes, batch_of, n_batches)
-    sizes = np.array([refs[p].nbytes for p in pass_ids.tolist()], dtype=np.int64)
-    small = (sizes <= WHOLE_FILE_BYTES) & (batches_in_pass >= WHOLE_FILE_AFTER)
-    fits = small[pass_of] & (offsets >= 0)
+    sizes = np.array([reader.refs[p].nbytes for p in pass_ids.tolist()], dtype=np.int64)
     # A batch's rows in the row shape (element type and size) of its first such row are sliced.
     counts = np.bincount(batch_of, minlength=n_batches)
     first_fit = np.full(n_batches, -1, dtype=np.int64)
-    at = np.nonzero(fits)[0]
+    at = np.nonzero(offsets >= 0)[0]
     fit_batches, firsts = np.unique(batch_of[at], return_index=True)  # batch_of ascends
     first_fit[fit_batches] = shape_codes[at[firsts]]
     usable = np.zeros(n_batches, dtype=bool)
-    widths, kinds = np.zeros(n_batches, dtype=np.int64), {}
+    widths = np.zeros(n_batches, dtype=np.int64)
+    shapes = {}
     for b in fit_batches.tolist():
         text = str(shape_texts[first_fit[b]])
         match = _ROW_SHAPE.match(text)
         kind, width = (BY_NAME.get(match.group(1)) if match else None), row_bytes(text)
         if kind is not None and width > 0:
-            usable[b], widths[b], kinds[b] = True, width, kind
-            out[b] = np.empty((int(counts[b]),) + tuple(json.loads(match.group(2))), kind.bits)
-            types[b] = kind
-    cells = np.nonzero(fits & usable[batch_of] & (shape_codes == first_fit[batch_of]))[0]
+            usable[b], widths[b], shapes[b] = True, width, (kind, tuple(json.loads(match.group(2))))
+    cells = np.nonzero((offsets >= 0) & usable[batch_of] & (shape_codes == first_fit[batch_of]))[0]
     if not len(cells):
         return done
-    # Of each file, the span that holds these rows (callers ask for batches in file order, so a
-    # chunk's span is a slice of the file); spans are read in groups of at most GROUP_BYTES into
-    # one buffer, then sliced batch by batch.
-    if (offsets[cells] + widths[batch_of[cells]] > sizes[pass_of[cells]]).any():
+    width_of = widths[batch_of[cells]]
+    if (offsets[cells] + width_of > sizes[pass_of[cells]]).any():
         raise DumpError(f"the index of {show(index.dump.path)} places rows past the end of their pass files; "
                         "rebuild it: dumpdiff index --rebuild")
-    needed = np.unique(pass_of[cells])
-    lows, highs = np.full(len(pass_ids), np.iinfo(np.int64).max), np.zeros(len(pass_ids), dtype=np.int64)
-    np.minimum.at(lows, pass_of[cells], offsets[cells])
-    np.maximum.at(highs, pass_of[cells], offsets[cells] + widths[batch_of[cells]])
-    group_of_pass = np.full(len(pass_ids), -1, dtype=np.int64)
-    group_of_pass[needed] = np.cumsum(highs[needed] - lows[needed]) // GROUP_BYTES
-    order = cells[np.lexsort((batch_of[cells], group_of_pass[pass_of[cells]]))]
-    key = group_of_pass[pass_of[order]] * n_batches + batch_of[order]
-    bounds = np.r_[0, np.nonzero(np.diff(key))[0] + 1, len(order)]
-    buffer, base = None, None
+    # Pieces: a small, broadly read file whole; else one batch's rows of one file.
+    broad = (sizes <= WHOLE_FILE_BYTES) & (batches_in_pass >= WHOLE_FILE_AFTER)
+    key = pass_of[cells].astype(np.int64) * (n_batches + 1) + np.where(broad[pass_of[cells]], n_batches, batch_of[cells])
+    pieces, piece_of = np.unique(key, return_inverse=True)
+    piece_of = piece_of.reshape(-1)
+    lows = np.full(len(pieces), np.iinfo(np.int64).max)
+    highs = np.zeros(len(pieces), dtype=np.int64)
+    np.minimum.at(lows, piece_of, offsets[cells])
+    np.maximum.at(highs, piece_of, offsets[cells] + width_of)
+    spans = highs - lows
+    dense = np.bincount(piece_of, weights=width_of, minlength=len(pieces)) * 2 >= spans
+    kept = (broad[pieces // (n_batches + 1)] | dense) & (spans <= MAX_SPAN_BYTES)
+    cells, piece_of = cells[kept[piece_of]], piece_of[kept[piece_of]]
+    if not len(cells):
+        return done
+    group_of = np.where(kept, np.cumsum(np.where(kept, spans, 0)) // GROUP_BYTES, -1)  # pieces in file order
+    for b in np.unique(batch_of[cells]).tolist():
+        kind, row_shape = shapes[b]
+        out[b], types[b] = np.empty((int(counts[b]),) + row_shape, kind.bits), kind
+    order = cells[np.lexsort((batch_of[cells], group_of[piece_of]))]
+    order_piece = piece_of[np.lexsort((batch_of[cells], group_of[piece_of]))]
+    step = group_of[order_piece] * n_batches + batch_of[order]
+    bounds = np.r_[0, np.nonzero(np.diff(step))[0] + 1, len(order)]
+    group, data, base = None, None, None
     for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        mine = order[start:stop]
-        group = int(group_of_pass[pass_of[mine[0]]])
-        if buffer is None or group != buffer[0]:
-            buffer = (group, *_read_spans(index, pass_ids, lows, highs, np.nonzero(group_of_pass == group)[0]))
-        _, data, base = buffer
+        mine, mine_piece = order[start:stop], order_piece[start:stop]
+        if group_of[mine_piece[0]] != group:
+            group = group_of[mine_piece[0]]
+            members = np.nonzero(group_of == group)[0]
+            data, base = _read_spans(reader, pass_ids[pieces[members] // (n_batches + 1)], lows[members], spans[members])
+            base = dict(zip(members.tolist(), base.tolist()))
         b = int(batch_of[mine[0]])
         width = int(widths[b])
-        begin = base[pass_of[mine]] + offsets[mine]
+        begin = np.array([base[p] for p in mine_piece.tolist()], dtype=np.int64) - lows[mine_piece] + offsets[mine]
         windows = np.lib.stride_tricks.as_strided(data, (len(data) - width + 1, width), (1, 1), writeable=False)
         out[b][place[mine]] = windows[begin].view(out[b].dtype).reshape((len(mine),) + out[b].shape[1:])
         done[mine] = True
@@ -188,27 +203,30 @@ def _passes_and_batches(passes: np.ndarray, batch_of: np.ndarray, n_batches: int
     return pass_ids, pass_of, np.bincount(pairs // n_batches, minlength=len(pass_ids))
 
 
-def _read_spans(index: Index, pass_ids: np.ndarray, lows: np.ndarray, highs: np.ndarray, members: np.ndarray):
-    """(the spans [low, high) of the member pass files read into one buffer, per pass the place
-    in it of the file's byte 0)."""
-    reader = index.reader()
-    lengths = highs[members] - lows[members]
+def _read_spans(reader, pass_ids: np.ndarray, lows: np.ndarray, lengths: np.ndarray):
+    """(spans [low, low + length) of pass files read one after another into the reader's span
+    buffer, where each starts in it). The buffer is kept and reused: fresh memory for every
+    group would cost a page fault per 4 KB read."""
     starts = np.cumsum(lengths) - lengths
-    base = np.zeros(len(pass_ids), dtype=np.int64)
-    base[members] = starts - lows[members]
-    data = np.empty(int(lengths.sum()), dtype=np.uint8)
-    for member, start, length in zip(members.tolist(), starts.tolist(), lengths.tolist()):
-        path = reader.refs[int(pass_ids[member])].path
-        try:
-            fd = os.open(path, os.O_RDONLY)
+    total = int(lengths.sum())
+    if reader.span_buffer is None or len(reader.span_buffer) < total:
+        reader.span_buffer = np.empty(max(total, 1), dtype=np.uint8)
+    data = reader.span_buffer[:total]
+    fds = {}
+    try:
+        for pass_id, low, start, length in zip(pass_ids.tolist(), lows.tolist(), starts.tolist(), lengths.tolist()):
+            path = reader.refs[pass_id].path
             try:
-                read_exactly(fd, data[start:start + length], int(lows[member]))
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise DumpError(f"{show(path)}: cannot read ({exc}); the file is damaged or was changed") from None
-        reader.bytes_read += length
-    return data, base
+                if pass_id not in fds:
+                    fds[pass_id] = os.open(path, os.O_RDONLY)
+                read_exactly(fds[pass_id], data[start:start + length], low)
+            except OSError as exc:
+                raise DumpError(f"{show(path)}: cannot read ({exc}); the file is damaged or was changed") from None
+            reader.bytes_read += length
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return data, starts
 
 
 def _mixed_rows(index: Index, tensor: str, passes: np.ndarray, srows: np.ndarray):

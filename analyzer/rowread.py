@@ -56,6 +56,7 @@ class RowReader:
         self._cached = 0
         self._limit = cache_bytes
         self.bytes_read = 0
+        self.span_buffer = None  # batchread's, reused from one group of spans to the next
 
     def rows(self, pass_id: int, tensor: str, token_rows):
         """[len(token_rows), ...] torch tensor for one tensor of one pass."""

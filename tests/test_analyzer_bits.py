@@ -208,7 +208,7 @@ def test_row_reader_reads_a_small_pass_read_broadly_once(tmp_path, monkeypatch):
 @pytest.mark.parametrize("group_bytes", [64 << 20, 1], ids=["one-read", "a-read-per-file"])
 def test_rows_sliced_from_decode_files_equal_rows_read_alone(tmp_path, monkeypatch, group_bytes):
     """The noise-aware walk slices the rows of decode-step files out of span reads at the byte
-    offsets the index holds (batchread._from_small_files): every row of every tensor, batches in
+    offsets the index holds (batchread._from_spans): every row of every tensor, batches in
     file order or not, entries in any order, equals the row the row reader finds through the
     file's header, in the same element type."""
     from analyzer import batchread, rowread
@@ -224,8 +224,8 @@ def test_rows_sliced_from_decode_files_equal_rows_read_alone(tmp_path, monkeypat
     tensors = [str(names[c]) for c, e in enumerate(entries) if len(e)]
     entries = [e for e in entries if len(e)]
     sliced = []
-    real = batchread._from_small_files
-    monkeypatch.setattr(batchread, "_from_small_files", lambda *a: sliced.append(real(*a)) or sliced[-1])
+    real = batchread._from_spans
+    monkeypatch.setattr(batchread, "_from_spans", lambda *a: sliced.append(real(*a)) or sliced[-1])
     starts = np.cumsum([0] + [len(e) for e in entries])
     spans = [np.arange(start, stop) for start, stop in zip(starts[:-1], starts[1:])]  # batches as in_file_order takes them
     number = {int(span[0]): i for i, span in enumerate(spans)}
