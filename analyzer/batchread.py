@@ -57,8 +57,12 @@ def in_file_order(index: Index, entries: np.ndarray, batches: List[np.ndarray]) 
     rows = index.cols("rows")
     if "offset" not in rows or len(batches) < 2:
         return batches
-    offsets = rows["offset"][entries]
-    typical = [float(np.median(offsets[batch])) if len(batch) else 0.0 for batch in batches]
+    lengths = np.array([len(batch) for batch in batches], dtype=np.int64)
+    batch_of = np.repeat(np.arange(len(batches)), lengths)
+    offsets = rows["offset"][entries[np.concatenate(batches)]] if lengths.sum() else np.zeros(0, np.int64)
+    by_place = offsets[np.lexsort((offsets, batch_of))]  # each batch's offsets ascending, batch after batch
+    middle = np.minimum(np.cumsum(lengths) - lengths + lengths // 2, max(len(by_place) - 1, 0))
+    typical = np.where(lengths > 0, by_place[middle] if len(by_place) else 0, 0)  # a median of each batch
     return [batches[i] for i in np.argsort(typical, kind="stable").tolist()]
 
 

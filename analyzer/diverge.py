@@ -36,7 +36,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     check_same_model(dump_a, dump_b, allow_mismatch)
     # the rows table's columns are decoded in the background while the next index opens and the rows align
     index_a, index_b = load_indexes([dump_a, dump_b], rebuild=rebuild_index, progress=progress,
-                                    prefetch=("rows", VERDICT_ROW_COLUMNS))
+                                    prefetch=("rows", VERDICT_ROW_COLUMNS + (("amax",) if noise_aware else ())))
     ranks = sorted(set(dump_a.ranks) & set(dump_b.ranks))
     if rank is not None:
         if rank not in ranks:

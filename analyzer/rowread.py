@@ -90,6 +90,17 @@ class RowReader:
             self._meta[key] = (self._tensors["stored"][at], self._dims[text], bool(self._tensors["selected"][at]))
         return self._meta[key]
 
+    def row_form(self, pass_id: int, tensor: str) -> tuple:
+        """What the shape of a tensor's rows in a pass follows from, per the tensors table: (token
+        dims, row-selected, its other dims). Equal forms, rows of equal shapes."""
+        _, dims, selected = self._tensor_meta(pass_id, tensor)
+        text = self._tensors["shape"][self._entries_of(pass_id)[tensor]]
+        if text not in self._dims:
+            self._dims[text] = json.loads(text)
+        shape = self._dims[text] if isinstance(self._dims[text], list) else []
+        token = set(dims or ())
+        return (None if dims is None else tuple(dims), selected, tuple(s for d, s in enumerate(shape) if d not in token))
+
     def _entries_of(self, pass_id: int) -> Dict[str, int]:
         """tensor name -> tensors-table entry, for one pass (a long decode run has 100k entries;
         a verdict reads a few passes)."""
