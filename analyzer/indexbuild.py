@@ -141,9 +141,18 @@ def _tables_of(parts: List[dict]) -> dict:
 
 
 def _progress(total: int, desc: str, enabled: bool):
+    if not (enabled and sys.stderr.isatty()):
+        return _NoBar()  # as tqdm would be (disable=None: off when stderr is no terminal), without its 25 ms import
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                disable=(not enabled) or None, leave=False)
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+
+class _NoBar:
+    def update(self, n: int = 1):
+        pass
+
+    def close(self):
+        pass
 
 
 def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:

@@ -245,3 +245,42 @@ def test_a_dump_compared_with_itself_does_not_diverge(llama_dir, tmp_path):
     for _ in range(3):
         code, out, err = dumpdiff("first-divergence", dec, dec, "--no-progress", "--strict-only")
         assert code == 0 and "NO DIVERGENCE" in out, out + err
+
+
+def test_index_progress_shows_on_a_terminal_only(llama_dir, tmp_path):
+    """The index build draws a progress bar on stderr when it is a terminal (a pseudo-terminal
+    here), and writes none to a pipe or file, nor with --no-progress."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    from helpers import ROOT
+    model = load_model(llama_dir, torch.float32)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=4)
+
+    def stderr_of(*extra, terminal: bool) -> str:
+        args = [sys.executable, "-m", "analyzer.cli", "index", ref, dec, "--rebuild", *extra]
+        if not terminal:
+            return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300).stderr
+        leader, follower = pty.openpty()
+        fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=follower, cwd=ROOT)
+        os.close(follower)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed: the command ended
+                break
+            if not chunk:
+                break
+            seen += chunk
+        os.close(leader)
+        assert proc.wait(timeout=300) == 0
+        return seen.decode(errors="replace")
+    assert "indexing" in stderr_of(terminal=True)
+    assert "indexing" not in stderr_of(terminal=False)
+    assert "indexing" not in stderr_of("--no-progress", terminal=True)
