@@ -156,7 +156,7 @@ def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np
     if not len(cells):
         return done
     width_of = widths[batch_of[cells]]
-    if (offsets[cells] + width_of > sizes[pass_of[cells]]).any():
+    if (offsets[cells] > sizes[pass_of[cells]] - width_of).any():  # not offset + width: a damaged index's huge offset wraps
         raise DumpError(f"the index of {show(index.dump.path)} places rows past the end of their pass files; "
                         "rebuild it: dumpdiff index --rebuild")
     # Pieces: a small, broadly read file whole; else one batch's rows of one file.
@@ -216,19 +216,22 @@ def _read_spans(reader, pass_ids: np.ndarray, lows: np.ndarray, lengths: np.ndar
     if reader.span_buffer is None or len(reader.span_buffer) < total:
         reader.span_buffer = np.empty(max(total, 1), dtype=np.uint8)
     data = reader.span_buffer[:total]
-    fds = {}
+    fd, open_pass = None, None  # one file open at a time: a group can span hundreds of decode steps
     try:
         for pass_id, low, start, length in zip(pass_ids.tolist(), lows.tolist(), starts.tolist(), lengths.tolist()):
             path = reader.refs[pass_id].path
             try:
-                if pass_id not in fds:
-                    fds[pass_id] = os.open(path, os.O_RDONLY)
-                read_exactly(fds[pass_id], data[start:start + length], low)
+                if pass_id != open_pass:
+                    if fd is not None:
+                        os.close(fd)
+                        fd = None
+                    fd, open_pass = os.open(path, os.O_RDONLY), pass_id
+                read_exactly(fd, data[start:start + length], low)
             except OSError as exc:
                 raise DumpError(f"{show(path)}: cannot read ({exc}); the file is damaged or was changed") from None
             reader.bytes_read += length
     finally:
-        for fd in fds.values():
+        if fd is not None:
             os.close(fd)
     return data, starts
 

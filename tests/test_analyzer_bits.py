@@ -243,6 +243,22 @@ def test_rows_sliced_from_decode_files_equal_rows_read_alone(tmp_path, monkeypat
     assert sliced[0].mean() > 0.5  # most rows (every decode step's) were sliced, not read alone
 
 
+def test_many_decode_steps_read_with_few_file_descriptors(tmp_path):
+    """The noise-aware walk reads a slice of every decode step's file in one group: it keeps one
+    file open at a time, so a long decode run compares under a low open-file limit (macOS
+    defaults to 256; containers set less) instead of failing with "too many open files"."""
+    import resource
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(8), new_tokens=48)
+    assert dumpdiff("index", ref, dec, "--no-progress")[0] == 0
+
+    def few_files():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    proc = subprocess.run([sys.executable, "-m", "analyzer.cli", "first-divergence", ref, dec, "--no-progress",
+                           "--format", "json"], capture_output=True, text=True, cwd=ROOT, preexec_fn=few_files, timeout=300)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["ranks"]["0"]["noise"]["rows_examined"] >= 48, proc.stderr
+
+
 def test_input_error_is_the_running_max_over_the_sequence():
     """A call's input error on a row counts every earlier row of its sequence (a scan or an
     attention carries them forward), per call and per sequence, whatever order rows come in."""

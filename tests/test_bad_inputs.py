@@ -371,3 +371,25 @@ def test_a_tensor_given_other_token_dims_is_compared_without_crashing(dumps, tmp
     for fmt in ("text", "md", "html"):
         code_f, out_f, err_f = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", fmt)
         assert code_f == 1 and "q_proj" in out_f and "Traceback" not in err_f, err_f
+
+
+@pytest.mark.parametrize("where", ["past the end", "near 2**63"])
+def test_an_index_placing_rows_outside_their_files_is_refused(dumps, tmp_path, where):
+    """A damaged (or hand-made) index whose row offsets point past the end of a pass file, even
+    by so much that offset + width wraps around in int64, is refused in one line that says to
+    rebuild the index: exit 2, no traceback, for the strict and the default verdict."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+    assert dumpdiff("index", dec, "--no-progress")[0] == 0
+    path = os.path.join(dec, "index", "rows.parquet")
+    table = pq.read_table(path)
+    offsets = table.column("offset").to_numpy().copy()
+    placed = offsets >= 0
+    offsets[placed] = offsets[placed] + 10 ** 7 if where == "past the end" else 2 ** 63 - 8
+    pq.write_table(table.set_column(table.schema.get_field_index("offset"), "offset", pa.array(offsets, pa.int64())), path)
+    for extra in (["--strict-only"], []):
+        one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress", *extra), "past the end",
+                       "dumpdiff index --rebuild")
