@@ -1,10 +1,14 @@
-"""The rows of many batches (one tensor, many entries of a side's rows table), read pass by pass.
+"""The rows of many batches (one tensor, many entries of a side's rows table), read at the byte
+offsets the index holds.
 
-The noise-aware walk compares a row of nearly every tensor of every decode step. Tensor by
-tensor, each small decode file would be opened once per tensor, or, when the files do not all
-fit the row reader's cache, read whole again and again; pass by pass, each file is read whole
-once and every batch's rows are sliced out of it. Batches are read in chunks of at most
-CHUNK_BYTES of rows per side, so memory stays bounded whatever the number of steps.
+The noise-aware walk compares a row of nearly every tensor of every decode step: tens of
+thousands of rows, each a Python call through the row reader (and a header to parse per file).
+Instead, each row's offset comes from the index; of each decode step's file the span holding a
+chunk's rows is read (batches come in file order, so that span is a slice of the file), spans go
+into one reused buffer, and each batch's rows are gathered out of it in one numpy step
+(``_from_spans``). Rows in files read sparsely, and rows that are not one byte range, still go
+through the row reader. Batches are read in chunks of at most CHUNK_BYTES of rows per side, spans
+in groups of at most GROUP_BYTES, so memory stays bounded whatever the number of steps.
 """
 
 from __future__ import annotations

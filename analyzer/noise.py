@@ -17,9 +17,10 @@ amplification over all calls that carry an error) with a lower bound, or the use
 --atol/--rtol, in which case a call whose inputs are all within tolerance and whose output is
 not is named.
 
-All of it works on numpy columns, like the strict verdict: no pandas. Tensor values are read
-pass by pass for all tensors at once (analyzer/batchread.py: a decode pass file is read whole
-once) and compared per tensor in one batch.
+All of it works on numpy columns, like the strict verdict: no pandas. Tensor values are read at
+the byte offsets the index holds, a chunk of tensors at a time in file order (analyzer/batchread.py:
+of each decode step's file, the slice that holds the chunk's rows), and compared per tensor in one
+batch.
 """
 
 from __future__ import annotations
