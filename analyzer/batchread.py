@@ -137,12 +137,48 @@ def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np
     if "offset" not in rows or not len(entry):
         return done
     offsets = rows["offset"][entry]
-    shape_codes, shape_texts = rows.codes("rowshape")
-    shape_codes = shape_codes[entry]
+    widths, shapes, cells = _sliceable(rows, entry, offsets, batch_of, n_batches)
     pass_ids, pass_of, batches_in_pass = _passes_and_batches(passes, batch_of, n_batches)
     sizes = np.array([reader.refs[p].nbytes for p in pass_ids.tolist()], dtype=np.int64)
-    # A batch's rows in the row shape (element type and size) of its first such row are sliced.
+    width_of = widths[batch_of[cells]]
+    if (offsets[cells] > sizes[pass_of[cells]] - width_of).any():  # not offset + width: a damaged index's huge offset wraps
+        raise DumpError(f"the index of {show(index.dump.path)} places rows past the end of their pass files; "
+                        "rebuild it: dumpdiff index --rebuild")
+    broad = (sizes <= WHOLE_FILE_BYTES) & (batches_in_pass >= WHOLE_FILE_AFTER)
+    cells, piece_of, piece_pass, lows, spans, group_of = _pieces(cells, offsets, width_of, pass_of, batch_of, broad,
+                                                                 n_batches)
+    if not len(cells):
+        return done
     counts = np.bincount(batch_of, minlength=n_batches)
+    for b in np.unique(batch_of[cells]).tolist():
+        kind, row_shape = shapes[b]
+        out[b], types[b] = np.empty((int(counts[b]),) + row_shape, kind.bits), kind
+    sorter = np.lexsort((batch_of[cells], group_of[piece_of]))  # group by group, batch by batch
+    order, order_piece = cells[sorter], piece_of[sorter]
+    step = group_of[order_piece] * n_batches + batch_of[order]
+    bounds = np.r_[0, np.nonzero(np.diff(step))[0] + 1, len(order)]
+    group, data, base = None, None, np.zeros(len(lows), dtype=np.int64)
+    for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        mine, mine_piece = order[start:stop], order_piece[start:stop]
+        if group_of[mine_piece[0]] != group:
+            group = group_of[mine_piece[0]]
+            members = np.nonzero(group_of == group)[0]
+            data, base[members] = _read_spans(reader, pass_ids[piece_pass[members]], lows[members], spans[members])
+        b = int(batch_of[mine[0]])
+        width = int(widths[b])
+        windows = np.lib.stride_tricks.as_strided(data, (len(data) - width + 1, width), (1, 1), writeable=False)
+        begin = base[mine_piece] - lows[mine_piece] + offsets[mine]
+        out[b][place[mine]] = windows[begin].view(out[b].dtype).reshape((len(mine),) + out[b].shape[1:])
+        done[mine] = True
+    return done
+
+
+def _sliceable(rows, entry: np.ndarray, offsets: np.ndarray, batch_of: np.ndarray, n_batches: int):
+    """(row bytes per batch, (element type, row shape) per batch, the entries that can be sliced):
+    those with an offset, in the row shape of their batch's first such entry (the rows table's
+    row shape names both), when that shape says its element type and size."""
+    shape_codes, shape_texts = rows.codes("rowshape")
+    shape_codes = shape_codes[entry]
     first_fit = np.full(n_batches, -1, dtype=np.int64)
     at = np.nonzero(offsets >= 0)[0]
     fit_batches, firsts = np.unique(batch_of[at], return_index=True)  # batch_of ascends
@@ -157,14 +193,14 @@ def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np
         if kind is not None and width > 0:
             usable[b], widths[b], shapes[b] = True, width, (kind, tuple(json.loads(match.group(2))))
     cells = np.nonzero((offsets >= 0) & usable[batch_of] & (shape_codes == first_fit[batch_of]))[0]
-    if not len(cells):
-        return done
-    width_of = widths[batch_of[cells]]
-    if (offsets[cells] > sizes[pass_of[cells]] - width_of).any():  # not offset + width: a damaged index's huge offset wraps
-        raise DumpError(f"the index of {show(index.dump.path)} places rows past the end of their pass files; "
-                        "rebuild it: dumpdiff index --rebuild")
-    # Pieces: a small, broadly read file whole; else one batch's rows of one file.
-    broad = (sizes <= WHOLE_FILE_BYTES) & (batches_in_pass >= WHOLE_FILE_AFTER)
+    return widths, shapes, cells
+
+
+def _pieces(cells, offsets, width_of, pass_of, batch_of, broad, n_batches: int):
+    """The spans to read: a broadly read (small) file's rows are one piece, a larger file's one per
+    batch, kept when dense (rows at least half the span) or broad, and at most MAX_SPAN_BYTES.
+    Returns the cells kept, each one's piece, per piece its pass number, first byte, length and
+    group (pieces in file order, GROUP_BYTES of spans per group)."""
     key = pass_of[cells].astype(np.int64) * (n_batches + 1) + np.where(broad[pass_of[cells]], n_batches, batch_of[cells])
     pieces, piece_of = np.unique(key, return_inverse=True)
     piece_of = piece_of.reshape(-1)
@@ -174,33 +210,11 @@ def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np
     np.maximum.at(highs, piece_of, offsets[cells] + width_of)
     spans = highs - lows
     dense = np.bincount(piece_of, weights=width_of, minlength=len(pieces)) * 2 >= spans
-    kept = (broad[pieces // (n_batches + 1)] | dense) & (spans <= MAX_SPAN_BYTES)
-    cells, piece_of = cells[kept[piece_of]], piece_of[kept[piece_of]]
-    if not len(cells):
-        return done
-    group_of = np.where(kept, np.cumsum(np.where(kept, spans, 0)) // GROUP_BYTES, -1)  # pieces in file order
-    for b in np.unique(batch_of[cells]).tolist():
-        kind, row_shape = shapes[b]
-        out[b], types[b] = np.empty((int(counts[b]),) + row_shape, kind.bits), kind
-    order = cells[np.lexsort((batch_of[cells], group_of[piece_of]))]
-    order_piece = piece_of[np.lexsort((batch_of[cells], group_of[piece_of]))]
-    step = group_of[order_piece] * n_batches + batch_of[order]
-    bounds = np.r_[0, np.nonzero(np.diff(step))[0] + 1, len(order)]
-    group, data, base = None, None, None
-    for start, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        mine, mine_piece = order[start:stop], order_piece[start:stop]
-        if group_of[mine_piece[0]] != group:
-            group = group_of[mine_piece[0]]
-            members = np.nonzero(group_of == group)[0]
-            data, base = _read_spans(reader, pass_ids[pieces[members] // (n_batches + 1)], lows[members], spans[members])
-            base = dict(zip(members.tolist(), base.tolist()))
-        b = int(batch_of[mine[0]])
-        width = int(widths[b])
-        begin = np.array([base[p] for p in mine_piece.tolist()], dtype=np.int64) - lows[mine_piece] + offsets[mine]
-        windows = np.lib.stride_tricks.as_strided(data, (len(data) - width + 1, width), (1, 1), writeable=False)
-        out[b][place[mine]] = windows[begin].view(out[b].dtype).reshape((len(mine),) + out[b].shape[1:])
-        done[mine] = True
-    return done
+    piece_pass = pieces // (n_batches + 1)
+    kept = (broad[piece_pass] | dense) & (spans <= MAX_SPAN_BYTES)
+    group_of = np.where(kept, np.cumsum(np.where(kept, spans, 0)) // GROUP_BYTES, -1)
+    keep = kept[piece_of]
+    return cells[keep], piece_of[keep], piece_pass, lows, spans, group_of
 
 
 def _passes_and_batches(passes: np.ndarray, batch_of: np.ndarray, n_batches: int):
