@@ -165,11 +165,14 @@ def _finite_rows_in_float32(ref: np.ndarray, test: np.ndarray, dtype: DType, tes
     itself, nothing a noise ratio can see."""
     r, t = to_float32(ref, dtype), to_float32(test, test_dtype)
     with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(r - t)
-    if not np.isfinite(diff).all():
+        diff = np.subtract(r, t)
+        np.abs(diff, out=diff)
+    largest = diff.max(axis=1, initial=0.0)  # NaN or inf anywhere in a row shows in its max
+    if not np.isfinite(largest).all():
         return None
-    return (diff.max(axis=1, initial=0.0).astype(np.float64),
-            np.abs(r).max(axis=1, initial=0.0).astype(np.float64))
+    # r is finite here (else a difference would not be): its largest |x| from two reductions, no temporary
+    magnitude = np.maximum(r.max(axis=1, initial=0.0), -r.min(axis=1, initial=0.0))
+    return largest.astype(np.float64), magnitude.astype(np.float64)
 
 
 def noise_floor_by_call(errors: Columns, calls: np.ndarray) -> Dict[str, float]:

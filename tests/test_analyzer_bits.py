@@ -317,6 +317,29 @@ def test_noise_row_errors_of_finite_rows_match_float64(dtype, monkeypatch):
     assert len(taken) == 1 and taken[0] is not None  # the float32 path answered
 
 
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")], ids=["finite", "nan", "inf", "-inf"])
+@pytest.mark.parametrize("side", ["ref", "test", "both"])
+def test_float32_row_errors_leave_any_non_finite_row_to_the_exact_path(bad, side):
+    """The float32 shortcut answers only when every difference is finite, and then gives each
+    row's largest |a - b| and largest |a| (rows of negative numbers included); a NaN or an inf
+    on either side, anywhere, sends the whole comparison to the exact float64 path."""
+    from analyzer.noise import _finite_rows_in_float32
+    f32 = of_torch(torch.float32)
+    ref = torch.randn(5, 33, generator=torch.Generator().manual_seed(2))
+    ref[1] = -ref[1].abs() - 1  # a row of negative numbers only
+    test = ref + 1e-3 * torch.randn(5, 33, generator=torch.Generator().manual_seed(3))
+    if bad is not None:
+        for t in ([ref] if side == "ref" else [test] if side == "test" else [ref, test]):
+            t[3, 7] = bad
+    found = _finite_rows_in_float32(from_torch(ref)[0], from_torch(test)[0], f32, f32)
+    if bad is not None:
+        assert found is None
+        return
+    largest, magnitude = found
+    assert np.array_equal(largest, (ref - test).abs().amax(dim=1).double().numpy())
+    assert np.array_equal(magnitude, ref.abs().amax(dim=1).double().numpy())
+
+
 def test_noise_walk_over_more_small_files_than_the_cache_holds_reads_them_once(tmp_path, monkeypatch):
     """The noise-aware walk goes tensor by tensor over every sampled decode pass: once the small
     files it reads whole outgrow the row cache, it reads rows instead of re-reading each file
