@@ -393,3 +393,36 @@ def test_an_index_placing_rows_outside_their_files_is_refused(dumps, tmp_path, w
     for extra in (["--strict-only"], []):
         one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress", *extra), "past the end",
                        "dumpdiff index --rebuild")
+
+
+def test_an_index_of_an_older_version_is_rebuilt_with_the_same_verdict(dumps, tmp_path):
+    """An index saved by an earlier dumpdiff (here: version 5, whose rows table had no offset
+    column) is not read as if it were current: the next command rebuilds it, saves the current
+    version, and gives the verdict a fresh index gives."""
+    import pyarrow.parquet as pq
+    from analyzer.index import INDEX_VERSION
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+    code, fresh = first_divergence_of(ref, dec)
+    folder = os.path.join(dec, "index")
+    rows = os.path.join(folder, "rows.parquet")
+    pq.write_table(pq.read_table(rows).drop(["offset"]), rows)
+    with open(os.path.join(folder, "stamp.json")) as handle:
+        stamp = json.load(handle)
+    stamp["index_version"] = 5
+    with open(os.path.join(folder, "stamp.json"), "w") as handle:
+        json.dump(stamp, handle)
+    assert first_divergence_of(ref, dec) == (code, fresh)
+    with open(os.path.join(folder, "stamp.json")) as handle:
+        assert json.load(handle)["index_version"] == INDEX_VERSION
+    assert "offset" in pq.read_table(rows).column_names
+
+
+def first_divergence_of(ref, dec):
+    """(exit code, the verdict JSON without bytes read)."""
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
+    assert code in (0, 1), err
+    verdict = json.loads(out)
+    for rank in verdict["ranks"].values():
+        rank.get("noise", {}).pop("bytes_read", None)
+    return code, verdict
