@@ -218,3 +218,22 @@ def test_sdpa_replays_prefill_and_decode_without_a_model(tmp_path):
     assert "replay of A reproduces the dumped output: yes" in out and "replay of B reproduces the dumped output: yes" in out
     assert "inputs of these rows in A and B: DIFFER in key, value" in out  # whole K/V: 16 rows vs 10
     assert "vs each alone" not in out  # attention is not row-wise: no alone replay
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_can_place_weights_where_a_memory_mapped_checkpoint_left_them(dtype):
+    """A checkpoint's loader leaves weights at any offset in a 64-byte line and some CPUs' kernels
+    round by alignment: the script retries the weights at each offset its element size allows,
+    each one a bit-exact copy at exactly that offset."""
+    from analyzer.repro_script import runtime
+    env = runtime()
+    env["META"].update({"params": ["weight"], "dtype": str(dtype).split(".")[-1]})
+    offsets = env["weight_offsets"]()
+    size = torch.empty((), dtype=dtype).element_size()
+    assert offsets == list(range(size, 64, size))
+    weight = torch.randn(33, 7).to(dtype)
+    for offset in offsets:
+        copy = env["placed"](weight, offset)
+        assert copy.data_ptr() % 64 == offset and copy.dtype == dtype and copy.shape == weight.shape
+        bits = torch.int16 if size == 2 else torch.int32
+        assert torch.equal(copy.view(bits), weight.view(bits))
