@@ -69,7 +69,20 @@ def _start_in_processes(small_refs: dict, advance):
 def _index_small_pass(ref, ahead: List[str]) -> Dict[str, dict]:
     """A worker process's job: one small pass's table columns."""
     will_need(ahead)
-    return index_pass(PassFile(ref, whole=True))
+    return index_pass(PassFile(ref, whole=True, buffer_for=_reused_buffer))
+
+
+_scratch = threading.local()
+
+
+def _reused_buffer(nbytes: int) -> np.ndarray:
+    """This thread's buffer for whole small pass files, grown as needed. A fresh buffer per file
+    costs the kernel zeroing every page of it (as much CPU as copying the file in); the tables
+    keep nothing that points into it, so the next pass on this thread reuses it."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _scratch.buffer = np.empty(max(nbytes, 2 * len(buffer) if buffer is not None else 0), dtype=np.uint8)
+    return buffer
 
 
 # Small passes are read one file at a time by the thread indexing them, which would wait on each
@@ -99,7 +112,8 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
             with lock:
                 counted[0] += nbytes
                 bar.update(nbytes)
-        tables = index_pass(PassFile(ref, whole=ref.nbytes < INLINE_PASS_BYTES), on_bytes=advance)
+        whole = ref.nbytes < INLINE_PASS_BYTES
+        tables = index_pass(PassFile(ref, whole=whole, buffer_for=_reused_buffer if whole else None), on_bytes=advance)
         with lock:
             bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
         return tables

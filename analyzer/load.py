@@ -197,11 +197,12 @@ def _safe_open(path: str, framework: str = "numpy"):
 class PassFile:
     """One committed pass: its metadata and lazy access to its tensors."""
 
-    def __init__(self, ref: PassRef, whole: bool = False):
-        """``whole``: read the whole file now and keep its bytes as ``data`` (a small pass)."""
+    def __init__(self, ref: PassRef, whole: bool = False, buffer_for=None):
+        """``whole``: read the whole file now and keep its bytes as ``data`` (a small pass), in a
+        buffer from ``buffer_for(n)`` when given (the caller's to reuse once done with this pass)."""
         self.ref = ref
         self._file = self._torch_file = None
-        header, self.data = read_header(ref.path, whole)
+        header, self.data = read_header(ref.path, whole, buffer_for)
         if self.data is not None and len(self.data) != ref.nbytes:
             raise DumpError(f"{show(ref.path)}: changed while being read; copy the dump again")
         if header is not None:  # checked by us as safetensors would: no need to open it yet

@@ -44,13 +44,18 @@ class Header:
     names: frozenset  # the tensors in the file
 
 
-def read_header(path: str, whole: bool = False) -> Tuple[Optional[Header], Optional[np.ndarray]]:
+def read_header(path: str, whole: bool = False, buffer_for=None) -> Tuple[Optional[Header], Optional[np.ndarray]]:
     """(the file's header when this reader vouches for it, else None; the file's bytes when
-    ``whole``). Never raises: a file it cannot read is left to safetensors."""
+    ``whole``, read into ``buffer_for(n)`` (a uint8 array of at least n bytes) when given).
+    Never raises: a file it cannot read is left to safetensors."""
     data = None
     try:
-        with open(path, "rb") as handle:
-            if whole:
+        with open(path, "rb", buffering=0 if buffer_for else -1) as handle:
+            if whole and buffer_for is not None:
+                data = _read_into(handle, buffer_for)
+                size = int.from_bytes(data[:8].tobytes(), "little")
+                head, file_size = data[8:8 + min(size, MAX_HEADER_BYTES + 1)].tobytes(), len(data)
+            elif whole:
                 data = np.frombuffer(handle.read(), dtype=np.uint8)
                 size = int.from_bytes(data[:8].tobytes(), "little")
                 head, file_size = data[8:8 + min(size, MAX_HEADER_BYTES + 1)].tobytes(), len(data)
@@ -63,6 +68,19 @@ def read_header(path: str, whole: bool = False) -> Tuple[Optional[Header], Optio
     if not 0 < size <= MAX_HEADER_BYTES or len(head) != size:
         return None, data
     return _vouched(head, 8 + size, file_size), data
+
+
+def _read_into(handle, buffer_for) -> np.ndarray:
+    """The rest of a file read into a buffer from ``buffer_for`` (one byte more than its size
+    now: a file that grew shows as longer than the size the dump recorded)."""
+    room = buffer_for(os.fstat(handle.fileno()).st_size + 1)
+    view, got = memoryview(room), 0
+    while got < len(room):
+        n = handle.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return room[:got]
 
 
 def _vouched(head: bytes, data_start: int, file_size: int) -> Optional[Header]:

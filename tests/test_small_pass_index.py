@@ -25,10 +25,14 @@ def tables_both_ways(ref):
     small = smallpass.small_pass_tables(pf, n_rows, valid)
     assert small is not None
     direct = indexbuild._tensor_by_tensor(pf, n_rows, valid)
-    as_text = lambda tables: json.dumps({t: {c: (v.tolist() if isinstance(v, np.ndarray) else  # noqa: E731
-                                                 [v.codes.tolist(), v.vocabulary.tolist()] if hasattr(v, "codes") else v)
-                                             for c, v in cols.items()} for t, cols in tables.items()}, default=str)
     return as_text(small), as_text(direct)
+
+
+def as_text(tables) -> str:
+    """Index tables (columns of numpy arrays, encoded text, lists) as comparable text."""
+    return json.dumps({t: {c: (v.tolist() if isinstance(v, np.ndarray) else
+                               [v.codes.tolist(), v.vocabulary.tolist()] if hasattr(v, "codes") else v)
+                           for c, v in cols.items()} for t, cols in tables.items()}, default=str)
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +200,16 @@ def test_a_step_keeps_its_own_scalar_values_and_tensor_order(llama, tmp_path):
     assert type(edited["calls"][0]["values"][keys[0]]) is float
     before = list(PassFile(passes[4]).meta["calls"][2]["tensors"])
     assert list(edited["calls"][2]["tensors"]) == before[::-1] != before
+
+
+def test_steps_read_into_one_reused_buffer_keep_their_own_tables(llama, tmp_path):
+    """Small passes are read into one buffer per thread, reused by the next pass: the tables of
+    every step, indexed one after another that way, are those of each step read on its own
+    (nothing in a pass's tables may still point into the buffer once the next one is read)."""
+    dec = padded_batch_dump(llama, tmp_path)
+    passes = open_dump(str(dec)).ranks[0].passes
+    shared = [indexbuild.index_pass(PassFile(ref, whole=True, buffer_for=indexbuild._reused_buffer)) for ref in passes]
+    buffer = indexbuild._scratch.buffer
+    alone = [indexbuild.index_pass(PassFile(ref, whole=True)) for ref in passes]
+    assert [as_text(t) for t in shared] == [as_text(t) for t in alone]
+    assert indexbuild._scratch.buffer is buffer and len(buffer) >= max(ref.nbytes for ref in passes[1:])
