@@ -145,6 +145,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
             future.cancel()
         side.shutdown(wait=True, cancel_futures=True)
         finisher.shutdown(wait=True, cancel_futures=True)
+        _read_buffers.clear()  # a library caller's process does not keep them after the build
     bar.close()
     return built
 
@@ -247,6 +248,7 @@ def _repeat(value: Optional[int], n: int) -> np.ndarray:
 
 # --- reading pass files for the index: sequential, read ahead, bounded memory --------------------
 READ_AHEAD_BYTES = 256 << 20  # tensor bytes read ahead of the hashing (one tensor is always allowed)
+POOLED_BYTES = READ_AHEAD_BYTES // 4  # larger read buffers are not kept for reuse
 INLINE_PASS_BYTES = 32 << 20  # smaller pass files are hashed by the calling thread alone
 # Tensors hashed at once (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8).
 HASH_THREADS = max(1, int(os.environ.get("DUMPDIFF_HASH_THREADS", "0") or 0) or min(os.cpu_count() or 1, 8))
@@ -262,6 +264,40 @@ def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _pool
 
 
+class _ReadBuffers:
+    """Read buffers let go of, kept for the next tensors and passes of a build (at most
+    READ_AHEAD_BYTES, none over POOLED_BYTES: a huge one, the logits, would crowd out the rest;
+    the smallest let go first).
+    A fresh buffer costs the kernel zeroing each page, as much CPU as reading into it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: List[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray):
+        if buffer.nbytes > POOLED_BYTES:
+            return
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=lambda b: b.nbytes)
+            while sum(b.nbytes for b in self._free) > READ_AHEAD_BYTES:
+                self._free.pop(0)  # the smallest go first: a larger buffer serves any smaller tensor
+
+    def clear(self):
+        with self._lock:
+            self._free.clear()
+
+
+_read_buffers = _ReadBuffers()
+
+
 def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
     """Yield (name, bits, DType, first byte in the file or None, release) for every name, in file order. A thread reads ahead with
     plain sequential reads (no memory map: the page cache is not charged to this process), so
@@ -275,16 +311,8 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
         return
     order = sorted(names, key=lambda n: layout.get(n)[2])
     results: "queue.Queue" = queue.Queue()
-    state = {"held": 0, "stop": False, "pool": []}  # pool: freed buffers, reused (no fresh pages)
+    state = {"held": 0, "stop": False}
     cond = threading.Condition()
-
-    def take_buffer(nbytes: int) -> np.ndarray:
-        with cond:
-            pool = state["pool"]
-            fits = [i for i, b in enumerate(pool) if nbytes <= b.nbytes <= 2 * nbytes + (1 << 20)]
-            if fits:
-                return pool.pop(min(fits, key=lambda i: pool[i].nbytes))
-        return np.empty(max(nbytes, 1), dtype=np.uint8)
 
     def reader():
         try:
@@ -297,8 +325,8 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                             cond.wait()
                         if state["stop"]:
                             return
-                        state["held"] += nbytes
-                    buffer = take_buffer(nbytes)
+                        buffer = _read_buffers.take(nbytes)
+                        state["held"] += buffer.nbytes  # what it holds, not the tensor: a reused buffer may be larger
                     handle.seek(begin)
                     view, got = memoryview(buffer)[:nbytes], 0
                     while got < nbytes:
@@ -322,10 +350,9 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                     raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
                 raise error
             def release(nbytes=nbytes, buffer=buffer):  # the consumer keeps nothing pointing into it
+                _read_buffers.give(buffer)
                 with cond:
-                    state["held"] -= nbytes
-                    if sum(b.nbytes for b in state["pool"]) + buffer.nbytes <= READ_AHEAD_BYTES:
-                        state["pool"].append(buffer)
+                    state["held"] -= buffer.nbytes
                     cond.notify_all()
                 if on_bytes:
                     on_bytes(nbytes)

@@ -213,3 +213,25 @@ def test_steps_read_into_one_reused_buffer_keep_their_own_tables(llama, tmp_path
     alone = [indexbuild.index_pass(PassFile(ref, whole=True)) for ref in passes]
     assert [as_text(t) for t in shared] == [as_text(t) for t in alone]
     assert indexbuild._scratch.buffer is buffer and len(buffer) >= max(ref.nbytes for ref in passes[1:])
+
+
+def test_read_buffers_are_reused_within_a_bound(monkeypatch):
+    """A large pass's tensors are read into buffers kept for the next tensors and passes: a
+    freed buffer serves any tensor it can hold (the smallest such one), the kept ones never
+    add up to more than the read-ahead bound, the smallest are let go first, and a huge one
+    (the logits) is not kept."""
+    monkeypatch.setattr(indexbuild, "READ_AHEAD_BYTES", 100)
+    monkeypatch.setattr(indexbuild, "POOLED_BYTES", 40)
+    pool = indexbuild._ReadBuffers()
+    sizes = [10, 30, 20, 40, 35, 90]
+    given = [np.empty(n, np.uint8) for n in sizes]
+    for buffer in given:
+        pool.give(buffer)
+    # 10+20+30+40 fit the bound; 35 more does not, and the smallest go until it does; 90 is huge
+    assert [b.nbytes for b in pool._free] == [35, 40]
+    taken = pool.take(25)
+    assert taken is given[4]  # the smallest that holds 25 bytes
+    fresh = pool.take(45)  # none kept is large enough
+    assert fresh.nbytes == 45 and not any(fresh is b for b in given)
+    pool.clear()
+    assert pool._free == []
