@@ -103,13 +103,17 @@ def _array(values: Column):
         indices = _numbers(np.asarray(values.codes).astype(kind))
         return pa.DictionaryArray.from_arrays(indices, _text(list(values.vocabulary), large=False))
     if isinstance(values, TextPieces):
-        if len({id(piece) for piece in values.pieces}) * 2 > len(values.pieces):  # few shared: one array
-            return _text([v for piece in values.pieces for v in piece])
-        made = {}  # id of a piece -> its array: passes of one structure share their lists
-        for piece in values.pieces:
+        # Passes of one structure repeat one list; pieces equal by value are made once (a worker
+        # process's pieces come back as copies: shared by value, no longer by identity).
+        by_value: dict = {}
+        pieces = [by_value.setdefault(tuple(piece), piece) for piece in values.pieces]
+        if len(by_value) * 2 > len(pieces):  # few repeat: one array
+            return _text([v for piece in pieces for v in piece])
+        made = {}  # id of a distinct piece -> its array
+        for piece in pieces:
             if id(piece) not in made:
                 made[id(piece)] = _text(piece)
-        return pa.concat_arrays([made[id(piece)] for piece in values.pieces])
+        return pa.concat_arrays([made[id(piece)] for piece in pieces])
     if isinstance(values, list) or values.dtype == object:
         return _text(list(values))
     return _numbers(values)

@@ -146,6 +146,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
         side.shutdown(wait=True, cancel_futures=True)
         finisher.shutdown(wait=True, cancel_futures=True)
         _read_buffers.clear()  # a library caller's process does not keep them after the build
+        _scratch.__dict__.pop("buffer", None)
     bar.close()
     return built
 
@@ -349,7 +350,12 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                 if isinstance(error, OSError):
                     raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
                 raise error
-            def release(nbytes=nbytes, buffer=buffer):  # the consumer keeps nothing pointing into it
+            def release(nbytes=nbytes, buffer=buffer, released=[]):  # noqa: B006 - one list per tensor
+                # the consumer keeps nothing pointing into it; given back twice, it would be
+                # handed out to two tensors at once
+                if released:
+                    raise RuntimeError("a read buffer was released twice")
+                released.append(True)
                 _read_buffers.give(buffer)
                 with cond:
                     state["held"] -= buffer.nbytes

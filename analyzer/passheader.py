@@ -78,9 +78,10 @@ def _read_into(handle, buffer_for) -> np.ndarray:
     while got < len(room):
         n = handle.readinto(view[got:])
         if not n:
-            break
+            return room[:got]
         got += n
-    return room[:got]
+    more = handle.read()  # it grew past the buffer while being read: its whole length shows
+    return np.frombuffer(room.tobytes() + more, dtype=np.uint8) if more else room[:got]
 
 
 def _vouched(head: bytes, data_start: int, file_size: int) -> Optional[Header]:

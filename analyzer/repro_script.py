@@ -230,17 +230,30 @@ def placed(tensor, offset):
     return out
 
 
-def weight_offsets():
+def weight_offsets(params):
     """Where else in a 64-byte line the weights may have lain when the dump was made: a
     checkpoint's loader (a memory map) leaves them at any offset, and a CPU kernel can round
     differently by alignment (the M=1 GEMV does on some CPUs)."""
+    sizes = [t.element_size() for t in params.values() if t.numel()]
+    return list(range(min(sizes), 64, min(sizes))) if sizes else []
+
+
+def load_params(device):
+    """The operator's parameters (weights.safetensors) on ``device``; {} when it takes none."""
     if not META["params"]:
-        return []
-    size = {"float64": 8, "float32": 4, "int64": 8, "int32": 4}.get(str(META.get("dtype")), 2)
-    return list(range(size, 64, size))
+        return {}
+    params = load("weights.safetensors")
+    if params is None:
+        fail("weights.safetensors is missing: " + META["params_hint"])
+    missing = [name for name in META["params"] if name not in params]
+    if missing:
+        fail(f"weights.safetensors lacks {missing}: " + META["params_hint"])
+    return {name: tensor.to(device) for name, tensor in params.items()}
 
 
-def make_runner(device, model_path, offset=0):
+def make_runner(device, model_path, params=None):
+    """The replay: the module from the model, or the standalone formula with ``params`` (by
+    default weights.safetensors)."""
     kind = META["kind"]
     if kind == "module":
         try:
@@ -260,15 +273,7 @@ def make_runner(device, model_path, offset=0):
             args, kwargs = rebuild_call(inputs, values)
             return dict(flatten(module(*args, **kwargs)))[META["out_slot"]]
         return run
-    params = {}
-    if META["params"]:
-        params = load("weights.safetensors")
-        if params is None:
-            fail("weights.safetensors is missing: " + META["params_hint"])
-        missing = [name for name in META["params"] if name not in params]
-        if missing:
-            fail(f"weights.safetensors lacks {missing}: " + META["params_hint"])
-        params = {name: placed(tensor.to(device), offset) for name, tensor in params.items()}
+    params = load_params(device) if params is None else params
     op = OPS[kind]
     return lambda inputs, values: op(inputs, params, META["attrs"], values)
 
@@ -324,9 +329,13 @@ def main():
 
     with torch.no_grad():
         rows, differs = replay(run)
-        if differs and device.type == "cpu":
-            for offset in weight_offsets():  # the same formula, the weights where a loader may have left them
-                other = make_runner(device, args.model, offset)
+        if differs and device.type == "cpu" and META["kind"] != "module":
+            weights = load_params(device)
+            for offset in weight_offsets(weights):  # the same formula, the weights where a loader may have left them
+                try:
+                    other = make_runner(device, args.model, {k: placed(t, offset) for k, t in weights.items()})
+                except Exception as exc:  # noqa: BLE001 - one line, exit 2 (exit 1 means MISMATCH)
+                    fail(f"the replay failed: {type(exc).__name__}: {exc}")
                 rows_here, differs_here = replay(other)
                 if not differs_here:
                     run, rows, differs = other, rows_here, {}

@@ -227,11 +227,10 @@ def test_replay_can_place_weights_where_a_memory_mapped_checkpoint_left_them(dty
     each one a bit-exact copy at exactly that offset."""
     from analyzer.repro_script import runtime
     env = runtime()
-    env["META"].update({"params": ["weight"], "dtype": str(dtype).split(".")[-1]})
-    offsets = env["weight_offsets"]()
-    size = torch.empty((), dtype=dtype).element_size()
-    assert offsets == list(range(size, 64, size))
     weight = torch.randn(33, 7).to(dtype)
+    offsets = env["weight_offsets"]({"weight": weight, "bias": torch.randn(33)})
+    size = torch.empty((), dtype=dtype).element_size()
+    assert offsets == list(range(size, 64, size))  # every offset the smallest element allows
     for offset in offsets:
         copy = env["placed"](weight, offset)
         assert copy.data_ptr() % 64 == offset and copy.dtype == dtype and copy.shape == weight.shape
