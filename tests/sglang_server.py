@@ -101,7 +101,25 @@ class SglangServer:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    # The port is free when picked, but another process (sglang's own workers pick ports for their
+    # sockets) can take it before the server binds it; the server then stays up without HTTP.
+    BIND_FAILED = "error while attempting to bind on address"
+    PORT_ATTEMPTS = 3
+
     def start(self) -> "SglangServer":
+        for attempt in range(self.PORT_ATTEMPTS):
+            if self._start_once():
+                return self
+            if attempt == self.PORT_ATTEMPTS - 1:
+                raise RuntimeError(f"sglang server could not bind a port {self.PORT_ATTEMPTS} times\n{self.log_tail()}")
+            self.port = free_port()  # lost the port race: again on another port
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.cmd[self.cmd.index("--port") + 1] = str(self.port)
+        return self
+
+    def _start_once(self) -> bool:
+        """Start the server and wait for it; False when its port was taken (it is stopped)."""
+        logged = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             # New session: the scheduler/detokenizer children share our process group, so
             # one killpg in stop() takes them all down.
@@ -111,6 +129,9 @@ class SglangServer:
         t0 = time.monotonic()
         try:
             while True:
+                if self.BIND_FAILED.encode() in self._log_bytes(logged):
+                    self.stop()
+                    return False
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"sglang server exited with {self.proc.returncode}"
                                        f" during start-up\n{self.log_tail()}")
@@ -125,7 +146,7 @@ class SglangServer:
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - t0
-        return self
+        return True
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after `grace` s, and also
@@ -212,6 +233,11 @@ class SglangServer:
         return self.request("/server_info")
 
     # -- logs ------------------------------------------------------------------------------
+
+    def _log_bytes(self, start: int) -> bytes:
+        with open(self.log_path, "rb") as handle:
+            handle.seek(start)
+            return handle.read()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from sglang_server import _group_alive, sglang_fixture
+from sglang_server import SglangServer, _group_alive, sglang_fixture, sglang_installed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from tiny_models import make_tiny_llama  # noqa: E402
@@ -55,3 +55,23 @@ def test_sglang_greedy_matches_hf(sglang, tmp_path):
     assert "fired up and ready" in server.log_text()
     # no DUMPER_* variable: our plugin loaded and installed nothing
     assert "dumpdiff: dumper installed" not in server.log_text()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_another(tmp_path):
+    """A picked port can be taken before sglang binds it (its own workers pick ports too); the
+    server then stays up without HTTP. The rig sees the bind failure in the log, stops that
+    server and starts again on another port, instead of waiting out its start-up timeout."""
+    import socket
+    if not sglang_installed():
+        pytest.skip("sglang not installed: run scripts/install-sglang-cpu.sh (make test does)")
+    server = SglangServer(make_tiny_llama(tmp_path / "tiny-llama"), log_path=tmp_path / "server.log", startup_timeout=120)
+    taken = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            server.start()
+            assert server.port != taken and server._status("/health") == 200
+            assert server.log_text().count(SglangServer.BIND_FAILED) == 1
+        finally:
+            server.stop()
