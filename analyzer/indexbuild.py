@@ -31,8 +31,8 @@ from .smallpass import small_pass_tables
 PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up costs more than it saves
 
 
-def _process_pool(n_small: int):
-    workers = min(index.INDEX_PROCESSES, n_small // PASSES_PER_PROCESS)
+def _process_pool(n_small: int, large_bytes: int):
+    workers = min(index.INDEX_PROCESSES, max(n_small // PASSES_PER_PROCESS, large_bytes // (2 * PIECE_BYTES)))
     if workers < 2:
         return None
     try:
@@ -40,30 +40,73 @@ def _process_pool(n_small: int):
         pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     except (ImportError, OSError, ValueError):  # no process support here (a sandbox): threads do it
         return None
-    logging.getLogger("dumpdiff").info("indexing %d small passes in %d worker processes", n_small, workers)
+    logging.getLogger("dumpdiff").info("indexing in %d worker processes", workers)
     return pool
 
 
-def _start_in_processes(small_refs: dict, advance):
-    """(pool, futures) indexing the small passes in worker processes, or (None, None) when there
-    are too few or processes cannot be started here (then a thread does it)."""
-    pool = _process_pool(len(small_refs))
+def _start_in_processes(small_refs: dict, advance, large_refs: dict):
+    """(pool, futures of the small passes, pieces of the large ones) indexing in worker
+    processes, or (None, None, {}) when there is too little work or processes cannot be started
+    here (then threads do it). A large pass is hashed in pieces of about PIECE_BYTES of its
+    tensors, each in a worker: per-row hashing holds the GIL, so threads of one process take
+    turns. Pieces: position -> (its PassFile, its tensors' metadata, [(future, bytes)])."""
+    pool = _process_pool(len(small_refs), sum(ref.nbytes for ref in large_refs.values()))
     if pool is None:
-        return None, None
+        return None, None, {}
     # Workers start with SIGINT blocked: Ctrl-C reaches the whole process group, and a worker
     # still importing would print its own traceback; this process stops them instead.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
     try:
+        pieces = {i: _submit_pieces(pool, ref) for i, ref in large_refs.items()}  # first: the longest work
         futures = {i: pool.submit(_index_small_pass, ref, ahead) for i, ref, ahead in _with_read_ahead(small_refs)}
     except (OSError, concurrent.futures.BrokenExecutor):  # processes are started here, not before
         pool.shutdown(wait=True, cancel_futures=True)
-        return None, None
+        return None, None, {}
     finally:
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for i, future in futures.items():
         future.add_done_callback(lambda f, n=small_refs[i].nbytes: f.cancelled() or advance(n))
-    return pool, futures
+    return pool, futures, {i: piece for i, piece in pieces.items() if piece is not None}
+
+
+PIECE_BYTES = 64 << 20  # a large pass goes to worker processes in pieces of about this many tensor bytes
+
+
+def _submit_pieces(pool, ref):
+    """(PassFile, tensor metadata, [(future, bytes)]) of a large pass hashed in pieces by the
+    pool, or None when its header is not one this reader follows (safetensors reads it then)."""
+    pf = PassFile(ref)
+    tensor_metas, stored_names = stored_tensors(pf)
+    layout = usable_layout(pf, stored_names)
+    if layout is None:
+        return None
+    pieces, current, held = [], [], 0
+    for name in sorted(stored_names, key=lambda n: layout.get(n)[2]):
+        nbytes = layout.get(name)[3] - layout.get(name)[2]
+        if current and held + nbytes > PIECE_BYTES:
+            pieces.append((current, held))
+            current, held = [], 0
+        current.append(name)
+        held += nbytes
+    if current:
+        pieces.append((current, held))
+    return pf, tensor_metas, [(pool.submit(_index_piece, ref, names), nbytes) for names, nbytes in pieces]
+
+
+_opened: Dict[str, PassFile] = {}
+
+
+def _index_piece(ref, names: List[str]) -> Dict[str, tuple]:
+    """A worker process's job: the row columns of some tensors of a large pass."""
+    global READ_AHEAD_BYTES
+    READ_AHEAD_BYTES = min(READ_AHEAD_BYTES, PIECE_BYTES)  # several workers read at once: each holds less
+    pf = _opened.get(ref.path)
+    if pf is None:  # the pieces of one pass mostly go to the same few workers: its metadata is parsed once
+        _opened.clear()
+        pf = _opened[ref.path] = PassFile(ref)
+    tokens = pf.meta["tokens"]
+    return _stored_rows(pf, len(tokens["ids"]), np.asarray(tokens["valid"], dtype=bool), names)
 
 
 def _index_small_pass(ref, ahead: List[str]) -> Dict[str, dict]:
@@ -105,15 +148,26 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
     bar = _progress(sum(ref.nbytes for _, ref in refs), f"indexing {', '.join(show(d.label) for d in dumps)}", progress)
     lock = threading.Lock()  # bytes are reported from the hashing threads
 
-    def one(ref):
+    def one(i, ref):
         counted = [0]
 
         def advance(nbytes: int):
             with lock:
                 counted[0] += nbytes
                 bar.update(nbytes)
-        whole = ref.nbytes < INLINE_PASS_BYTES
-        tables = index_pass(PassFile(ref, whole=whole, buffer_for=_reused_buffer if whole else None), on_bytes=advance)
+        if i in pieces:  # hashed by worker processes: its pieces' rows are gathered here
+            pf, tensor_metas, futures = pieces[i]
+
+            def gathered(pf, n_rows, valid, on_bytes):
+                stored_rows = {}
+                for future, nbytes in futures:
+                    stored_rows.update(future.result())
+                    on_bytes(nbytes)
+                return pass_tables(pf.meta["calls"], tensor_metas, stored_rows)
+            tables = index_pass(pf, on_bytes=advance, tensor_tables=gathered)
+        else:
+            whole = ref.nbytes < INLINE_PASS_BYTES
+            tables = index_pass(PassFile(ref, whole=whole, buffer_for=_reused_buffer if whole else None), on_bytes=advance)
         with lock:
             bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
         return tables
@@ -122,10 +176,11 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
     # large ones stream from disk (one after the other, the disk would idle): by worker processes
     # when there are many (the work holds the GIL), else by a second thread.
     small_refs = {i: ref for i, (_, ref) in enumerate(refs) if ref.nbytes < INLINE_PASS_BYTES}
-    side, small = _start_in_processes(small_refs, lambda n: _locked(lock, bar.update, n))
+    large_refs = {i: ref for i, (_, ref) in enumerate(refs) if ref.nbytes >= INLINE_PASS_BYTES}
+    side, small, pieces = _start_in_processes(small_refs, lambda n: _locked(lock, bar.update, n), large_refs)
     if side is None:
         side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
-        small = {i: side.submit(lambda ref, ahead: will_need(ahead) or one(ref), ref, ahead)
+        small = {i: side.submit(lambda i, ref, ahead: will_need(ahead) or one(i, ref), i, ref, ahead)
                  for i, ref, ahead in _with_read_ahead(small_refs)}
     finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-tables")
 
@@ -137,12 +192,12 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
     try:
         finishing = []
         for k in range(len(dumps)):  # a dump's tables are made (and saved) while the next one streams
-            parts = [(i, None if i in small else one(ref)) for i, (j, ref) in enumerate(refs) if j == k]
+            parts = [(i, None if i in small else one(i, ref)) for i, (j, ref) in enumerate(refs) if j == k]
             finishing.append(finisher.submit(finish, k, parts))
         built = [future.result() for future in finishing]
     finally:
-        for future in small.values():  # after an error: no pass is indexed for nothing
-            future.cancel()
+        for future in [*small.values(), *(f for _, _, done in pieces.values() for f, _ in done)]:
+            future.cancel()  # after an error: no pass is indexed for nothing
         side.shutdown(wait=True, cancel_futures=True)
         finisher.shutdown(wait=True, cancel_futures=True)
         _read_buffers.clear()  # a library caller's process does not keep them after the build
@@ -171,9 +226,10 @@ class _NoBar:
         pass
 
 
-def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
+def index_pass(pf: PassFile, on_bytes=None, tensor_tables=None) -> Dict[str, dict]:
     """The five tables' columns (arrowbuild columns) for one pass file; ``on_bytes(n)`` reports
-    tensor bytes as they are done."""
+    tensor bytes as they are done; ``tensor_tables(pf, n_rows, valid, on_bytes)`` makes the calls,
+    tensors and rows tables of a large pass (default: read here, tensor by tensor)."""
     meta, ref = pf.meta, pf.ref
     tokens = meta["tokens"]
     n_rows = len(tokens["ids"])
@@ -191,7 +247,7 @@ def index_pass(pf: PassFile, on_bytes=None) -> Dict[str, dict]:
                  "prefix_ids": [json.dumps(q["prefix_ids"]) if "prefix_ids" in q else None for q in seqs]},
     }
     small = small_pass_tables(pf, n_rows, valid, on_bytes) if ref.nbytes < INLINE_PASS_BYTES else None
-    tables.update(small or _tensor_by_tensor(pf, n_rows, valid, on_bytes))
+    tables.update(small or (tensor_tables or _tensor_by_tensor)(pf, n_rows, valid, on_bytes))
     for table in tables.values():  # every table says whose rows it holds
         n = arrowbuild.length(next(iter(table.values())))
         table["rank"], table["pass"] = _repeat(ref.rank, n), _repeat(ref.pass_id, n)
@@ -203,7 +259,16 @@ def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
     the order its bytes lie in the file, by a read-ahead thread, and hashed by a pool of threads
     while the next tensors are read."""
     tensor_metas, stored_names = stored_tensors(pf)
-    stored_rows: Dict[str, tuple] = {}  # stored tensor name -> (row columns, why, is_ids)
+    return pass_tables(pf.meta["calls"], tensor_metas,
+                       _stored_rows(pf, n_rows, valid, stored_names, on_bytes, tensor_metas))
+
+
+def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: List[str], on_bytes=None,
+                 tensor_metas=None) -> Dict[str, tuple]:
+    """Stored tensor name -> (row columns, why it has no token rows, whether it holds the token ids),
+    for the named tensors of a pass."""
+    tensor_metas = tensor_metas if tensor_metas is not None else stored_tensors(pf)[0]
+    stored_rows: Dict[str, tuple] = {}
     token_ids = pf.meta["tokens"]["ids"]
     plans = pass_rows(pf.meta, n_rows, valid)
 
@@ -235,7 +300,7 @@ def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
             for _, future in pending:  # after an error: let no task outlive this pass
                 future.cancel()
             concurrent.futures.wait([future for _, future in pending])
-    return pass_tables(pf.meta["calls"], tensor_metas, stored_rows)
+    return stored_rows
 
 
 def _locked(lock, func, *args):

@@ -235,3 +235,22 @@ def test_read_buffers_are_reused_within_a_bound(monkeypatch):
     assert fresh.nbytes == 45 and not any(fresh is b for b in given)
     pool.clear()
     assert pool._free == []
+
+
+def test_large_passes_hashed_in_pieces_by_worker_processes_give_the_same_tables(llama, tmp_path, monkeypatch):
+    """On a host with cores to spare, a large pass (a prefill) is hashed in pieces of its tensors
+    by worker processes, as per-row hashing holds the GIL: the tables are those one process
+    builds, pass by pass and tensor by tensor."""
+    from analyzer import index
+    dec = padded_batch_dump(llama, tmp_path)
+    alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
+    monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)  # every pass is large here
+    monkeypatch.setattr(indexbuild, "PIECE_BYTES", 4096)  # and goes in several pieces
+    monkeypatch.setattr(index, "INDEX_PROCESSES", 2)
+    submitted = []
+    real_submit = indexbuild._submit_pieces
+    monkeypatch.setattr(indexbuild, "_submit_pieces", lambda pool, ref: submitted.append(ref) or real_submit(pool, ref))
+    pieces = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
+    assert len(submitted) == 6
+    as_json = lambda tables: json.dumps({name: table.to_pydict() for name, table in tables.items()})  # noqa: E731 - NaN == NaN
+    assert as_json(pieces) == as_json(alone)
