@@ -62,6 +62,9 @@ def _start_in_processes(small_refs: dict, advance, large_refs: dict):
     except (OSError, concurrent.futures.BrokenExecutor):  # processes are started here, not before
         pool.shutdown(wait=True, cancel_futures=True)
         return None, None, {}
+    except BaseException:  # a damaged large pass: no piece already submitted is worked on for nothing
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
     finally:
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
