@@ -198,6 +198,9 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
             parts = [(i, None if i in small else one(i, ref)) for i, (j, ref) in enumerate(refs) if j == k]
             finishing.append(finisher.submit(finish, k, parts))
         built = [future.result() for future in finishing]
+    except concurrent.futures.BrokenExecutor as exc:  # a worker process was killed (out of memory?)
+        raise DumpError(f"a worker process indexing the dumps died ({type(exc).__name__}); if the system is short "
+                        "of memory, rerun with DUMPDIFF_INDEX_PROCESSES=0 (one process) or 2") from None
     finally:
         for future in [*small.values(), *(f for _, _, done in pieces.values() for f, _ in done)]:
             future.cancel()  # after an error: no pass is indexed for nothing
