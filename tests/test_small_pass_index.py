@@ -254,3 +254,20 @@ def test_large_passes_hashed_in_pieces_by_worker_processes_give_the_same_tables(
     assert len(submitted) == 6
     as_json = lambda tables: json.dumps({name: table.to_pydict() for name, table in tables.items()})  # noqa: E731 - NaN == NaN
     assert as_json(pieces) == as_json(alone)
+
+
+def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypatch):
+    """A worker process killed mid-build (the kernel's out-of-memory killer) is a DumpError that
+    says so and how to rerun (the command line prints it as one line, exit 2), not an internal
+    error."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    from analyzer.errors import DumpError
+    dec = padded_batch_dump(llama, tmp_path)
+    monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)
+    monkeypatch.setattr(indexbuild, "_process_pool", lambda n_small, large_bytes: concurrent.futures.ProcessPoolExecutor(
+        2, mp_context=multiprocessing.get_context("spawn"), initializer=os._exit, initargs=(9,)))  # each worker dies at once
+    with pytest.raises(DumpError, match="worker process indexing the dumps died.*DUMPDIFF_INDEX_PROCESSES=0"):
+        indexbuild.build_many([open_dump(str(dec))], progress=False)
