@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from . import arrowbuild, index
+from .batchread import chunks
 from .errors import DumpError
 from .filelayout import usable_layout
 from .fingerprint import row_stats
@@ -84,17 +85,10 @@ def _submit_pieces(pool, ref):
     layout = usable_layout(pf, stored_names)
     if layout is None:
         return None
-    pieces, current, held = [], [], 0
-    for name in sorted(stored_names, key=lambda n: layout.get(n)[2]):
-        nbytes = layout.get(name)[3] - layout.get(name)[2]
-        if current and held + nbytes > PIECE_BYTES:
-            pieces.append((current, held))
-            current, held = [], 0
-        current.append(name)
-        held += nbytes
-    if current:
-        pieces.append((current, held))
-    return pf, tensor_metas, [(pool.submit(_index_piece, ref, names), nbytes) for names, nbytes in pieces]
+    order = sorted(stored_names, key=lambda n: layout.get(n)[2])
+    sizes = [layout.get(n)[3] - layout.get(n)[2] for n in order]
+    return pf, tensor_metas, [(pool.submit(_index_piece, ref, [order[i] for i in piece]), sum(sizes[i] for i in piece))
+                              for piece in chunks(sizes, PIECE_BYTES)]
 
 
 _opened: Dict[str, PassFile] = {}

@@ -51,12 +51,9 @@ def read_header(path: str, whole: bool = False, buffer_for=None) -> Tuple[Option
     data = None
     try:
         with open(path, "rb", buffering=0 if buffer_for else -1) as handle:
-            if whole and buffer_for is not None:
-                data = _read_into(handle, buffer_for)
-                size = int.from_bytes(data[:8].tobytes(), "little")
-                head, file_size = data[8:8 + min(size, MAX_HEADER_BYTES + 1)].tobytes(), len(data)
-            elif whole:
-                data = np.frombuffer(handle.read(), dtype=np.uint8)
+            if whole:
+                data = _read_into(handle, buffer_for) if buffer_for is not None else \
+                    np.frombuffer(handle.read(), dtype=np.uint8)
                 size = int.from_bytes(data[:8].tobytes(), "little")
                 head, file_size = data[8:8 + min(size, MAX_HEADER_BYTES + 1)].tobytes(), len(data)
             else:

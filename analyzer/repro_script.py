@@ -251,9 +251,9 @@ def load_params(device):
     return {name: tensor.to(device) for name, tensor in params.items()}
 
 
-def make_runner(device, model_path, params=None):
-    """The replay: the module from the model, or the standalone formula with ``params`` (by
-    default weights.safetensors)."""
+def make_runner(device, model_path, params):
+    """The replay: the module from the model, or the standalone formula with ``params``
+    (load_params)."""
     kind = META["kind"]
     if kind == "module":
         try:
@@ -273,7 +273,6 @@ def make_runner(device, model_path, params=None):
             args, kwargs = rebuild_call(inputs, values)
             return dict(flatten(module(*args, **kwargs)))[META["out_slot"]]
         return run
-    params = load_params(device) if params is None else params
     op = OPS[kind]
     return lambda inputs, values: op(inputs, params, META["attrs"], values)
 
@@ -295,7 +294,8 @@ def main():
         if inputs is None or outputs is None:
             fail(f"inputs_{side}.safetensors or outputs_{side}.safetensors is missing next to repro.py")
         sides[side] = ({k: v.to(device) for k, v in inputs.items()}, outputs["out"])
-    run = make_runner(device, args.model)
+    weights = load_params(device)  # read once: a retry below places these same weights elsewhere
+    run = make_runner(device, args.model, weights)
     a, b = META["sides"]["a"], META["sides"]["b"]
     print(f"dumpdiff repro: {META['call']} [{META['cls']}], replayed as {META['kind']}; torch {torch.__version__} "
           f"on {device} (the dump: {META.get('dump_versions') or 'versions unknown'}, {META.get('device') or '?'})")
@@ -330,7 +330,6 @@ def main():
     with torch.no_grad():
         rows, differs = replay(run)
         if differs and device.type == "cpu" and META["kind"] != "module":
-            weights = load_params(device)
             for offset in weight_offsets(weights):  # the same formula, the weights where a loader may have left them
                 try:
                     other = make_runner(device, args.model, {k: placed(t, offset) for k, t in weights.items()})
