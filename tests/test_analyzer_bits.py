@@ -62,6 +62,26 @@ def test_row_magnitudes_of_ordinary_rows_are_exact(dtype):
     assert np.array_equal(amax, rows.double().abs().amax(dim=1).numpy()) and not nonfinite.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+def test_rows_taken_a_block_at_a_time_give_each_row_its_own_figures(dtype, monkeypatch):
+    """Large tensors are hashed and measured in blocks of rows: every block, the last partial one
+    included, must give the figures the row alone gives (an inf in a late block is still counted
+    in its own row)."""
+    import analyzer.fingerprint as fingerprint
+    rows = (torch.randn(37, 40, generator=torch.Generator().manual_seed(2)) * 9).to(dtype)
+    if dtype.is_floating_point:
+        rows[30, 7], rows[36, 0] = float("inf"), float("nan")
+    alone = [row_stats(*from_torch(rows[i:i + 1])) for i in range(len(rows))]
+    monkeypatch.setattr(fingerprint, "BLOCK_BYTES", 3 * rows[0].nbytes + 1)  # 13 blocks, the last of one row
+    fps, amax, nonfinite = row_stats(*from_torch(rows))
+    assert fps.tolist() == [int(a[0][0]) for a in alone]
+    assert nonfinite.tolist() == [int(a[2][0]) for a in alone]
+    if dtype.is_floating_point:
+        assert amax.tolist() == [float(a[1][0]) for a in alone] and nonfinite[30] == 1 and nonfinite[36] == 1
+    else:
+        assert amax is None
+
+
 def test_fingerprints_see_dtype_and_width_not_just_bytes():
     zeros = torch.zeros(2, 4, dtype=torch.int16)
     assert fingerprints(zeros)[0] != fingerprints(zeros.view(torch.bfloat16))[0]
