@@ -2,9 +2,11 @@
 
     python benchmarks/_measure.py OUT.json analyzer.cli index DUMP --rebuild
 
-Writes {"seconds", "exit", "max_rss_mb", "read_bytes", "rchar"} to OUT.json: wall time, peak
-resident memory, bytes the process read from storage (/proc/self/io read_bytes: page-cache hits
-are not counted) and bytes it asked read() for (rchar; mmap reads are not counted there).
+Writes {"seconds", "exit", "max_rss_mb", "worker_max_rss_mb", "read_bytes", "rchar"} to OUT.json:
+wall time, peak resident memory of this process and of its largest worker process (the index
+build's, where it starts them; 0 when none), bytes the process and its finished workers read from
+storage (/proc/self/io read_bytes: page-cache hits are not counted) and bytes asked read() for
+(rchar; mmap reads are not counted there).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def main():
     seconds = time.perf_counter() - start
     after = proc_io()
     record = {"seconds": seconds, "exit": code, "max_rss_mb": peak_rss_mb(),
+              # the largest of the children waited for (workers are started by fork and exec: no
+              # copy of this process's memory counts in theirs)
+              "worker_max_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
               "read_bytes": after.get("read_bytes", 0) - before.get("read_bytes", 0),
               "rchar": after.get("rchar", 0) - before.get("rchar", 0)}
     with open(out, "w") as handle:

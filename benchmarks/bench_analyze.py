@@ -63,7 +63,8 @@ def cli_measured(args, label: str, env=None) -> dict:
         record = json.load(handle)
     os.unlink(out)
     record["stdout"], record["stderr"] = proc.stdout, proc.stderr
-    print(f"# {label}: {record['seconds']:.2f}s, exit {record['exit']}, peak RSS {record['max_rss_mb']:.0f} MB, "
+    workers = f" (largest worker process {record['worker_max_rss_mb']:.0f} MB)" if record["worker_max_rss_mb"] else ""
+    print(f"# {label}: {record['seconds']:.2f}s, exit {record['exit']}, peak RSS {record['max_rss_mb']:.0f} MB{workers}, "
           f"read from storage {fmt_bytes(record['read_bytes'])}", flush=True)
     if record["exit"] not in (0, 1):
         print(proc.stderr[-2000:], file=sys.stderr)
@@ -189,7 +190,8 @@ def run(args, ref, dec):
                target, bw_inproc / best_read >= 0.70 if proto == "cold" else None, "x", f"index {fmt_bytes(bw_inproc)}/s vs read "
                f"{fmt_bytes(best_read)}/s; the CLI adds {t_index - t_inproc:.1f}s of start-up and imports in all")
         result(f"index build peak RSS ({proto})", idx["max_rss_mb"], "bounded (info)", None,
-               "MB", f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}")
+               "MB", f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}; the command's process; "
+               f"largest worker process {idx['worker_max_rss_mb']:.0f} MB")
         t_read = min(t_cat, t_py)
         t_floor = start_floor()
         result(f"info: starting Python with numpy, pyarrow and click / read both dumps once ({proto})",
