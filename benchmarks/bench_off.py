@@ -3,7 +3,9 @@
 The boot state of the sglang workflow is ``install(model, DumperConfig(enable=False))``: the
 root forward is wrapped, no per-module hook is attached. The baseline is the same model with no
 dumper installed, measured in the same run, interleaved block by block (install, time a block,
-remove, time a block, ...) so drifts of the machine hit both sides alike.
+remove, time a block, ...) so drifts of the machine hit both sides alike; the states take every
+place in a round in turn (every order of the three states, round after round), so a place that
+is slower (a GPU clocking down after the pause of a switch) is not always the same state's.
 
 Also measured, as information: the state after a dump was made and dumping disabled again
 (``configure(enable=False)``), where the per-module hooks stay attached until the next pass.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import tempfile
 
 import torch
@@ -25,6 +28,19 @@ from common import GPU_LLAMA, llama, median, n_params, result, sync
 import time
 
 import dumper
+
+
+ORDERS = list(itertools.permutations(("base", "off", "wrap")))
+
+
+def _dumped_then_disabled(model, ids, tmp: str, name: str, **config):
+    """The dumper after one short dumped pass, dumping disabled again: per-module hooks attached."""
+    handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name=name, **config))
+    with torch.no_grad():
+        model(ids[:, :8])
+    handle.configure(enable=False)
+    handle.flush()
+    return handle
 
 
 def forward_times(model, ids, n: int, device: str) -> list:
@@ -90,8 +106,7 @@ def main(argv=None):
     base, off, idle_after, wrapped = [], [], [], []  # one list of forward times per round and state
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            order = ("base", "off", "wrap") if r % 2 == 0 else ("wrap", "off", "base")
-            for state in order:
+            for state in ORDERS[r % len(ORDERS)]:
                 if state == "base":
                     base.append(forward_times(model, ids, block, args.device))
                 elif state == "off":
@@ -104,22 +119,18 @@ def main(argv=None):
                     wrapped.append(forward_times(model, ids, block, args.device))
                     del model.forward
         # After a dump: hooks were attached by the enabled pass, then dumping was disabled.
-        handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name="after", filter="layers\\.0\\."
-                                                           if cuda else ""))
-        with torch.no_grad():
-            model(ids[:, :8])
-        handle.configure(enable=False)
-        handle.flush()
+        handle = _dumped_then_disabled(model, ids, tmp, "after", filter="layers\\.0\\." if cuda else "")
         base2 = []
-        for r in range(max(rounds // 2, 4)):
+        for r in range(max(rounds // 2, 4)):  # which state is timed first alternates
+            if r % 2:
+                handle.remove()
+                base2.append(forward_times(model, ids, block, args.device))
+                handle = _dumped_then_disabled(model, ids, tmp, f"after{r}")
             idle_after.append(forward_times(model, ids, block, args.device))
-            handle.remove()
-            base2.append(forward_times(model, ids, block, args.device))
-            handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=tmp, exp_name=f"after{r}"))
-            with torch.no_grad():
-                model(ids[:, :8])
-            handle.configure(enable=False)
-            handle.flush()
+            if r % 2 == 0:
+                handle.remove()
+                base2.append(forward_times(model, ids, block, args.device))
+                handle = _dumped_then_disabled(model, ids, tmp, f"after{r}")
         handle.remove()
         cost = wrapper_cost(tmp)
 
