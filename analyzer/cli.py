@@ -77,6 +77,14 @@ def main(verbose):
     \b
     Exit status (as diff(1)):
       0  no divergence    1  divergence found    2  trouble (bad input, unprovable alignment)
+
+    \b
+    Environment:
+      DUMPDIFF_INDEX_PROCESSES  worker processes indexing decode steps and, in pieces, large
+                                passes (default: CPU count less one, at most 8; 0: none)
+      DUMPDIFF_HASH_THREADS     hashing threads per large pass (default: CPU count, at most 8)
+      DUMPDIFF_KL_URL           the sglang server of `dumpdiff kl` and the pytest plugin
+      DUMPDIFF_DEBUG=1          a traceback instead of the one-line error, for a bug report
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="dumpdiff: %(message)s")
@@ -176,6 +184,11 @@ def index_cmd(dumps, rebuild, no_progress):
     as tokens, seqs, calls, tensors and rows tables, readable by pandas and duckdb. Later
     commands reuse it while the dump's manifest is unchanged. Every DUMP is checked before
     any is indexed; give both dumps of a comparison to pay the start-up once.
+
+    Each dump is read once, sequentially; memory stays bounded (about 256 MB read ahead and
+    kept for reuse in this process, 64 MB and 64 MB in each worker process). On a host with
+    spare cores, worker processes index the decode steps and hash the large passes in pieces
+    (DUMPDIFF_INDEX_PROCESSES sets how many; 0 or 2 if the system is short of memory).
     """
     from .index import load_indexes
     from .load import open_dump, show

@@ -7,13 +7,16 @@ op is the only source of difference, and assert that first.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (dump_padded_batch, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama,
+from helpers import (ROOT, dump_padded_batch, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama,
                      make_tiny_qwen3_moe, prompt_ids)
 
 
@@ -284,3 +287,14 @@ def test_index_progress_shows_on_a_terminal_only(llama_dir, tmp_path):
     assert "indexing" in stderr_of(terminal=True)
     assert "indexing" not in stderr_of(terminal=False)
     assert "indexing" not in stderr_of("--no-progress", terminal=True)
+
+
+def test_cli_help_names_every_environment_variable_the_analyzer_reads():
+    """A user tuning a build (processes, threads) or filing a bug (debug) finds the knob in --help."""
+    names = set()
+    for path in glob.glob(os.path.join(ROOT, "analyzer", "*.py")):
+        with open(path) as handle:
+            names |= set(re.findall(r"DUMPDIFF_[A-Z_]+", handle.read()))
+    code, out, _ = dumpdiff("--help")
+    assert code == 0 and "Environment:" in out and names >= {"DUMPDIFF_INDEX_PROCESSES", "DUMPDIFF_DEBUG"}
+    assert [n for n in sorted(names) if n not in out] == []
