@@ -2,11 +2,12 @@
 
     python benchmarks/_measure.py OUT.json analyzer.cli index DUMP --rebuild
 
-Writes {"seconds", "exit", "max_rss_mb", "worker_max_rss_mb", "read_bytes", "rchar"} to OUT.json:
-wall time, peak resident memory of this process and of its largest worker process (the index
-build's, where it starts them; 0 when none), bytes the process and its finished workers read from
-storage (/proc/self/io read_bytes: page-cache hits are not counted) and bytes asked read() for
-(rchar; mmap reads are not counted there).
+Writes {"seconds", "exit", "max_rss_mb", "worker_max_rss_mb", "workers_rss_mb", "read_bytes",
+"rchar"} to OUT.json: wall time, peak resident memory of this process, of its largest child
+process (the index build's workers, where it starts them; 0 when none) and of all its children
+added up (an upper bound of what they held at once), bytes the process and its finished children
+read from storage (/proc/self/io read_bytes: page-cache hits are not counted) and bytes asked
+read() for (rchar; mmap reads are not counted there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import resource
 import runpy
 import sys
+import threading
 import time
 
 
@@ -40,11 +42,59 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class ChildPeaks:
+    """Each child process's own peak resident memory (VmHWM), sampled every 20 ms until it ends.
+    Not getrusage(RUSAGE_CHILDREN): a child started by fork (or vfork) and exec carries the
+    parent's high-water mark at its start into ru_maxrss."""
+
+    def __init__(self):
+        self.peaks = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self):
+        while not self._stop.wait(0.02):
+            for pid in _children():
+                peak = _vm_hwm_mb(pid)
+                if peak:
+                    self.peaks[pid] = max(self.peaks.get(pid, 0.0), peak)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"worker_max_rss_mb": max(self.peaks.values(), default=0.0),
+                "workers_rss_mb": sum(self.peaks.values())}
+
+
+def _children() -> list:
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as handle:
+                found += handle.read().split()
+        except OSError:
+            pass
+    return found
+
+
+def _vm_hwm_mb(pid) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
 def main():
     out, module, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     sys.argv = [module] + args
     before = proc_io()
+    children = ChildPeaks()
     start = time.perf_counter()
     code = 0
     try:
@@ -54,9 +104,7 @@ def main():
     seconds = time.perf_counter() - start
     after = proc_io()
     record = {"seconds": seconds, "exit": code, "max_rss_mb": peak_rss_mb(),
-              # the largest of the children waited for (workers are started by fork and exec: no
-              # copy of this process's memory counts in theirs)
-              "worker_max_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+              **children.stop(),
               "read_bytes": after.get("read_bytes", 0) - before.get("read_bytes", 0),
               "rchar": after.get("rchar", 0) - before.get("rchar", 0)}
     with open(out, "w") as handle:

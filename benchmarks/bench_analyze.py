@@ -63,7 +63,8 @@ def cli_measured(args, label: str, env=None) -> dict:
         record = json.load(handle)
     os.unlink(out)
     record["stdout"], record["stderr"] = proc.stdout, proc.stderr
-    workers = f" (largest worker process {record['worker_max_rss_mb']:.0f} MB)" if record["worker_max_rss_mb"] else ""
+    workers = (f" (worker processes: largest {record['worker_max_rss_mb']:.0f} MB, all {record['workers_rss_mb']:.0f} MB)"
+               if record["worker_max_rss_mb"] else "")
     print(f"# {label}: {record['seconds']:.2f}s, exit {record['exit']}, peak RSS {record['max_rss_mb']:.0f} MB{workers}, "
           f"read from storage {fmt_bytes(record['read_bytes'])}", flush=True)
     if record["exit"] not in (0, 1):
@@ -191,7 +192,7 @@ def run(args, ref, dec):
                f"{fmt_bytes(best_read)}/s; the CLI adds {t_index - t_inproc:.1f}s of start-up and imports in all")
         result(f"index build peak RSS ({proto})", idx["max_rss_mb"], "bounded (info)", None,
                "MB", f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}; the command's process; "
-               f"largest worker process {idx['worker_max_rss_mb']:.0f} MB")
+               f"its worker processes: largest {idx['worker_max_rss_mb']:.0f} MB, all {idx['workers_rss_mb']:.0f} MB")
         t_read = min(t_cat, t_py)
         t_floor = start_floor()
         result(f"info: starting Python with numpy, pyarrow and click / read both dumps once ({proto})",
