@@ -9,6 +9,7 @@ import collections
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import queue
 import signal
@@ -26,7 +27,7 @@ from .fingerprint import row_stats
 from .load import Dump, PassFile, show
 from .passtables import ENCODED, pass_tables, stored_tensors
 from .readahead import will_need
-from .rowplan import pass_rows, row_columns
+from .rowplan import may_hold_token_ids, pass_rows, row_columns
 from .smallpass import small_pass_tables
 
 PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up costs more than it saves
@@ -271,6 +272,13 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
     stored_rows: Dict[str, tuple] = {}
     token_ids = pf.meta["tokens"]["ids"]
     plans = pass_rows(pf.meta, n_rows, valid)
+    layout = usable_layout(pf, stored_names)
+    if layout is not None:  # tensors too large to hold whole (the logits of a long prefill): a block of rows at a time
+        huge = {name: plan for name, plan in ((n, _plan_in_blocks(pf, plans, n, tensor_metas[n], layout))
+                                               for n in stored_names) if plan is not None}
+        for name, plan in huge.items():
+            stored_rows[name] = _rows_in_blocks(pf, name, plan, layout.get(name), token_ids, on_bytes)
+        stored_names = [n for n in stored_names if n not in huge]
 
     def work(stored, tensor, dtype, begin, release):
         try:
@@ -301,6 +309,64 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
                 future.cancel()
             concurrent.futures.wait([future for _, future in pending])
     return stored_rows
+
+
+HUGE_TENSOR_BYTES = 64 << 20  # larger tensors are read a block of rows at a time when their rows lie in order
+ROW_BLOCK_BYTES = 32 << 20
+
+
+def _plan_in_blocks(pf: PassFile, plans, name: str, tmeta: dict, layout):
+    """The row plan of a tensor read a block of rows at a time, or None to read it whole: small,
+    rows not consecutive runs of its bytes (token dims that do not lead), or possibly the token ids
+    (checked against the whole tensor)."""
+    dtype, shape, begin, end = layout.get(name)
+    if end - begin <= HUGE_TENSOR_BYTES:
+        return None
+    plan = plans.plan(pf.ref.path, name, tmeta, shape)
+    if not (plan.by_token and plan.contiguous) or may_hold_token_ids(plan, dtype):
+        return None
+    return plan
+
+
+def _rows_in_blocks(pf: PassFile, name: str, plan, entry, token_ids, on_bytes=None) -> tuple:
+    """A huge tensor's row columns, its bytes read ROW_BLOCK_BYTES of whole rows at a time into
+    one reused buffer: memory stays bounded whatever the tensor's size; each row's figures are
+    those of the whole tensor's."""
+    dtype, shape, begin, end = entry
+    n_view = plan.view_shape[0]
+    width = math.prod(plan.view_shape[1:]) * dtype.size
+    per_block = max(1, ROW_BLOCK_BYTES // max(width, 1))
+    buffer = _read_buffers.take(min(per_block, n_view) * width)
+    parts = []
+    try:
+        with open(pf.ref.path, "rb", buffering=0) as handle:
+            for first in range(0, n_view, per_block):
+                last = min(first + per_block, n_view)
+                kept = plan.srow[(plan.srow >= first) & (plan.srow < last)] - first
+                nbytes = (last - first) * width
+                _read_range(handle, begin + first * width, buffer[:nbytes], pf, name)
+                rows = buffer[:nbytes].view(dtype.bits).reshape((last - first,) + tuple(plan.view_shape[1:]))
+                parts.append(row_stats(rows if len(kept) == last - first else rows[kept], dtype))
+                if on_bytes:
+                    on_bytes(nbytes)
+    except OSError as exc:
+        raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
+    finally:
+        _read_buffers.give(buffer)
+    fps, amax, nonfinite = zip(*parts)
+    stats = (np.concatenate(fps), None if amax[0] is None else np.concatenate(amax), np.concatenate(nonfinite))
+    return row_columns(plan, None, dtype, stats, token_ids, begin)
+
+
+def _read_range(handle, at: int, into: np.ndarray, pf: PassFile, name: str):
+    """Fill ``into`` with the file's bytes from ``at``; the file ending first is a truncated file."""
+    handle.seek(at)
+    view, got = memoryview(into), 0
+    while got < len(view):
+        n = handle.readinto(view[got:])
+        if not n:
+            raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
+        got += n
 
 
 def _locked(lock, func, *args):
@@ -393,13 +459,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
                             return
                         buffer = _read_buffers.take(nbytes)
                         state["held"] += buffer.nbytes  # what it holds, not the tensor: a reused buffer may be larger
-                    handle.seek(begin)
-                    view, got = memoryview(buffer)[:nbytes], 0
-                    while got < nbytes:
-                        n = handle.readinto(view[got:])
-                        if not n:
-                            raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
-                        got += n
+                    _read_range(handle, begin, buffer[:nbytes], pf, name)
                     tensor = buffer[:nbytes].view(dtype.bits).reshape(shape) if nbytes else \
                         np.empty(shape, dtype=dtype.bits)
                     results.put((name, tensor, dtype, begin, nbytes, buffer, None))
