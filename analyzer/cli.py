@@ -187,7 +187,8 @@ def index_cmd(dumps, rebuild, no_progress):
 
     Each dump is read once, sequentially; memory stays bounded: 256 MB read ahead and 256 MB
     kept for reuse in this process, 64 MB and 64 MB in each worker process; a tensor over 64 MB
-    (the logits of a long prefill) is read 32 MB of rows at a time. On a host with
+    whose token rows lead (the logits of a long prefill) is read 32 MB of rows at a time, any
+    other (or a single row over 32 MB) whole. On a host with
     spare cores, worker processes index the decode steps and hash the large passes in pieces
     (DUMPDIFF_INDEX_PROCESSES sets how many; 0 or 2 if the system is short of memory).
     """

@@ -256,9 +256,9 @@ def index_pass(pf: PassFile, on_bytes=None, tensor_tables=None) -> Dict[str, dic
 
 
 def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) -> Dict[str, dict]:
-    """The calls, tensors and rows tables of a large pass: every stored tensor is read once, in
-    the order its bytes lie in the file, by a read-ahead thread, and hashed by a pool of threads
-    while the next tensors are read."""
+    """The calls, tensors and rows tables of a large pass: every stored tensor is read once (one
+    too large to hold whole first, a block of rows at a time; the rest in the order their bytes lie
+    in the file, by a read-ahead thread) and hashed by a pool of threads while the next are read."""
     tensor_metas, stored_names = stored_tensors(pf)
     return pass_tables(pf.meta["calls"], tensor_metas,
                        _stored_rows(pf, n_rows, valid, stored_names, on_bytes, tensor_metas))
@@ -323,7 +323,7 @@ def _plan_in_blocks(pf: PassFile, plans, name: str, tmeta: dict, layout):
     if end - begin <= HUGE_TENSOR_BYTES:
         return None
     plan = plans.plan(pf.ref.path, name, tmeta, shape)
-    if not (plan.by_token and plan.contiguous) or may_hold_token_ids(plan, dtype):
+    if not (plan.by_token and plan.contiguous and plan.view_shape[0]) or may_hold_token_ids(plan, dtype):
         return None
     return plan
 
@@ -336,21 +336,21 @@ def _rows_in_blocks(pf: PassFile, name: str, plan, entry, token_ids, on_bytes=No
     n_view = plan.view_shape[0]
     width = math.prod(plan.view_shape[1:]) * dtype.size
     per_block = max(1, ROW_BLOCK_BYTES // max(width, 1))
+    firsts = list(range(0, n_view, per_block))
+    cuts = np.searchsorted(plan.srow, firsts + [n_view]).tolist()  # each block's kept rows: a run of srow
     buffer = _read_buffers.take(min(per_block, n_view) * width)
     parts = []
     try:
-        with open(pf.ref.path, "rb", buffering=0) as handle:
-            for first in range(0, n_view, per_block):
+        with _open_pass(pf) as handle:
+            for block, first in enumerate(firsts):
                 last = min(first + per_block, n_view)
-                kept = plan.srow[(plan.srow >= first) & (plan.srow < last)] - first
                 nbytes = (last - first) * width
                 _read_range(handle, begin + first * width, buffer[:nbytes], pf, name)
                 rows = buffer[:nbytes].view(dtype.bits).reshape((last - first,) + tuple(plan.view_shape[1:]))
+                kept = plan.srow[cuts[block]:cuts[block + 1]] - first
                 parts.append(row_stats(rows if len(kept) == last - first else rows[kept], dtype))
                 if on_bytes:
                     on_bytes(nbytes)
-    except OSError as exc:
-        raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
     finally:
         _read_buffers.give(buffer)
     fps, amax, nonfinite = zip(*parts)
@@ -358,15 +358,25 @@ def _rows_in_blocks(pf: PassFile, name: str, plan, entry, token_ids, on_bytes=No
     return row_columns(plan, None, dtype, stats, token_ids, begin)
 
 
+def _open_pass(pf: PassFile):
+    try:
+        return open(pf.ref.path, "rb", buffering=0)
+    except OSError as exc:
+        raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
+
+
 def _read_range(handle, at: int, into: np.ndarray, pf: PassFile, name: str):
     """Fill ``into`` with the file's bytes from ``at``; the file ending first is a truncated file."""
-    handle.seek(at)
     view, got = memoryview(into), 0
-    while got < len(view):
-        n = handle.readinto(view[got:])
-        if not n:
-            raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
-        got += n
+    try:
+        handle.seek(at)
+        while got < len(view):
+            n = handle.readinto(view[got:])
+            if not n:
+                raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
+            got += n
+    except OSError as exc:
+        raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
 
 
 def _locked(lock, func, *args):
@@ -448,7 +458,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
 
     def reader():
         try:
-            with open(pf.ref.path, "rb", buffering=0) as handle:
+            with _open_pass(pf) as handle:
                 for name in order:
                     dtype, shape, begin, end = layout.get(name)
                     nbytes = end - begin

@@ -273,7 +273,7 @@ def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypa
         indexbuild.build_many([open_dump(str(dec))], progress=False)
 
 
-@pytest.mark.parametrize("config", [{}, {"positions": "3:"}], ids=["all", "positions"])
+@pytest.mark.parametrize("config", [{}, {"positions": "3:"}, {"last_rows": 2}], ids=["all", "positions", "last_rows"])
 def test_huge_tensors_read_a_block_of_rows_at_a_time_give_the_same_tables(llama, tmp_path, monkeypatch, config):
     """A tensor too large to hold whole (the logits of a long prefill) is read a block of rows at
     a time into one buffer, so memory stays bounded: its rows, padding rows left out, get the
