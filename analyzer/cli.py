@@ -296,8 +296,10 @@ def entry():
     a dump of many decode steps may be indexed by worker processes: a worker re-imports the
     program's main module, which these entry points guard. ``main`` called from someone else's
     code never starts them (an unguarded script would be re-run by each worker)."""
+    from . import memtune
     from .index import allow_index_processes
     allow_index_processes()
+    memtune.allow()
     main()
 
 

@@ -10,6 +10,7 @@ from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
 from .index import load_indexes
 from .load import Dump, open_dump, show
+from .memtune import keep_freed_memory
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
 # engine's own cache), so it is only reported.
@@ -37,6 +38,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     # the rows table's columns are decoded in the background while the next index opens and the rows align
     index_a, index_b = load_indexes([dump_a, dump_b], rebuild=rebuild_index, progress=progress,
                                     prefetch=("rows", VERDICT_ROW_COLUMNS + (("amax",) if noise_aware else ())))
+    keep_freed_memory()  # the join's transient arrays reuse freed memory (the dumpdiff program only)
     ranks = sorted(set(dump_a.ranks) & set(dump_b.ranks))
     if rank is not None:
         if rank not in ranks:

@@ -298,3 +298,21 @@ def test_cli_help_names_every_environment_variable_the_analyzer_reads():
     code, out, _ = dumpdiff("--help")
     assert code == 0 and "Environment:" in out and names >= {"DUMPDIFF_INDEX_PROCESSES", "DUMPDIFF_DEBUG"}
     assert [n for n in sorted(names) if n not in out] == []
+
+
+def test_malloc_is_tuned_in_the_dumpdiff_program_only(tmp_path):
+    """The verdict lets glibc keep freed memory for its transient arrays, but only in the dumpdiff
+    program's own process: a library caller's process, or a user's own MALLOC_* settings, are
+    left alone."""
+    import subprocess
+    import sys
+    probe = ("import sys; sys.path.insert(0, {root!r}); from analyzer import memtune; "
+             "print(memtune.keep_freed_memory(), end=' '); memtune.allow(); print(memtune.keep_freed_memory())")
+    run = lambda env: subprocess.run([sys.executable, "-c", probe.format(root=ROOT)], capture_output=True, text=True,  # noqa: E731
+                                     env=env, check=True).stdout.split()
+    clean = {k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
+    library, program = run(clean)
+    assert library == "False"  # never in someone else's process
+    if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION"):
+        assert program == "True"
+    assert run({**clean, "MALLOC_ARENA_MAX": "2"}) == ["False", "False"]  # the user's own malloc settings win
