@@ -15,7 +15,6 @@ nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
@@ -40,10 +39,9 @@ def keep_freed_memory() -> bool:
         return False
     if os.environ.get("GLIBC_TUNABLES") or any(k.startswith("MALLOC_") for k in os.environ):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    try:  # the running program's own symbols: no search for libc (find_library runs ldconfig)
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in SETTINGS)
