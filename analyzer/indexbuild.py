@@ -289,13 +289,13 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
             release()
 
     if HASH_THREADS <= 1:
-        for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes):
+        for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes, layout):
             stored_rows[stored] = work(stored, tensor, dtype, begin, release)
             del tensor
     else:
         pending: "collections.deque" = collections.deque()
         try:
-            for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes):
+            for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes, layout):
                 pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, begin, release)))
                 del tensor
                 while len(pending) > 2 * HASH_THREADS or (pending and pending[0][1].done()):
@@ -440,12 +440,13 @@ class _ReadBuffers:
 _read_buffers = _ReadBuffers()
 
 
-def read_tensors(pf: PassFile, names: List[str], on_bytes=None):
+def read_tensors(pf: PassFile, names: List[str], on_bytes=None, layout=None):
     """Yield (name, bits, DType, first byte in the file or None, release) for every name, in file order. A thread reads ahead with
     plain sequential reads (no memory map: the page cache is not charged to this process), so
     reading overlaps hashing. ``release()`` says the tensor is done with: its buffer is reused,
-    and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release."""
-    layout = usable_layout(pf, names)
+    and at most READ_AHEAD_BYTES (or one tensor) are held between a read and its release.
+    ``layout``: the file's, when the caller has it already."""
+    layout = usable_layout(pf, names, layout)
     if layout is None:
         for name in names:  # safetensors reads them and names what is wrong with the file
             tensor, dtype = pf.bits(name)

@@ -32,14 +32,7 @@ def proc_io() -> dict:
 def peak_rss_mb() -> float:
     """This process's peak resident memory (VmHWM; ru_maxrss would include the high-water mark
     of the parent this process was forked from)."""
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _vm_hwm_mb("self") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class ChildPeaks:
@@ -79,6 +72,7 @@ def _children() -> list:
 
 
 def _vm_hwm_mb(pid) -> float:
+    """A process's own peak resident memory from /proc (``pid`` may be "self"); 0 when unknown."""
     try:
         with open(f"/proc/{pid}/status") as handle:
             for line in handle:

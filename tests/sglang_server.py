@@ -108,14 +108,13 @@ class SglangServer:
 
     def start(self) -> "SglangServer":
         for attempt in range(self.PORT_ATTEMPTS):
+            if attempt:  # lost the port race: again on another port
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.cmd[self.cmd.index("--port") + 1] = str(self.port)
             if self._start_once():
                 return self
-            if attempt == self.PORT_ATTEMPTS - 1:
-                raise RuntimeError(f"sglang server could not bind a port {self.PORT_ATTEMPTS} times\n{self.log_tail()}")
-            self.port = free_port()  # lost the port race: again on another port
-            self.url = f"http://127.0.0.1:{self.port}"
-            self.cmd[self.cmd.index("--port") + 1] = str(self.port)
-        return self
+        raise RuntimeError(f"sglang server could not bind a port {self.PORT_ATTEMPTS} times\n{self.log_tail()}")
 
     def _start_once(self) -> bool:
         """Start the server and wait for it; False when its port was taken (it is stopped)."""

@@ -35,6 +35,11 @@ def as_text(tables) -> str:
                            for c, v in cols.items()} for t, cols in tables.items()}, default=str)
 
 
+def built_json(tables) -> str:
+    """A build's pyarrow tables as comparable text (json: NaN equals NaN)."""
+    return json.dumps({name: table.to_pydict() for name, table in tables.items()})
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     model = load_model(make_tiny_llama(tmp_path_factory.mktemp("llama")))
@@ -252,8 +257,7 @@ def test_large_passes_hashed_in_pieces_by_worker_processes_give_the_same_tables(
     monkeypatch.setattr(indexbuild, "_submit_pieces", lambda pool, ref: submitted.append(ref) or real_submit(pool, ref))
     pieces = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     assert len(submitted) == 6
-    as_json = lambda tables: json.dumps({name: table.to_pydict() for name, table in tables.items()})  # noqa: E731 - NaN == NaN
-    assert as_json(pieces) == as_json(alone)
+    assert built_json(pieces) == built_json(alone)
 
 
 def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypatch):
@@ -288,5 +292,4 @@ def test_huge_tensors_read_a_block_of_rows_at_a_time_give_the_same_tables(llama,
     monkeypatch.setattr(indexbuild, "ROW_BLOCK_BYTES", 700)  # a few rows a block, a short last block
     blocks = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     assert len(in_blocks) > 100 and any("lm_head" in name for name in in_blocks)
-    as_json = lambda tables: json.dumps({name: table.to_pydict() for name, table in tables.items()})  # noqa: E731 - NaN == NaN
-    assert as_json(blocks) == as_json(alone)
+    assert built_json(blocks) == built_json(alone)

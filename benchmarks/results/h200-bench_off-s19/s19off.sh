@@ -1,3 +1,4 @@
+# Run from a copy of the repository with, beside this script: compile.sh (benchmarks/results/h200-run-1b-s16/compile.sh).
 # Stop 19 on the H200: the off-cost benchmark (point 1) with this stop's code, twice, then the GPU tests.
 bash compile.sh > /dev/null 2>&1
 python3 -m compileall -q analyzer dumper > /dev/null

@@ -1,3 +1,4 @@
+# Run from a copy of the repository with, beside this script: compile.sh (benchmarks/results/h200-run-1b-s16/compile.sh), ab2.py (benchmarks/results/h200-decode-heavy-s18b/ab2.py).
 # Stop 19 on the H200: A/B of the index build, old = plain reads through the page cache, new = direct reads
 # (O_DIRECT) of large passes when the file is not cached; decode-heavy pair, then the 1.07B pair.
 bash compile.sh > $OUT/python-start.txt 2>&1

@@ -1,3 +1,4 @@
+# Run from a copy of the repository with, beside this script: compile.sh (benchmarks/results/h200-run-1b-s16/compile.sh), ab2.py (benchmarks/results/h200-decode-heavy-s18b/ab2.py).
 # Stop 19 on the H200: A/B of the index build (stop 18 code vs rows hashed a 2 MB block at a time), decode-heavy
 # pair, then bench_gpu.py's analysis section at the 1.07B shape with the new code.
 set -x

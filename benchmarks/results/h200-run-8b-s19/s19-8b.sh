@@ -1,3 +1,4 @@
+# Run from a copy of the repository with, beside this script: compile.sh (benchmarks/results/h200-run-1b-s16/compile.sh).
 # Stop 19 on the H200: bench_gpu.py's analysis section at Llama-3-8B's shape (25 GB pair), the final index code.
 bash compile.sh > $OUT/python-start.txt 2>&1
 cd new && python3 -m compileall -q analyzer dumper > /dev/null
