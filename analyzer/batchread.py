@@ -21,6 +21,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from .columns import distinct
 from .dtypes import BY_NAME, DType, to_float64
 from .errors import DumpError, show
 from .index import Index
@@ -150,7 +151,7 @@ def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np
     if not len(cells):
         return done
     counts = np.bincount(batch_of, minlength=n_batches)
-    for b in np.unique(batch_of[cells]).tolist():
+    for b in distinct(batch_of[cells]).tolist():
         kind, row_shape = shapes[b]
         out[b], types[b] = np.empty((int(counts[b]),) + row_shape, kind.bits), kind
     sorter = np.lexsort((batch_of[cells], group_of[piece_of]))  # group by group, batch by batch
@@ -221,7 +222,7 @@ def _passes_and_batches(passes: np.ndarray, batch_of: np.ndarray, n_batches: int
     """(the distinct passes, each entry's number among them, how many batches read each)."""
     pass_ids, pass_of = np.unique(passes, return_inverse=True)
     pass_of = pass_of.reshape(-1)
-    pairs = np.unique(pass_of.astype(np.int64) * n_batches + batch_of)
+    pairs = distinct(pass_of.astype(np.int64) * n_batches + batch_of)
     return pass_ids, pass_of, np.bincount(pairs // n_batches, minlength=len(pass_ids))
 
 

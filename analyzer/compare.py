@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .align import Alignment
-from .columns import Columns, merged_vocabulary, recode
+from .columns import Columns, distinct, merged_vocabulary, recode
 from .dtypes import DType, to_float64
 from .index import Index
 from .keyjoin import join, row_key
@@ -397,7 +397,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
                "n_rows": int(len(mine))}
     culprit["note"] = _own_code_note(first, int(mine["pair"][0]), first_dirty, calls)
     later = (per_call["order"] > group_order[first]) & (in_d | out_d)
-    culprit["victims"] = int(len(np.unique(per_call["ccode"][later])))
+    culprit["victims"] = int(len(distinct(per_call["ccode"][later])))
     culprit.update(_error_figures(first, mine, table, a, b))
     verdict["culprit"] = culprit
     return verdict
@@ -443,7 +443,7 @@ def _error_figures(call: str, mine: Columns, table: RowTable, a: Index, b: Index
     outs = table.entries(table.call_mask(call) & table["is_out"] & table["differ"] & np.isin(table["pair"], mine["pair"]))
     tensor = outs["tensor"][0]
     chosen = outs.take(np.nonzero(outs["tensor"] == tensor)[0][:512])  # bounded read: enough rows for the figures
-    passes = np.unique(chosen["pass_b"])
+    passes = distinct(chosen["pass_b"])
     if len(passes) > FIGURE_PASSES:  # hundreds of decode steps: a file each; an even sample of them is enough
         chosen = chosen.take(np.isin(chosen["pass_b"], passes[np.linspace(0, len(passes) - 1, FIGURE_PASSES).astype(int)]))
     figures = _figures_of_uniform_rows(tensor, chosen, a, b) or _figures_row_by_row(tensor, chosen, a, b)
@@ -458,7 +458,7 @@ def _figures_of_uniform_rows(tensor: str, chosen: Columns, a: Index, b: Index) -
     if len(set(chosen["rowshape_a"].tolist()) | set(chosen["rowshape_b"].tolist())) != 1:
         return None
     forms = {side.reader().row_form(p, tensor) for side, passes in ((a, chosen["pass_a"]), (b, chosen["pass_b"]))
-             for p in np.unique(passes).tolist()}
+             for p in distinct(passes).tolist()}
     if len(forms) != 1:  # e.g. one pass's metadata gives the tensor other token dims: rows of [1, D] and [D]
         return None
     from .batchread import read_batches

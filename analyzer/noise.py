@@ -31,7 +31,7 @@ import numpy as np
 
 from .align import Alignment
 from .batchread import chunks, in_file_order, read_batches, row_bytes
-from .columns import Columns
+from .columns import Columns, distinct
 from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
 from .dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
 from .index import Index
@@ -55,7 +55,7 @@ def sample_pairs(pairs: Columns, limit: int = MAX_PAIRS) -> np.ndarray:
     for kind in range(len(kinds)):
         members = np.nonzero(kind_of == kind)[0]
         chosen.append(members[np.linspace(0, len(members) - 1, min(share, len(members))).astype(np.int64)])
-    return np.unique(ids[np.concatenate(chosen)])
+    return distinct(ids[np.concatenate(chosen)])
 
 
 def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=None, rtol=None) -> Columns:
@@ -66,7 +66,7 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     n = len(chosen)
     found = {"rel": np.zeros(n), "abs": np.zeros(n), "exceeds": np.zeros(n, bool), "eps": np.full(n, np.nan)}
     differ = np.nonzero(table["differ"][chosen])[0]
-    typical = _typical_magnitudes(table, a, chosen, np.unique(table["tcode"][chosen[differ]]))
+    typical = _typical_magnitudes(table, a, chosen, distinct(table["tcode"][chosen[differ]]))
     # Rows with the same bytes on both sides (same fingerprints: an alias, a module's output that
     # is the next one's input, is most of them) and the same scale have the same errors: each
     # is read and compared once.

@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+from .columns import distinct
 from .dtypes import DType
 from .filelayout import file_layout, read_whole_file
 from .index import Index
@@ -35,7 +36,7 @@ WHOLE_FILE_AFTER = 8
 class RowReader:
     def __init__(self, index: Index, cache_bytes: int = CACHE_BYTES):
         self.index = index
-        rank_ids = np.unique(index.cols("tokens")["rank"]).tolist()
+        rank_ids = distinct(index.cols("tokens")["rank"]).tolist()
         self.refs = {p.pass_id: p for r in rank_ids for p in index.dump.ranks[int(r)].passes}
         tensors = index.cols("tensors")
         self._tensors = tensors

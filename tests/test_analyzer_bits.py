@@ -105,8 +105,9 @@ def test_error_figures_match_torch(dtype):
 
 def test_verdicts_import_neither_torch_nor_pandas(tmp_path):
     """--strict-only answers from the index and the culprit's bytes: no second of torch start-up
-    and no third of a second of pandas, whether it builds the indexes or finds them built. The
-    default (noise-aware) verdict on a dense model reads tensor values in numpy: neither either."""
+    and no third of a second of pandas, whether it builds the indexes or finds them built; nor
+    numpy.ma, which numpy's plain np.unique imports (6 ms). The default (noise-aware) verdict on a
+    dense model reads tensor values in numpy: neither torch nor pandas either."""
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=4)
     probe = ("import json, runpy, sys\n"
@@ -114,7 +115,8 @@ def test_verdicts_import_neither_torch_nor_pandas(tmp_path):
              "'json', '--no-progress']\n"
              "try:\n    runpy.run_module('analyzer.cli', run_name='__main__')\n"
              "except SystemExit as exc:\n    code = exc.code\n"
-             "print(json.dumps({'exit': code, 'torch': 'torch' in sys.modules, 'pandas': 'pandas' in sys.modules}), "
+             "print(json.dumps({'exit': code, 'torch': 'torch' in sys.modules, 'pandas': 'pandas' in sys.modules, "
+             "'numpy.ma': 'numpy.ma' in sys.modules}), "
              "file=sys.stderr)\n")
     verdicts = []
     for step in ("builds the indexes", "index command", "reads the indexes"):
@@ -124,14 +126,14 @@ def test_verdicts_import_neither_torch_nor_pandas(tmp_path):
             continue
         proc = subprocess.run([sys.executable, "-c", probe, ref, dec], capture_output=True, text=True, cwd=ROOT)
         status = json.loads(proc.stderr.strip().splitlines()[-1])
-        assert status == {"exit": 1, "torch": False, "pandas": False}, (step, proc.stderr[-2000:])
+        assert status == {"exit": 1, "torch": False, "pandas": False, "numpy.ma": False}, (step, proc.stderr[-2000:])
         verdicts.append(json.loads(proc.stdout))
     assert verdicts[0]["culprit"]["call"] and verdicts[0]["culprit"]["max_abs"] > 0
     assert verdicts[0] == verdicts[1]
     proc = subprocess.run([sys.executable, "-c", probe.replace("'--strict-only', ", ""), ref, dec], capture_output=True,
                           text=True, cwd=ROOT)
     status = json.loads(proc.stderr.strip().splitlines()[-1])
-    assert status == {"exit": 1, "torch": False, "pandas": False}, proc.stderr[-2000:]
+    assert (status["exit"], status["torch"], status["pandas"]) == (1, False, False), proc.stderr[-2000:]
     noise = json.loads(proc.stdout)["ranks"]["0"]["noise"]
     assert noise["rows_examined"] > 0 and noise["top_jumps"], noise
 
@@ -400,3 +402,14 @@ def test_key_join_matches_every_equal_key_in_order(case):
         where.setdefault(key, []).append(k)
     expected = [(s, p) for p, key in enumerate(probe.tolist()) for s in where.get(key, [])]
     assert list(zip(at_side.tolist(), at_probe.tolist())) == expected
+
+
+def test_distinct_gives_what_np_unique_gives():
+    """The verdict path's stand-in for np.unique: same values, same order, same dtype."""
+    from analyzer.columns import distinct
+    rng = np.random.default_rng(0)
+    cases = [np.zeros(0, np.int64), np.array([7]), rng.integers(-3, 40, 5000), rng.integers(0, 4, (6, 7)).astype(np.int16),
+             np.array(["mlp#0.out.0", "attn#0.in.0", "mlp#0.out.0", ""], dtype=object), np.array(["b", "a", "b"])]
+    for values in cases:
+        got, want = distinct(values), np.unique(values)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), values
