@@ -101,9 +101,18 @@ def summarize(verdict: dict) -> str:
                      f"{top['amplification']:.3g}x amplification, far beyond float noise. "
                      "Look there for a state or cache bug.")
     elif strict:
-        parts.append("No call introduces an error beyond float noise: the divergence is float noise carried "
-                     "along (batch-variance), not a state bug.")
+        parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: the divergence is float noise "
+                     "carried along (batch-variance), not a state bug.")
     return " ".join(parts)
+
+
+def _margin(noise: dict) -> str:
+    """How far the largest jump stayed from the line: an error within float noise cannot be told from it."""
+    jumps, line = noise.get("top_jumps"), noise.get("rule", {}).get("amplification")
+    if not jumps or line is None:
+        return ""
+    top = jumps[0]
+    return f" (the largest jump, {top['amplification']:.3g}x at {top['call']}, is under the {line:.3g}x line)"
 
 
 def describe(dump: Dump) -> dict:

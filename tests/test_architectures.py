@@ -4,6 +4,9 @@ Models whose decode state is not a KV cache: Mamba keeps a recurrent state in ``
 (its cache reports no length), RecurrentGemma keeps it inside its layers. Their decode steps
 must still be dumped as decode rows at the right positions, in the prefill's sequence, or they
 pair with the wrong reference rows (a one-token "prompt" at position 0) and the verdict is wrong.
+Transformers laid out unlike Llama go through the same check: GPT-2 (Conv1D projections, learned
+positions), Phi-3 and GPT-NeoX (one fused qkv projection), Gemma-2 (sliding window, soft-capped
+logits, norms after each block).
 
 Clean runs whose float noise once looked like an introduced error: a one-number gate output
 (cancellation), a float32 block around a bfloat16 mixer. A stale key that leaves a sliding
@@ -25,6 +28,12 @@ ARCHS = {
     "recurrent_gemma": (dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, lru_width=64,
                              attention_window_size=16, conv1d_width=4,
                              block_types=["recurrent", "attention", "recurrent"]), "model.layers.2.temporal_block"),
+    "gpt2": (dict(n_head=4, n_positions=256), "transformer.h.1.mlp"),
+    "phi3": (dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512),
+             "model.layers.1.mlp"),
+    "gpt_neox": (dict(num_attention_heads=4, intermediate_size=128, max_position_embeddings=512), "gpt_neox.layers.1.mlp"),
+    "gemma2": (dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                    head_dim=16, sliding_window=8), "model.layers.1.mlp"),
 }
 EXTRA = {
     "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
@@ -60,7 +69,7 @@ def plant_decode_error(model, path: str, scale: float = 1e-2):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_state_space_decode_rows_align_and_a_decode_bug_is_named(arch, tmp_path):
+def test_decode_rows_align_and_a_decode_bug_is_named(arch, tmp_path):
     model = tiny(arch, tmp_path)
     prompt = torch.randint(3, 1024, (1, 20), generator=torch.Generator().manual_seed(1))
     new = 5

@@ -41,6 +41,9 @@ def test_clean_float32_run_has_no_noise_aware_culprit(llama_dir, tmp_path, seed)
     assert code == 1 and verdict["rows_differing"] > 0  # natural divergence exists...
     assert verdict["noise"]["culprits"] == []  # ...and is recognised as noise
     assert "not a state bug" in verdict["summary"]
+    top, line = verdict["noise"]["top_jumps"][0], verdict["noise"]["rule"]["amplification"]
+    assert top["amplification"] < line  # the summary says by how much the largest jump stayed under the line
+    assert f"the largest jump, {top['amplification']:.3g}x at {top['call']}, is under the {line:.3g}x line" in verdict["summary"]
 
 
 def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
