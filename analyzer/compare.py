@@ -371,7 +371,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     verdict.update(calls_timeline(per_call, calls, b))
     if not len(row_culprit):
         if len(first_dirty):
-            verdict["note"] = "rows differ but no hooked call has clean inputs and a dirty output; widen DUMPER_FILTER"
+            verdict["note"] = _no_origin_note(first_dirty, bool(out_d.any()), calls, a, b)
         return verdict
     at = row_culprit["pair"]  # pair numbers are positions in pairs
     rows = Columns({"pair": at, "call": calls[row_culprit["ccode"]], "order": row_culprit["order"],
@@ -434,6 +434,33 @@ def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray
         return None
     return (f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
             f"arises in {call.split('#')[0]}'s own code (not a hooked submodule) before that call")
+
+
+def _no_origin_note(first_dirty: Columns, outputs_differ: bool, calls: np.ndarray, a: Index, b: Index) -> str:
+    """Rows differ, yet no hooked call has clean inputs and a dirty output: the first difference
+    is at some call's input. Say which, whose code made it, and whether it reached any hooked
+    output (bfloat16 rounding often absorbs a one-ulp change before it does)."""
+    first = int(np.argmin(first_dirty["order"]))
+    code = first_dirty["ccode"][first]
+    call, n_rows = str(calls[code]), int(np.count_nonzero(first_dirty["ccode"] == code))
+    parts = call.split("#")[0].split(".")
+    calls_b = b.cols("calls")
+    hooked = set(calls_b["module"][calls_b.firsts("module")].tolist())
+    owner = next((".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1) if ".".join(parts[:k]) in hooked), None)
+    filters = sorted({f for f in (a.dump.run.get("config", {}).get("filter"), b.dump.run.get("config", {}).get("filter"))
+                      if f})
+    if filters:
+        where = f"inside {owner}, in its own code or a submodule DUMPER_FILTER={filters[0]!r} leaves unhooked" if owner \
+            else f"outside every hooked module (DUMPER_FILTER={filters[0]!r})"
+    else:
+        where = f"in {owner}'s own code (not a hooked submodule)" if owner else "in code outside every hooked module"
+    note = f"no hooked call has clean inputs and a differing output; the first difference is {call}'s input " \
+           f"({n_rows} row{'s' * (n_rows != 1)}), made {where}"
+    if not outputs_differ:
+        note += "; no hooked call's output differs: the difference was absorbed (rounded away) before any hooked output"
+    if filters:
+        note += "; widen DUMPER_FILTER to see where it arises"
+    return note
 
 
 FIGURE_PASSES = 32  # pass files of B read for the culprit's error figures, at most

@@ -139,6 +139,52 @@ def test_planted_stale_kv_names_that_layers_attention(llama_dir, tmp_path):
     assert [g["call"] for g in groups] == ["model.layers.1.self_attn#0"]
 
 
+def plant_absorbed_input_change(model, layer: int):
+    """In decode steps, one element of o_proj's input moves by one ulp (as if the attention's own
+    code computed it another way) and o_proj rounds it away: its output is what it would have been."""
+    proj = model.model.layers[layer].self_attn.o_proj
+    kept = {}
+
+    def nudge(module, args):
+        x = args[0]
+        if x.shape[:-1].numel() != 1:
+            return None
+        kept["x"], moved = x, x.clone()
+        moved.view(-1)[0] = torch.nextafter(moved.view(-1)[0], torch.tensor(float("inf"), dtype=x.dtype))
+        return (moved,)
+
+    def absorb(module, args, output):
+        return F.linear(kept.pop("x"), module.weight) if "x" in kept else None
+
+    proj.register_forward_pre_hook(nudge)
+    proj.register_forward_hook(absorb)
+
+
+def test_a_difference_absorbed_before_any_output_is_explained(llama_dir, tmp_path):
+    """No call has clean inputs and a differing output: the note says where the first difference
+    is, whose code made it, and that no hooked output changed (not "widen DUMPER_FILTER": every
+    module is hooked). With a filter that leaves the attention unhooked, a stale key reaches the
+    MLPs' inputs and outputs alike: then the note sends the user to the filter."""
+    model = load_model(llama_dir, torch.bfloat16)
+    plant_absorbed_input_change(model, layer=1)
+    ref, dec, _ = dump_pair(model, tmp_path / "absorbed", prompt_ids(20), new_tokens=6)
+    code, result = first_divergence_json(ref, dec, "--strict-only")
+    verdict = result["ranks"]["0"]
+    assert code == 1 and verdict["rows_differing"] == 5 and result["culprit"] is None
+    note = verdict["note"]
+    assert "model.layers.1.self_attn.o_proj#0's input (5 rows)" in note
+    assert "model.layers.1.self_attn's own code" in note and "absorbed" in note and "DUMPER_FILTER" not in note
+    model = load_model(llama_dir, torch.bfloat16)
+    plant_stale_kv(model, layer=1)
+    ref, dec, _ = dump_pair(model, tmp_path / "filtered", prompt_ids(20), new_tokens=6, filter=r"embed_tokens|mlp$")
+    code, result = first_divergence_json(ref, dec, "--strict-only")
+    note = result["ranks"]["0"]["note"]
+    assert code == 1 and result["culprit"] is None
+    assert "the first difference is model.layers.1.mlp#0's input" in note and "absorbed" not in note
+    assert "made outside every hooked module (DUMPER_FILTER='embed_tokens|mlp$')" in note
+    assert note.endswith("widen DUMPER_FILTER to see where it arises")
+
+
 def test_identical_runs_exit_zero(llama_dir, tmp_path):
     import dumper
     model = load_model(llama_dir, torch.float32)
