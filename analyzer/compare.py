@@ -22,6 +22,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from dumper import format as fmt
+
 from .align import Alignment
 from .columns import Columns, distinct, merged_vocabulary, recode
 from .dtypes import DType, to_float64
@@ -321,7 +323,8 @@ def _per_call(table: RowTable, b: Index) -> Columns:
     if not np.array_equal(at, np.arange(len(pair))):  # cells B's calls table lacks (or holds twice)
         pair, pass_b, ccode, in_differ, out_differ = pair[at], pass_b[at], ccode[at], in_differ[at], out_differ[at]
     return Columns({"pair": pair, "pass_b": pass_b, "ccode": ccode, "in_differ": in_differ, "out_differ": out_differ,
-                    "post": b.cols("calls")["post"][at_calls], "order": order_of[ccode]})
+                    "pre": b.cols("calls")["pre"][at_calls], "post": b.cols("calls")["post"][at_calls],
+                    "order": order_of[ccode]})
 
 
 def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray):
@@ -371,7 +374,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     verdict.update(calls_timeline(per_call, calls, b))
     if not len(row_culprit):
         if len(first_dirty):
-            verdict["note"] = _no_origin_note(first_dirty, bool(out_d.any()), calls, a, b)
+            verdict["note"] = _no_origin_note(per_call, calls, a, b)
         return verdict
     at = row_culprit["pair"]  # pair numbers are positions in pairs
     rows = Columns({"pair": at, "call": calls[row_culprit["ccode"]], "order": row_culprit["order"],
@@ -436,28 +439,34 @@ def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray
             f"arises in {call.split('#')[0]}'s own code (not a hooked submodule) before that call")
 
 
-def _no_origin_note(first_dirty: Columns, outputs_differ: bool, calls: np.ndarray, a: Index, b: Index) -> str:
-    """Rows differ, yet no hooked call has clean inputs and a dirty output: the first difference
-    is at some call's input. Say which, whose code made it, and whether it reached any hooked
-    output (bfloat16 rounding often absorbs a one-ulp change before it does)."""
-    first = int(np.argmin(first_dirty["order"]))
-    code = first_dirty["ccode"][first]
-    call, n_rows = str(calls[code]), int(np.count_nonzero(first_dirty["ccode"] == code))
+def _no_origin_note(per_call: Columns, calls: np.ndarray, a: Index, b: Index) -> str:
+    """Rows differ, yet no hooked call has clean inputs and a differing output: every difference
+    is at some call's input. Say where the first one is, whose code made it, and whether it
+    reached any compared hooked output (bfloat16 rounding often absorbs a one-ulp change)."""
+    dirty = per_call.take(per_call["in_differ"])
+    # Per row, the call that started first among those whose input differs: its nearest hooked
+    # ancestor started earlier with a clean input, so the ancestor's own code made the difference.
+    dirty = dirty.take(np.lexsort((dirty["pre"], dirty["pair"])))
+    firsts = dirty["ccode"][np.r_[True, dirty["pair"][1:] != dirty["pair"][:-1]]]
+    call, n_rows = str(calls[firsts[0]]), int(np.count_nonzero(firsts == firsts[0]))
     parts = call.split("#")[0].split(".")
     calls_b = b.cols("calls")
     hooked = set(calls_b["module"][calls_b.firsts("module")].tolist())
-    owner = next((".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1) if ".".join(parts[:k]) in hooked), None)
-    filters = sorted({f for f in (a.dump.run.get("config", {}).get("filter"), b.dump.run.get("config", {}).get("filter"))
-                      if f})
-    if filters:
-        where = f"inside {owner}, in its own code or a submodule DUMPER_FILTER={filters[0]!r} leaves unhooked" if owner \
-            else f"outside every hooked module (DUMPER_FILTER={filters[0]!r})"
+    owner = next((".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1) if ".".join(parts[:k]) in hooked), None)
+    filters = sorted({str(f) for f in ((a.dump.run.get("config") or {}).get("filter"),
+                                       (b.dump.run.get("config") or {}).get("filter")) if f})
+    if owner is None:
+        where = "in code outside every hooked module" + (f" (DUMPER_FILTER={filters[0]!r})" if filters else "")
+    elif filters:
+        where = f"inside {owner or fmt.ROOT_PATH}, in its own code or a submodule DUMPER_FILTER={filters[0]!r} " \
+                "leaves unhooked"
     else:
-        where = f"in {owner}'s own code (not a hooked submodule)" if owner else "in code outside every hooked module"
+        where = f"in {owner}'s own code (not a hooked submodule)" if owner else \
+            f"in the root module's own forward ({fmt.ROOT_PATH}), not in a hooked submodule"
     note = f"no hooked call has clean inputs and a differing output; the first difference is {call}'s input " \
            f"({n_rows} row{'s' * (n_rows != 1)}), made {where}"
-    if not outputs_differ:
-        note += "; no hooked call's output differs: the difference was absorbed (rounded away) before any hooked output"
+    if not per_call["out_differ"].any():
+        note += "; no compared hooked output differs: the difference was absorbed (rounded away) before any of them"
     if filters:
         note += "; widen DUMPER_FILTER to see where it arises"
     return note

@@ -139,13 +139,12 @@ def test_planted_stale_kv_names_that_layers_attention(llama_dir, tmp_path):
     assert [g["call"] for g in groups] == ["model.layers.1.self_attn#0"]
 
 
-def plant_absorbed_input_change(model, layer: int):
-    """In decode steps, one element of o_proj's input moves by one ulp (as if the attention's own
-    code computed it another way) and o_proj rounds it away: its output is what it would have been."""
-    proj = model.model.layers[layer].self_attn.o_proj
+def plant_absorbed_input_change(module: torch.nn.Linear):
+    """In decode steps, one element of a Linear's input moves by one ulp (as if the code that made
+    it computed it another way) and the Linear rounds it away: its output is what it would have been."""
     kept = {}
 
-    def nudge(module, args):
+    def nudge(_, args):
         x = args[0]
         if x.shape[:-1].numel() != 1:
             return None
@@ -153,36 +152,51 @@ def plant_absorbed_input_change(model, layer: int):
         moved.view(-1)[0] = torch.nextafter(moved.view(-1)[0], torch.tensor(float("inf"), dtype=x.dtype))
         return (moved,)
 
-    def absorb(module, args, output):
-        return F.linear(kept.pop("x"), module.weight) if "x" in kept else None
+    def absorb(linear, args, output):
+        return F.linear(kept.pop("x"), linear.weight) if "x" in kept else None
 
-    proj.register_forward_pre_hook(nudge)
-    proj.register_forward_hook(absorb)
+    module.register_forward_pre_hook(nudge)
+    module.register_forward_hook(absorb)
 
 
-def test_a_difference_absorbed_before_any_output_is_explained(llama_dir, tmp_path):
-    """No call has clean inputs and a differing output: the note says where the first difference
-    is, whose code made it, and that no hooked output changed (not "widen DUMPER_FILTER": every
-    module is hooked). With a filter that leaves the attention unhooked, a stale key reaches the
-    MLPs' inputs and outputs alike: then the note sends the user to the filter."""
+@pytest.mark.parametrize("case, planted, note_has", [
+    ("absorbed in an attention", "o_proj", ["the first difference is model.layers.1.self_attn.o_proj#0's input (5 rows)",
+                                            "made in model.layers.1.self_attn's own code (not a hooked submodule)",
+                                            "no compared hooked output differs"]),
+    # generate's prefill step computes the logits of its last row alone: one more one-row input
+    ("absorbed in the root's own code", "lm_head", ["the first difference is lm_head#0's input (6 rows)",
+                                                    "made in the root module's own forward (<root>)",
+                                                    "no compared hooked output differs"]),
+    ("stale key, attention unhooked", "embed_tokens|mlp$", [
+        "the first difference is model.layers.1.mlp#0's input (5 rows)",
+        "made in code outside every hooked module (DUMPER_FILTER='embed_tokens|mlp$')"]),
+    ("stale key, MLPs and their children hooked", "embed_tokens|mlp", [
+        "the first difference is model.layers.1.mlp#0's input (5 rows)",  # not gate_proj's, which ends first
+        "made in code outside every hooked module (DUMPER_FILTER='embed_tokens|mlp')"]),
+])
+def test_a_difference_no_call_makes_is_explained(llama_dir, tmp_path, case, planted, note_has):
+    """No call has clean inputs and a differing output: the note says which call's input holds the
+    first difference, whose code made it, and whether any compared output changed; it sends the
+    user to DUMPER_FILTER only when a filter left modules unhooked."""
     model = load_model(llama_dir, torch.bfloat16)
-    plant_absorbed_input_change(model, layer=1)
-    ref, dec, _ = dump_pair(model, tmp_path / "absorbed", prompt_ids(20), new_tokens=6)
+    config = {}
+    if planted == "o_proj":
+        plant_absorbed_input_change(model.model.layers[1].self_attn.o_proj)
+    elif planted == "lm_head":
+        plant_absorbed_input_change(model.lm_head)
+    else:
+        plant_stale_kv(model, layer=1)
+        config["filter"] = planted
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6, **config)
     code, result = first_divergence_json(ref, dec, "--strict-only")
     verdict = result["ranks"]["0"]
-    assert code == 1 and verdict["rows_differing"] == 5 and result["culprit"] is None
+    assert code == 1 and result["culprit"] is None, case
+    assert f"input ({verdict['rows_differing']} rows)" in note_has[0], (case, verdict["rows_differing"])
     note = verdict["note"]
-    assert "model.layers.1.self_attn.o_proj#0's input (5 rows)" in note
-    assert "model.layers.1.self_attn's own code" in note and "absorbed" in note and "DUMPER_FILTER" not in note
-    model = load_model(llama_dir, torch.bfloat16)
-    plant_stale_kv(model, layer=1)
-    ref, dec, _ = dump_pair(model, tmp_path / "filtered", prompt_ids(20), new_tokens=6, filter=r"embed_tokens|mlp$")
-    code, result = first_divergence_json(ref, dec, "--strict-only")
-    note = result["ranks"]["0"]["note"]
-    assert code == 1 and result["culprit"] is None
-    assert "the first difference is model.layers.1.mlp#0's input" in note and "absorbed" not in note
-    assert "made outside every hooked module (DUMPER_FILTER='embed_tokens|mlp$')" in note
-    assert note.endswith("widen DUMPER_FILTER to see where it arises")
+    for text in note_has:
+        assert text in note, (case, note)
+    assert ("absorbed" in note) == case.startswith("absorbed"), (case, note)
+    assert ("widen DUMPER_FILTER" in note) == ("filter" in config), (case, note)
 
 
 def test_identical_runs_exit_zero(llama_dir, tmp_path):
