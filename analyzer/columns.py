@@ -112,8 +112,9 @@ class Columns:
 
 
 def distinct(values) -> np.ndarray:
-    """The sorted distinct values of an array, as np.unique gives them without its options: that
-    form imports numpy.ma (6 ms of every verdict) only to ask whether the array is a masked one."""
+    """The sorted distinct values of an array of integers or strings, as np.unique gives them
+    without its options: that form imports numpy.ma (6 ms of every verdict) only to ask whether
+    the array is a masked one. (Unlike np.unique, NaNs would not be merged: no caller has floats.)"""
     ordered = np.sort(np.asarray(values).reshape(-1))
     return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) > 1 else ordered
 
