@@ -323,8 +323,7 @@ def _per_call(table: RowTable, b: Index) -> Columns:
     if not np.array_equal(at, np.arange(len(pair))):  # cells B's calls table lacks (or holds twice)
         pair, pass_b, ccode, in_differ, out_differ = pair[at], pass_b[at], ccode[at], in_differ[at], out_differ[at]
     return Columns({"pair": pair, "pass_b": pass_b, "ccode": ccode, "in_differ": in_differ, "out_differ": out_differ,
-                    "pre": b.cols("calls")["pre"][at_calls], "post": b.cols("calls")["post"][at_calls],
-                    "order": order_of[ccode]})
+                    "post": b.cols("calls")["post"][at_calls], "order": order_of[ccode]})
 
 
 def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray):
@@ -374,7 +373,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     verdict.update(calls_timeline(per_call, calls, b))
     if not len(row_culprit):
         if len(first_dirty):
-            verdict["note"] = _no_origin_note(per_call, calls, a, b)
+            verdict["note"] = _no_origin_note(per_call, table, a, b)
         return verdict
     at = row_culprit["pair"]  # pair numbers are positions in pairs
     rows = Columns({"pair": at, "call": calls[row_culprit["ccode"]], "order": row_culprit["order"],
@@ -439,19 +438,21 @@ def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray
             f"arises in {call.split('#')[0]}'s own code (not a hooked submodule) before that call")
 
 
-def _no_origin_note(per_call: Columns, calls: np.ndarray, a: Index, b: Index) -> str:
+def _no_origin_note(per_call: Columns, table: RowTable, a: Index, b: Index) -> str:
     """Rows differ, yet no hooked call has clean inputs and a differing output: every difference
     is at some call's input. Say where the first one is, whose code made it, and whether it
     reached any compared hooked output (bfloat16 rounding often absorbs a one-ulp change)."""
     dirty = per_call.take(per_call["in_differ"])
+    calls_b = b.cols("calls")
+    at_calls, at = calls_of_b(table, b, dirty["pass_b"], dirty["ccode"])  # start times: here only, not per verdict
+    dirty = dirty.take(at)
     # Per row, the call that started first among those whose input differs: its nearest hooked
     # ancestor started earlier with a clean input, so the ancestor's own code made the difference.
-    dirty = dirty.take(np.lexsort((dirty["pre"], dirty["pair"])))
+    dirty = dirty.take(np.lexsort((calls_b["pre"][at_calls], dirty["pair"])))
     firsts = dirty["ccode"][np.r_[True, dirty["pair"][1:] != dirty["pair"][:-1]]]
-    call, n_rows = str(calls[firsts[0]]), int(np.count_nonzero(firsts == firsts[0]))
+    call, n_rows = str(table.calls[firsts[0]]), int(np.count_nonzero(firsts == firsts[0]))
     parts = call.split("#")[0].split(".")
-    calls_b = b.cols("calls")
-    hooked = set(calls_b["module"][calls_b.firsts("module")].tolist())
+    hooked = set(calls_b.codes("module")[1].tolist())
     owner = next((".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1) if ".".join(parts[:k]) in hooked), None)
     filters = sorted({str(f) for f in ((a.dump.run.get("config") or {}).get("filter"),
                                        (b.dump.run.get("config") or {}).get("filter")) if f})
