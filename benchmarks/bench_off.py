@@ -121,16 +121,14 @@ def main(argv=None):
         # After a dump: hooks were attached by the enabled pass, then dumping was disabled.
         handle = _dumped_then_disabled(model, ids, tmp, "after", filter="layers\\.0\\." if cuda else "")
         base2 = []
-        for r in range(max(rounds // 2, 4)):  # which state is timed first alternates
-            if r % 2:
-                handle.remove()
-                base2.append(forward_times(model, ids, block, args.device))
-                handle = _dumped_then_disabled(model, ids, tmp, f"after{r}")
-            idle_after.append(forward_times(model, ids, block, args.device))
-            if r % 2 == 0:
-                handle.remove()
-                base2.append(forward_times(model, ids, block, args.device))
-                handle = _dumped_then_disabled(model, ids, tmp, f"after{r}")
+        for r in range(max(rounds // 2, 4)):
+            for state in ("idle", "base") if r % 2 == 0 else ("base", "idle"):  # which is timed first alternates
+                if state == "idle":
+                    idle_after.append(forward_times(model, ids, block, args.device))
+                else:
+                    handle.remove()
+                    base2.append(forward_times(model, ids, block, args.device))
+                    handle = _dumped_then_disabled(model, ids, tmp, f"after{r}")
         handle.remove()
         cost = wrapper_cost(tmp)
 
