@@ -28,6 +28,7 @@ from .load import Dump, PassFile, show
 from .passtables import ENCODED, pass_tables, stored_tensors
 from .readahead import will_need
 from .rowplan import may_hold_token_ids, pass_rows, row_columns
+from .rowread import FileEnded, read_exactly
 from .smallpass import small_pass_tables
 
 PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up costs more than it saves
@@ -367,14 +368,10 @@ def _open_pass(pf: PassFile):
 
 def _read_range(handle, at: int, into: np.ndarray, pf: PassFile, name: str):
     """Fill ``into`` with the file's bytes from ``at``; the file ending first is a truncated file."""
-    view, got = memoryview(into), 0
     try:
-        handle.seek(at)
-        while got < len(view):
-            n = handle.readinto(view[got:])
-            if not n:
-                raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated")
-            got += n
+        read_exactly(handle.fileno(), into, at)
+    except FileEnded:
+        raise DumpError(f"{show(pf.ref.path)}: ends inside tensor {name!r}; the file is truncated") from None
     except OSError as exc:
         raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
 

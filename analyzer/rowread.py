@@ -276,11 +276,15 @@ class RowReader:
             self._cached -= sum(r.nbytes for r in old["rows"].values())
 
 
+class FileEnded(OSError):
+    """The file ended before the bytes asked for: it is truncated."""
+
+
 def read_exactly(fd: int, buffer: np.ndarray, offset: int):
-    """Fill ``buffer`` from byte ``offset`` of the file; OSError at its end."""
+    """Fill ``buffer`` from byte ``offset`` of the file; FileEnded (an OSError) at its end."""
     view, got = memoryview(buffer), 0
     while got < buffer.nbytes:
         n = os.preadv(fd, [view[got:]], offset + got)
         if not n:
-            raise OSError(f"unexpected end of file at byte {offset + got}")
+            raise FileEnded(f"unexpected end of file at byte {offset + got}")
         got += n
