@@ -56,7 +56,9 @@ class Index:
             whole = self._shared.get(("frame", name))
             if whole is None:
                 from .passtables import ENCODED
-                whole = self._shared[("frame", name)] = _plain_text(self._tables[name].to_pandas(), ENCODED.get(name, ()))
+                table = self._tables[name]
+                table = table.to_pandas() if isinstance(table, LazyParquet) else table.to_pandas(use_threads=False)
+                whole = self._shared[("frame", name)] = _plain_text(table, ENCODED.get(name, ()))
             self._frames[name] = whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
         return self._frames[name]
 
@@ -242,73 +244,103 @@ def _warn(dump: Dump):
 
 
 def _read_table(path: str, lazy: bool = False):
-    import pyarrow.parquet as pq
     if lazy:
         return LazyParquet(path)
     with open(path, "rb") as handle:
-        return pq.ParquetFile(handle).read()  # not read_table: its dataset layer imports pandas
+        return _parquet(_whole(handle)).read(use_threads=False)  # not read_table: its dataset layer imports pandas
+
+
+# How saved tables are read: each file whole into memory with Python's open (pyarrow cannot open
+# a path with non-UTF-8 bytes), then parsed by pyarrow from that memory, never through a Python
+# file object, and never on pyarrow's own threads (use_threads=False). Both can leave pyarrow
+# threads that finish a read while the interpreter exits, and abort the process ("terminate
+# called without an active exception", apache/arrow#34314): a command that failed right after
+# opening the indexes died of SIGABRT about one run in five. Parallel reads run on our threads.
+
+
+def _whole(handle):
+    import pyarrow as pa
+    return pa.py_buffer(handle.read())
+
+
+def _parquet(data, metadata=None):
+    """A ParquetFile over bytes in memory (reads from it are synchronous: no I/O threads)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    return pq.ParquetFile(pa.BufferReader(data), metadata=metadata)
 
 
 class LazyParquet:
-    """A parquet table whose columns are read when first asked for: the strict verdict needs 7
-    of the rows table's 9 columns. The file stays open, so a rebuild by another process (which
-    renames new files into place) cannot change what this one reads."""
+    """A parquet table whose columns are decoded when first asked for: the strict verdict needs 9
+    of the rows table's 10 columns. The file is read whole when opened (a few MB per million
+    rows), so a rebuild by another process (which renames new files into place) cannot change
+    what this one reads."""
 
     def __init__(self, path: str):
-        import pyarrow.parquet as pq
         self._path = path
-        self._handle = open(path, "rb")
-        try:
-            self._file = pq.ParquetFile(self._handle)  # reads the footer: a damaged file fails here
-        except BaseException:
-            self._handle.close()
-            raise
+        with open(path, "rb") as handle:
+            self._data = _whole(handle)
+        self._file = _parquet(self._data)  # parses the footer: a damaged file fails here
         self.column_names = list(self._file.schema_arrow.names)
         self.num_rows = self._file.metadata.num_rows
 
-        self._prefetch: Optional[concurrent.futures.Future] = None
-        self._ready: dict = {}  # name -> column read ahead
-        self._lock = threading.Lock()  # one reader of the file at a time (a dump compared with itself
-        #                                shares this object between both sides' threads)
+        self._prefetch: Dict[str, concurrent.futures.Future] = {}  # name -> the read of its group of columns
+        self._ready: dict = {}  # name -> column read
+        self._lock = threading.Lock()  # guards _prefetch and _ready (a dump compared with itself shares
+        #                                this object between both sides' threads)
 
     def prefetch(self, names):
-        """Start reading these columns in the background, all at once (pyarrow decodes them on
-        several threads); ``column`` waits for them. Reading them one by one, when asked, is
+        """Start decoding these columns in the background, on up to a thread per core (pyarrow
+        lets go of the GIL); ``column`` waits for them. Decoding them one by one, when asked, is
         serial work the verdict path would otherwise wait for."""
-        names = [n for n in names if n in self.column_names and n not in self._ready]
-        if self._prefetch is None and names:
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dumpdiff-prefetch")
-            self._prefetch = pool.submit(self._read, names, True)
-            self._prefetch.names = names
-            pool.shutdown(wait=False)  # the thread ends with the read
+        with self._lock:
+            names = [n for n in names if n in self.column_names and n not in self._ready and n not in self._prefetch]
+            if not names:
+                return
+            threads = min(len(names), os.cpu_count() or 1)
+            pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dumpdiff-prefetch")
+            for group in (names[k::threads] for k in range(threads)):
+                future = pool.submit(self._read, group, True)
+                self._prefetch.update((n, future) for n in group)
+            pool.shutdown(wait=False)  # the threads end with the reads
 
     def column(self, name: str):
         with self._lock:
             self._settle()
             if name in self._ready:
                 return self._ready[name]
-            return self._read([name]).column(0)
+        return self._read([name])
 
     def to_pandas(self):
         with self._lock:
             self._settle()
-            return self._read(None).to_pandas()
+        return self._read(None).to_pandas(use_threads=False)
 
     def close(self):
-        self._handle.close()
+        with self._lock:
+            self._settle(quiet=True)
+        self._data = None
 
-    def _settle(self):
-        """Wait for the read-ahead: one reader of the file at a time."""
-        if self._prefetch is not None:
-            future, self._prefetch = self._prefetch, None
-            self._ready.update(zip(future.names, future.result().columns))
+    def _settle(self, quiet: bool = False):
+        """Wait for the read-ahead (under self._lock)."""
+        pending, self._prefetch = self._prefetch, {}
+        for name, future in pending.items():
+            try:
+                self._ready[name] = future.result().column(name)
+            except BaseException:
+                if not quiet:
+                    raise
 
-    def _read(self, columns, threads: bool = False):
+    def _read(self, columns, as_table: bool = False):
+        """The named columns (one, unless ``as_table``: that column; None: the whole table). Each read
+        has a ParquetFile of its own (over the same bytes, footer parsed once): one is not safe
+        on two threads."""
         try:
-            return self._file.read(columns=columns, use_threads=threads)  # threads for the read-ahead only
+            table = _parquet(self._data, self._file.metadata).read(columns=columns, use_threads=False)
         except _unreadable_errors() as exc:
             raise DumpError(f"{show(self._path)}: cannot be read ({exc}); the index is damaged: "
                             "rerun with --rebuild-index") from None
+        return table.column(0) if columns is not None and len(columns) == 1 and not as_table else table
 
 
 # Stored as differences (rows of a tensor count up; offsets step by a row's width): the offsets

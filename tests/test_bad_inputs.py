@@ -234,6 +234,20 @@ def test_dumps_of_different_num_layers_are_refused_unless_allowed(three_layers):
     assert code in (0, 1) and "alignment proof: OK" in out, err
 
 
+def test_an_error_right_after_the_indexes_open_exits_2_every_time(dumps, tmp_path):
+    """A command that fails just after opening both saved indexes (here: a reference of another
+    prompt, so no decode row has a partner) exits 2 every time. Threads of pyarrow that were
+    still finishing a read while the interpreter exited made it die of SIGABRT ("terminate
+    called without an active exception"): 1 to 4 of these 12 runs, in each of 3 tries. Saved
+    tables are now parsed from memory, on dumpdiff's own threads only."""
+    model = load_model(make_tiny_llama(tmp_path / "model"))
+    other, _, _ = dump_pair(model, tmp_path / "d", prompt_ids(12, seed=1), new_tokens=4, min_free_bytes=0)
+    assert dumpdiff("index", other, dumps[1], "--no-progress")[0] == 0  # the failing runs read saved indexes
+    runs = [dumpdiff("first-divergence", other, dumps[1], "--strict-only", "--no-progress") for _ in range(12)]
+    assert [code for code, _, _ in runs] == [2] * 12, [err[-300:] for code, _, err in runs if code != 2]
+    one_line_error(runs[0], "same token ids from position 0")
+
+
 def test_dumps_of_different_dtypes_are_refused(dumps, tmp_path):
     ref, _ = dumps
     model = load_model(make_tiny_llama(tmp_path / "model"), torch.bfloat16)
