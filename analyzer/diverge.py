@@ -91,8 +91,9 @@ def summarize(verdict: dict) -> str:
     found = noise.get("culprits", [])
     parts = []
     if strict:
-        parts.append(f"The first bit flips at {strict['call']} ({strict['cls']}): inputs identical, output not. "
-                     "That is where batch-variance starts: the kernel to make batch-invariant.")
+        parts.append(f"The first bit flips at {strict['call']} ({strict['cls']}): inputs identical, output not.")
+        if not (found and found[0]["call"] == strict["call"]):  # else it is the real error, not batch-variance
+            parts.append("That is where batch-variance starts: the kernel to make batch-invariant.")
     if found:
         top = found[0]
         kinds = ", ".join(f"{n} {k}" for k, n in top["kinds"].items())

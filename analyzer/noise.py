@@ -13,7 +13,7 @@ output dtype's epsilon (an error below one ulp at the row's magnitude is not an 
 when a repeat dump of the reference is given (--noise A A2), the error that call shows between
 two identical runs. Carried noise amplifies by ~1-10x; an introduced error by far more. The
 threshold is derived from the run itself: a robust spread (median + k*MAD of log10
-amplification over all calls that carry an error) with a lower bound, or the user's
+amplification over the calls whose inputs and outputs both differ) with a lower bound, or the user's
 --atol/--rtol, in which case a call whose inputs are all within tolerance and whose output is
 not is named.
 
@@ -288,8 +288,12 @@ def call_traits(table: RowTable, b: Index) -> tuple:
 
 
 def derive_threshold(calls: Columns) -> dict:
-    """Robust spread of log10 amplification over calls that carry or make an error."""
-    active = calls["amplification"][calls["out_err"] > 0]
+    """Robust spread of log10 amplification over the (row, call) cells that carry an error: an
+    error in their inputs and in their outputs. A cell with clean inputs and a differing output
+    is a candidate, judged against the line, not a sample of it: when the only calls with an
+    error are a culprit and the calls that contain it (a decode-only bug in lm_head), their own
+    jumps would set the line above themselves and the bug would pass for noise."""
+    active = calls["amplification"][(calls["out_err"] > 0) & (calls["in_err"] > 0)]
     if not len(active):
         return {"amplification": MIN_AMPLIFICATION, "median": None, "mad": None, "samples": 0}
     logs = np.log10(np.maximum(active, 1e-12))

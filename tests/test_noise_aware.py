@@ -32,6 +32,26 @@ def test_stale_kv_behind_layer0_noise(llama_dir, tmp_path):
     assert "state or cache bug" in verdict["summary"] and "batch-invariant" in verdict["summary"]
 
 
+def test_a_real_error_in_lm_head_alone_is_named_in_bfloat16(llama_dir, tmp_path):
+    """The noise line is drawn from calls that carry an error into an error. A decode-only error
+    in lm_head has no such call: only lm_head and the root that returns its logits differ, both
+    with clean inputs. Their own jumps used to set the line (1.7x above themselves), and a 30%
+    error on every decode row's logits was called float noise."""
+    model = load_model(llama_dir, torch.bfloat16)
+
+    def scale(module, args, out):  # on one token row: decode steps (and the logits generate asks of a prefill)
+        return out * 1.3 if out.shape[-2] == 1 else None
+    model.lm_head.register_forward_hook(scale)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert code == 1 and result["culprit"]["call"] == "lm_head#0"
+    assert [c["call"] for c in verdict["noise"]["culprits"]] == ["lm_head#0"]
+    assert verdict["noise"]["culprits"][0]["kinds"]["decode"] == 5
+    # one call is both: the first flipped bit and a real error, not the start of batch-variance
+    assert "state or cache bug" in verdict["summary"] and "batch-invariant" not in verdict["summary"]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_clean_float32_run_has_no_noise_aware_culprit(llama_dir, tmp_path, seed):
     model = load_model(llama_dir, torch.float32)
