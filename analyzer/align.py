@@ -136,7 +136,8 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     both = (fp_a[1] >= 0) & (fp_b[1] >= 0)  # pairs whose embedding row is in both dumps
     differ = np.nonzero(both & (fp_a[0] != fp_b[0]))[0]
     if not both.any():
-        raise DumpError("cannot prove the alignment: the embedding output has no token rows in common between the dumps")
+        raise DumpError("cannot prove the alignment: the embedding output has no token rows in common between the dumps"
+                        + row_selection_hint(a, b))
     if len(differ):
         first = differ[0]
         raise DumpError(f"alignment proof failed: embedding output ({emb_b[0]}) differs on {len(differ)} of {int(both.sum())} "
@@ -145,6 +146,23 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     alignment.embedding = emb_b[0]
     alignment.proof.append(f"embedding output ({emb_b[0]}) bit-identical on all {int(both.sum())} paired rows")
     return alignment
+
+
+def row_selection_hint(a: Index, b: Index) -> str:
+    """For an error that found no paired row dumped on both sides: the row selection each dump
+    was made with, and what it must keep ("" when neither selected rows)."""
+    kept = []
+    for index in (a, b):
+        config = index.dump.run.get("config") or {}
+        if config.get("last_rows"):
+            kept.append(f"{index.dump.label} kept DUMPER_LAST_ROWS={config['last_rows']}")
+        if config.get("positions"):
+            kept.append(f"{index.dump.label} kept DUMPER_POSITIONS={config['positions']!r}")
+    if not kept:
+        return ""
+    return (f"; {' and '.join(kept)}: a reference prefill of prompt+output holds one row more than the decode run "
+            "computes (its last generated token is never fed back), so the reference must keep at least the decode "
+            "steps of a sequence plus one (DUMPER_LAST_ROWS >= new tokens)")
 
 
 def embedding_call(index: Index):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .align import align, prove
+from .align import align, prove, row_selection_hint
 from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
 from .index import load_indexes
@@ -50,6 +50,8 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
+        if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean
+            raise DumpError(_nothing_compared(len(alignment.cols), ia, ib))
         if noise_aware and verdict["rows_differing"]:
             from .moe import routing_flips  # these read tensor values: not under --strict-only
             from .noise import noise_verdict
@@ -68,6 +70,16 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     first = next((v for v in result["ranks"].values() if v["culprit"]), None)
     result["culprit"] = first["culprit"] if first else None
     return result
+
+
+def _nothing_compared(n_pairs: int, a, b) -> str:
+    """Why no paired token row has a tensor row stored on both sides, and what to dump instead."""
+    modes = {(index.dump.run.get("config") or {}).get("non_intrusive_mode") for index in (a, b)}
+    if "core" in modes:
+        why = "; a dump made with DUMPER_NON_INTRUSIVE_MODE=core holds pass metadata only: dump with =all"
+    else:
+        why = row_selection_hint(a, b) or "; dump both runs with the same DUMPER_FILTER and no row selection"
+    return f"nothing was compared: none of the {n_pairs} paired token rows has a tensor row dumped on both sides{why}"
 
 
 def _repeat_floors(dump_a: Dump, repeat_path: str, progress: bool) -> dict:

@@ -31,7 +31,8 @@ VARIABLES = {
     "DUMPER_MIN_FREE_BYTES": ("1073741824", "stop dumping when the disk would keep less free space than this"),
     "DUMPER_QUEUE_BYTES": ("2147483648", "host memory the background writer may hold; forward passes wait (back-pressure) beyond it"),
     "DUMPER_POSITIONS": ("", "keep only these token positions, e.g. '96:' or '0,5,10:20' (python slice syntax, per sequence)"),
-    "DUMPER_LAST_ROWS": ("0", "keep only the last k token rows of each sequence in a pass (0 = all rows)"),
+    "DUMPER_LAST_ROWS": ("0", "keep only the last k token rows of each sequence in a pass (0 = all rows); "
+                         "for a reference prefill of prompt+output, at least the number of new tokens"),
 }
 
 

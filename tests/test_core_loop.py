@@ -73,6 +73,21 @@ def test_row_selected_dumps_give_the_full_dumps_verdict(llama_dir, tmp_path, dty
     assert code == 1 and "24 paired rows have no dumped tensor row on both sides" in out, err
 
 
+@pytest.mark.parametrize("trust", [False, True], ids=["proved", "trusted"])
+def test_row_selection_that_keeps_no_paired_row_is_an_error_not_a_clean_run(llama_dir, tmp_path, trust):
+    """DUMPER_LAST_ROWS=1 keeps the reference's last row, which the decode run never computes
+    (it never feeds back its last generated token): no row is dumped on both sides. That is
+    trouble, exit 2, with what to keep; it was "NO DIVERGENCE, 0 of 0 rows" (exit 0) under
+    --trust-alignment, over a planted bug."""
+    from dump_surgery import one_line_error
+    model = load_model(llama_dir, torch.bfloat16)
+    plant_batch_variant(model, layer=2)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6, last_rows=1)
+    result = dumpdiff("first-divergence", ref, dec, "--no-progress", *(["--trust-alignment"] if trust else []))
+    one_line_error(result, "DUMPER_LAST_ROWS=1", "DUMPER_LAST_ROWS >= new tokens",
+                   "nothing was compared" if trust else "no token rows in common")
+
+
 class SplitKLinear(torch.nn.Linear):
     """A batch-variant GEMM, as real kernels are: over one token row it sums K in two halves."""
 
@@ -288,16 +303,15 @@ def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_pa
     assert result["culprit"] and verdict["rows_differing"] > 3 and verdict["rows_compared"] > 3 * 4
 
 
-def test_dumps_without_tensor_rows_compare_clean_when_alignment_is_trusted(llama_dir, tmp_path):
+def test_dumps_without_tensor_rows_are_not_called_clean_when_alignment_is_trusted(llama_dir, tmp_path):
     """non_intrusive_mode=core stores pass metadata only (token ids, positions, sequences), no
-    tensor. Without rows the alignment cannot be proved (exit 2); trusted, the comparison has
-    nothing that differs and says so (exit 0)."""
+    tensor. Without rows the alignment cannot be proved (exit 2); trusted, nothing is compared,
+    which is not "no divergence" (it was exit 0 before stop 21): exit 2, saying to dump =all."""
+    from dump_surgery import one_line_error
     model = load_model(llama_dir, torch.float32)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(12), new_tokens=4, non_intrusive_mode="core")
-    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json", "--trust-alignment")
-    assert code == 0, err
-    result = json.loads(out)
-    assert result["divergence"] is False and result["culprit"] is None
+    result = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json", "--trust-alignment")
+    one_line_error(result, "nothing was compared", "DUMPER_NON_INTRUSIVE_MODE=core holds pass metadata only")
 
 
 def test_a_dump_compared_with_itself_does_not_diverge(llama_dir, tmp_path):
