@@ -36,9 +36,11 @@ class Alignment:
     rows_b: int
     cached_b: int = 0  # rows of B computed on a cache (decode, extend): what the comparison is for
     cached_unpaired_b: int = 0  # of those, rows with no partner in A
+    cached_a: int = 0  # rows of A computed on a cache: a reference is one prefill, so none
     embedding: Optional[str] = None  # module path of the embedding call used in the proof
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
     conflicts: List[str] = dataclasses.field(default_factory=list)
+    history_notes_b: List[str] = dataclasses.field(default_factory=list)  # why rows of B have no key (row_keys)
 
     @functools.cached_property
     def pairs(self):
@@ -72,7 +74,25 @@ def row_keys(index: Index) -> Tuple[Columns, List[str]]:
     keys = np.empty(len(tokens), dtype=object)
     keys[:] = [keys_by_seq[s][p] if p < len(keys_by_seq[s]) else None for s, p in tokens.rows(("seq", "pos"))]
     out = Columns({n: tokens[n] for n in ("pass", "row", "seq", "pos", "id", "mode")} | {"key": keys})
-    return out, conflicts
+    return out, conflicts, _history_notes(history, keys_by_seq, int(np.count_nonzero(tokens["id"] < 0)))
+
+
+def _history_notes(history: Dict[str, Dict[int, int]], keys_by_seq: Dict[str, list], unknown_ids: int) -> List[str]:
+    """Why rows of a dump cannot be keyed, for an error that found no partner: a sequence whose
+    positions skip one (rows after the gap have no known prefix), token ids not recorded."""
+    notes = []
+    for seq, known in history.items():
+        gap = len(keys_by_seq[seq])  # the first position missing from 0 on
+        later = sorted(p for p in known if p > gap)
+        if later and gap:
+            notes.append(f"sequence {seq} has no token at position {gap} but has rows at {later[0]} and after: its "
+                         "positions jump (a position or rotary bug in the engine?), and rows after the gap cannot "
+                         "be paired")
+            break
+    if unknown_ids:
+        notes.append(f"{unknown_ids} token rows hold no token id (-1: a forward given inputs_embeds instead of input_ids "
+                     "records none); dump the run from token ids")
+    return notes
 
 
 def _prefix_keys(known: Dict[int, int]) -> List[bytes]:
@@ -87,7 +107,7 @@ def _prefix_keys(known: Dict[int, int]) -> List[bytes]:
 
 
 def align(a: Index, b: Index) -> Alignment:
-    (keys_a, conflicts_a), (keys_b, conflicts_b) = row_keys(a), row_keys(b)
+    (keys_a, conflicts_a, _), (keys_b, conflicts_b, notes_b) = row_keys(a), row_keys(b)
     last_in_a = {key: i for i, key in enumerate(keys_a["key"].tolist()) if key is not None}  # the last row wins
     keyed_b = np.array([key is not None for key in keys_b["key"].tolist()], dtype=bool)
     partner = np.array([last_in_a.get(key, -1) if key is not None else -1 for key in keys_b["key"].tolist()],
@@ -99,9 +119,10 @@ def align(a: Index, b: Index) -> Alignment:
                     "pos": keys_b["pos"][at_b], "id": keys_b["id"][at_b], "pos_a": keys_a["pos"][at_a],
                     "id_a": keys_a["id"][at_a], "mode_a": keys_a["mode"][at_a], "mode_b": keys_b["mode"][at_b]})
     cached = np.array([mode not in ("prefill", None) for mode in keys_b["mode"].tolist()], dtype=bool)
+    cached_a = sum(mode not in ("prefill", None) for mode in keys_a["mode"].tolist())
     return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
                      rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
-                     conflicts=conflicts_a + conflicts_b)
+                     conflicts=conflicts_a + conflicts_b, history_notes_b=notes_b, cached_a=cached_a)
 
 
 def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, trust: bool = False) -> Alignment:
@@ -109,15 +130,17 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     pairs = alignment.cols
     if alignment.conflicts:
         raise DumpError(f"cannot align: {alignment.conflicts[0]}; the dump mixes requests under one sequence key")
+    why = "".join(f"; {label_b}: {note}" for note in alignment.history_notes_b)
     if not len(pairs):
-        raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0); "
-                        "were both dumps made from the same prompt? dump the reference prefill of prompt+output")
+        raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0)" +
+                        (why or "; were both dumps made from the same prompt? dump the reference prefill of prompt+output"))
     if alignment.cached_b and alignment.cached_unpaired_b == alignment.cached_b:
         # Only prefill rows would be compared: "no divergence" would hide that the decode steps,
         # the point of the comparison, were never looked at.
         raise DumpError(f"none of the {alignment.cached_b} decode/extend rows of {label_b} has a partner in {label_a} "
-                        "(same token ids from position 0); the reference must hold the tokens the decode run generated: "
-                        "dump it as one prefill of prompt+output")
+                        "(same token ids from position 0)" +
+                        (why or "; the reference must hold the tokens the decode run generated: dump it as one prefill "
+                                "of prompt+output"))
     bad = int(((pairs["id"] != pairs["id_a"]) | (pairs["pos"] != pairs["pos_a"])).sum())
     if bad:
         raise DumpError(f"alignment broken: {bad} paired rows differ in token id or position")
@@ -140,9 +163,17 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
                         + row_selection_hint(a, b))
     if len(differ):
         first = differ[0]
+        prefill = np.asarray([mode in ("prefill", None) for mode in pairs["mode_b"].tolist()], dtype=bool)
+        if (both & prefill).any() and not prefill[differ].any():
+            # same ids and positions, same embedding on every prefill row: the decode path's own
+            # embedding differs, a bug of the engine under test, not a misalignment
+            why = (f"every one of them a decode/extend row, while all {int((both & prefill).sum())} paired prefill rows "
+                   f"are bit-identical: {emb_b[0]} itself computes otherwise in decode (a bug, not a misalignment); "
+                   "the token ids and positions match, so rerun with --trust-alignment for the verdict")
+        else:
+            why = "the dumps are of different weights or the rows are misaligned; no verdict is given"
         raise DumpError(f"alignment proof failed: embedding output ({emb_b[0]}) differs on {len(differ)} of {int(both.sum())} "
-                        f"paired rows (first: sequence {pairs['seq'][first]}, position {pairs['pos'][first]}); the dumps are of "
-                        "different weights or the rows are misaligned; no verdict is given")
+                        f"paired rows (first: sequence {pairs['seq'][first]}, position {pairs['pos'][first]}); {why}")
     alignment.embedding = emb_b[0]
     alignment.proof.append(f"embedding output ({emb_b[0]}) bit-identical on all {int(both.sum())} paired rows")
     return alignment

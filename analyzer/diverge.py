@@ -3,6 +3,7 @@ and give the verdict rank by rank. Returns a plain dict that every report format
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from .align import align, prove, row_selection_hint
@@ -48,6 +49,8 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     for r in ranks:
         ia, ib = index_a.rank(r), index_b.rank(r)
         alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
+        if alignment.cached_a and not alignment.cached_b and r == ranks[0]:
+            _warn_swapped(result, dump_a, dump_b, alignment.cached_a)
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean
@@ -70,6 +73,15 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     first = next((v for v in result["ranks"].values() if v["culprit"]), None)
     result["culprit"] = first["culprit"] if first else None
     return result
+
+
+def _warn_swapped(result: dict, a: Dump, b: Dump, cached_a: int):
+    """The reference (first argument) holds decode steps and the run under test none: the usual
+    slip of giving the decode run first. The verdict still runs (the labels say which is which)."""
+    note = (f"{show(a.label)} (the reference, first argument) has {cached_a} decode/extend rows and {show(b.label)} has "
+            "none: are the arguments swapped? give the reference prefill first: first-divergence REF DEC")
+    logging.getLogger("dumpdiff").warning("warning: %s", note)
+    result["warnings"].append(note)
 
 
 def _nothing_compared(n_pairs: int, a, b) -> str:

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dumper
+
 from helpers import (ROOT, dump_padded_batch, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama,
                      make_tiny_qwen3_moe, prompt_ids)
 
@@ -86,6 +88,69 @@ def test_row_selection_that_keeps_no_paired_row_is_an_error_not_a_clean_run(llam
     result = dumpdiff("first-divergence", ref, dec, "--no-progress", *(["--trust-alignment"] if trust else []))
     one_line_error(result, "DUMPER_LAST_ROWS=1", "DUMPER_LAST_ROWS >= new tokens",
                    "nothing was compared" if trust else "no token rows in common")
+
+
+def test_a_decode_run_whose_positions_jump_is_named_as_such(llama_dir, tmp_path):
+    """An engine that feeds position+1 to its decode steps: the decode rows have no known prefix,
+    so none has a partner. The error says the decode run's positions jump, not that the
+    reference lacks the generated tokens (which it holds)."""
+    from dump_surgery import one_line_error
+    model = load_model(llama_dir, torch.bfloat16)
+    prepare = model.prepare_inputs_for_generation
+
+    def shifted(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        if inputs["input_ids"].shape[-1] == 1 and inputs.get("position_ids") is not None:
+            inputs["position_ids"] = inputs["position_ids"] + 1
+        return inputs
+    model.prepare_inputs_for_generation = shifted
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6)
+    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"),
+                   "none of the 5 decode/extend rows", "has no token at position 24 but has rows at 25", "positions jump")
+
+
+def test_a_run_from_inputs_embeds_says_its_token_ids_are_unknown(llama_dir, tmp_path):
+    from dump_surgery import one_line_error
+    model = load_model(llama_dir, torch.float32)
+    prompt = prompt_ids(16)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
+    try:
+        with torch.no_grad():
+            out = model.generate(inputs_embeds=model.model.embed_tokens(prompt), max_new_tokens=4, do_sample=False)
+            handle.configure(exp_name="ref")
+            model(torch.cat([prompt, out], 1))
+    finally:
+        handle.remove()
+    one_line_error(dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress"),
+                   "16 token rows hold no token id", "inputs_embeds")
+
+
+def test_a_decode_only_embedding_bug_is_told_apart_from_misalignment(llama_dir, tmp_path):
+    """Same ids and positions, every prefill row's embedding identical, only decode rows differ:
+    the embedding module is wrong in decode. The proof still refuses (it checks the pairing with
+    the embedding), but says so and points at --trust-alignment, which names it."""
+    from dump_surgery import one_line_error
+    model = load_model(llama_dir, torch.bfloat16)
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: out * 1.01 if out.shape[-2] == 1 else None)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6)
+    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"),
+                   "every one of them a decode/extend row", "all 24 paired prefill rows are bit-identical",
+                   "--trust-alignment")
+    code, result = first_divergence_json(ref, dec, "--trust-alignment")
+    assert code == 1 and result["culprit"]["call"] == "model.embed_tokens#0"
+
+
+def test_swapped_arguments_are_warned_about(llama_dir, tmp_path):
+    """The decode run given as the reference: the verdict still runs, and both stderr and the
+    report say the arguments look swapped."""
+    model = load_model(llama_dir, torch.bfloat16)
+    plant_batch_variant(model, layer=2)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6)
+    code, out, err = dumpdiff("first-divergence", dec, ref, "--no-progress", "--format", "json")
+    assert code == 1 and "are the arguments swapped?" in err
+    assert any("are the arguments swapped?" in w for w in json.loads(out)["warnings"])
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
+    assert code == 1 and "arguments swapped" not in err + out
 
 
 class SplitKLinear(torch.nn.Linear):
