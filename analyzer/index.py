@@ -22,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import threading
 from typing import Dict, List, Optional
 
@@ -203,8 +204,8 @@ def _locked_folders(places: List[str], held: contextlib.ExitStack) -> dict:
 
 def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
     try:
-        with open(os.path.join(where, STAMP_FILE)) as handle:
-            if json.load(handle) != stamp:
+        with _open_saved(os.path.join(where, STAMP_FILE)) as handle:
+            if json.loads(handle.read()) != stamp:
                 return None
         # Python's open, not pyarrow's: pyarrow cannot open a path with non-UTF-8 bytes. The
         # tables are read at once (pyarrow lets go of the GIL): each read waits on the disk.
@@ -243,10 +244,21 @@ def _warn(dump: Dump):
         logging.getLogger("dumpdiff").warning("warning: %s", note)
 
 
+def _open_saved(path: str):
+    """A saved index file, opened for reading; anything but a regular file is damage (OSError: the
+    index is rebuilt over it). A named pipe in a table's place would otherwise block the open,
+    and the command, forever."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def _read_table(path: str, lazy: bool = False):
     if lazy:
         return LazyParquet(path)
-    with open(path, "rb") as handle:
+    with _open_saved(path) as handle:
         return _parquet(_whole(handle)).read(use_threads=False)  # not read_table: its dataset layer imports pandas
 
 
@@ -287,7 +299,7 @@ class LazyParquet:
 
     def __init__(self, path: str):
         self._path = path
-        with open(path, "rb") as handle:
+        with _open_saved(path) as handle:
             self._data = _whole(handle)
         self._file = _parquet(self._data)  # parses the footer: a damaged file fails here
         self.column_names = list(self._file.schema_arrow.names)

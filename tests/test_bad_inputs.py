@@ -307,21 +307,23 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
     assert len(index.cols("tokens")) and len(index.cols("rows"))
 
 
-@pytest.mark.parametrize("where", ["beside the tables", "in place of the rows table"])
+@pytest.mark.parametrize("where", ["beside the tables", "in place of the rows table", "in place of a table, stamp kept",
+                                   "in place of the stamp"])
 def test_a_named_pipe_in_the_index_folder_does_not_hang_the_comparison(dumps, tmp_path, where):
     """first-divergence asks the kernel to read the saved index ahead; opening a named pipe for
     that would wait for a writer forever. Beside the tables it is ignored; in place of a table
-    (its stamp gone), the index is rebuilt over it."""
+    or of the stamp, the index is rebuilt over it (with the stamp kept, opening the table hung
+    until stop 21)."""
     ref, dec = dumps
     dec = copy_dump(dec, tmp_path / "dec")
     assert dumpdiff("index", dec, "--no-progress")[0] == 0
     folder = os.path.join(dec, "index")
-    if where == "beside the tables":
-        os.mkfifo(os.path.join(folder, "notes"))
-    else:
-        os.unlink(os.path.join(folder, "stamp.json"))
-        os.unlink(os.path.join(folder, "rows.parquet"))
-        os.mkfifo(os.path.join(folder, "rows.parquet"))
+    replaced = {"beside the tables": [], "in place of the rows table": ["stamp.json", "rows.parquet"],
+                "in place of a table, stamp kept": ["tokens.parquet"], "in place of the stamp": ["stamp.json"]}[where]
+    for name in replaced:
+        os.unlink(os.path.join(folder, name))
+    for name in replaced[-1:] or ["notes"]:
+        os.mkfifo(os.path.join(folder, name))
     code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress", timeout=60)
     assert code in (0, 1) and "alignment proof: OK" in out, err
 
