@@ -3,8 +3,9 @@
 A token row is identified by the token ids of its sequence up to and including it: decode step
 k of a request and row plen+k of the reference prefill of prompt+output carry the same key.
 Sequence keys (request ids, cache objects) never cross dumps; token ids do. Each sequence's
-history is stitched together from every pass of the dump (a decode pass holds one token; its
-prefill held the rest) plus the prefix ids an engine recorded for prefix-cache hits.
+history is followed pass by pass (a decode pass holds one token; its prefill held the rest),
+with the prefix ids an engine recorded for prefix-cache hits; a pass that computes a position
+again with another token (speculative decoding's rejected drafts) branches off there.
 
 Every row of B with a known key is paired with the last row of A carrying the same key.
 The proof: every pair has equal token ids and positions, and the embedding output of every
@@ -39,7 +40,6 @@ class Alignment:
     cached_a: int = 0  # rows of A computed on a cache: a reference is one prefill, so none
     embedding: Optional[str] = None  # module path of the embedding call used in the proof
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
-    conflicts: List[str] = dataclasses.field(default_factory=list)
     history_notes_b: List[str] = dataclasses.field(default_factory=list)  # why rows of B have no key (row_keys)
 
     @functools.cached_property
@@ -49,43 +49,73 @@ class Alignment:
 
 
 def row_keys(index: Index) -> Tuple[Columns, List[str]]:
-    """Valid token rows, ordered by (pass, row), with their prefix key (None where the sequence
-    history has a gap); and the conflicts found (two token ids at one position)."""
+    """Valid token rows, ordered by (pass, row), with their prefix key: a hash of the token ids
+    from position 0 up to the row's, as the pass that computed the row saw them (None where
+    positions before the row are unknown); and notes on why rows have no key.
+
+    Each sequence's ids are followed pass by pass, in order. A pass that computes a position
+    again with another token starts a new branch there: speculative decoding replaces a rejected
+    draft token, an engine rolls a step back. Rows of the abandoned branch keep keys no reference
+    row has (they computed a context the finished sequence does not hold), so they pair with
+    nothing; the same token computed again (a retracted request) keeps its key."""
     tokens = index.cols("tokens")
     tokens = tokens.take(tokens["valid"].astype(bool))
     tokens = tokens.take(np.lexsort((tokens["row"], tokens["pass"])))
-    history: Dict[str, Dict[int, int]] = {}
-    conflicts = []
-    firsts: Dict[tuple, int] = {}
-    for pass_id, seq, pos, tok in tokens.rows(("pass", "seq", "pos", "id")):
-        known = history.setdefault(seq, {})
-        if known.setdefault(pos, tok) != tok:
-            conflicts.append(f"sequence {seq} has two token ids at position {pos}")
-        firsts[(pass_id, seq)] = min(firsts.get((pass_id, seq), pos), pos)
-    for pass_id, seq, raw in index.cols("seqs").rows(("pass", "seq", "prefix_ids")):
-        if raw is None:
-            continue
-        prefix = json.loads(raw)
-        start = int(firsts.get((pass_id, seq), len(prefix))) - len(prefix)
-        known = history.setdefault(seq, {})
-        for offset, tok in enumerate(prefix):
-            known.setdefault(start + offset, int(tok))
-    keys_by_seq = {seq: _prefix_keys(known) for seq, known in history.items()}
+    prefixes = {(int(pass_id), seq): json.loads(raw)
+                for pass_id, seq, raw in index.cols("seqs").rows(("pass", "seq", "prefix_ids")) if raw is not None}
+    seq_code: Dict[str, int] = {}
+    codes = np.array([seq_code.setdefault(seq, len(seq_code)) for seq in tokens["seq"].tolist()], dtype=np.int64)
+    branches: Dict[str, _Branch] = {}
     keys = np.empty(len(tokens), dtype=object)
-    keys[:] = [keys_by_seq[s][p] if p < len(keys_by_seq[s]) else None for s, p in tokens.rows(("seq", "pos"))]
+    passes, seqs, positions, ids = (tokens[n].tolist() for n in ("pass", "seq", "pos", "id"))
+    started = None
+    for i in np.lexsort((tokens["pos"], codes, tokens["pass"])).tolist():  # each (pass, sequence) in position order
+        branch = branches.get(seqs[i]) or branches.setdefault(seqs[i], _Branch())
+        if (passes[i], seqs[i]) != started:
+            started = (passes[i], seqs[i])
+            prefix = prefixes.get((int(passes[i]), seqs[i])) or []  # a cache hit's prefix: this pass's context
+            for offset, tok in enumerate(prefix, start=positions[i] - len(prefix)):
+                if offset >= 0:
+                    branch.place(offset, int(tok))
+        keys[i] = branch.place(positions[i], ids[i])
     out = Columns({n: tokens[n] for n in ("pass", "row", "seq", "pos", "id", "mode")} | {"key": keys})
-    return out, conflicts, _history_notes(history, keys_by_seq, int(np.count_nonzero(tokens["id"] < 0)))
+    return out, _history_notes(branches, int(np.count_nonzero(tokens["id"] < 0)))
 
 
-def _history_notes(history: Dict[str, Dict[int, int]], keys_by_seq: Dict[str, list], unknown_ids: int) -> List[str]:
+class _Branch:
+    """One sequence's token ids from position 0 as last computed, with the key of each prefix."""
+    __slots__ = ("ids", "keys", "gap")
+
+    def __init__(self):
+        self.ids: List[int] = []
+        self.keys: List[bytes] = []
+        self.gap: Optional[Tuple[int, int]] = None  # (first unknown position, the row found past it)
+
+    def place(self, pos: int, tok: int) -> Optional[bytes]:
+        """The key of token ``tok`` computed at ``pos``: on the branch when it holds that token
+        there, else on a new branch from ``pos``; None when an earlier position is unknown."""
+        if pos < len(self.ids):
+            if self.ids[pos] == tok:
+                return self.keys[pos]
+            del self.ids[pos:], self.keys[pos:]  # another token here: the old branch ends before it
+        if pos == len(self.ids):
+            before = self.keys[-1] if self.keys else b""
+            self.keys.append(hashlib.blake2b(before + int(tok).to_bytes(8, "little", signed=True), digest_size=16).digest())
+            self.ids.append(tok)
+            return self.keys[-1]
+        if self.ids and self.gap is None:
+            self.gap = (len(self.ids), pos)
+        return None
+
+
+def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str]:
     """Why rows of a dump cannot be keyed, for an error that found no partner: a sequence whose
-    positions skip one (rows after the gap have no known prefix), token ids not recorded."""
+    positions jump (rows after the gap have no known prefix), token ids not recorded."""
     notes = []
-    for seq, known in history.items():
-        gap = len(keys_by_seq[seq])  # the first position missing from 0 on
-        later = sorted(p for p in known if p > gap)
-        if later and gap:
-            notes.append(f"sequence {seq} has no token at position {gap} but has rows at {later[0]} and after: its "
+    for seq, branch in branches.items():
+        if branch.gap is not None:
+            missing, found = branch.gap
+            notes.append(f"sequence {seq} has no token at position {missing} but has rows at {found} and after: its "
                          "positions jump (a position or rotary bug in the engine?), and rows after the gap cannot "
                          "be paired")
             break
@@ -95,19 +125,8 @@ def _history_notes(history: Dict[str, Dict[int, int]], keys_by_seq: Dict[str, li
     return notes
 
 
-def _prefix_keys(known: Dict[int, int]) -> List[bytes]:
-    """Chained hashes of ids[0..p] for every p while positions 0..p are all known."""
-    keys, digest = [], b""
-    pos = 0
-    while pos in known:
-        digest = hashlib.blake2b(digest + int(known[pos]).to_bytes(8, "little", signed=True), digest_size=16).digest()
-        keys.append(digest)
-        pos += 1
-    return keys
-
-
 def align(a: Index, b: Index) -> Alignment:
-    (keys_a, conflicts_a, _), (keys_b, conflicts_b, notes_b) = row_keys(a), row_keys(b)
+    (keys_a, _), (keys_b, notes_b) = row_keys(a), row_keys(b)
     last_in_a = {key: i for i, key in enumerate(keys_a["key"].tolist()) if key is not None}  # the last row wins
     keyed_b = np.array([key is not None for key in keys_b["key"].tolist()], dtype=bool)
     partner = np.array([last_in_a.get(key, -1) if key is not None else -1 for key in keys_b["key"].tolist()],
@@ -122,14 +141,12 @@ def align(a: Index, b: Index) -> Alignment:
     cached_a = sum(mode not in ("prefill", None) for mode in keys_a["mode"].tolist())
     return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
                      rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
-                     conflicts=conflicts_a + conflicts_b, history_notes_b=notes_b, cached_a=cached_a)
+                     history_notes_b=notes_b, cached_a=cached_a)
 
 
 def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, trust: bool = False) -> Alignment:
     """Check the alignment; raise DumpError (exit 2) with the reason when it does not hold."""
     pairs = alignment.cols
-    if alignment.conflicts:
-        raise DumpError(f"cannot align: {alignment.conflicts[0]}; the dump mixes requests under one sequence key")
     why = "".join(f"; {label_b}: {note}" for note in alignment.history_notes_b)
     if not len(pairs):
         raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0)" +

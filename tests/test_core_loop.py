@@ -153,6 +153,34 @@ def test_swapped_arguments_are_warned_about(llama_dir, tmp_path):
     assert code == 1 and "arguments swapped" not in err + out
 
 
+@pytest.mark.parametrize("planted", [False, True], ids=["clean", "stale-kv"])
+def test_speculative_decoding_aligns_and_finds_the_planted_bug(llama_dir, tmp_path, planted):
+    """HF assisted generation: each step verifies a draft model's tokens in one pass, and a
+    rejected draft's position is computed again by the next pass with another token. Rows of
+    rejected drafts pair with nothing; every other position pairs with the reference. (It was
+    "cannot align: two token ids at position 24".) A stale cached key is still named."""
+    model = load_model(make_tiny_llama(tmp_path / "main", num_hidden_layers=3), torch.float32)
+    draft = load_model(make_tiny_llama(tmp_path / "draft", seed=1), torch.float32)
+    if planted:
+        plant_stale_kv(model, layer=1, position=3)
+    prompt = prompt_ids(24)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    try:
+        with torch.no_grad():
+            handle.configure(enable=True, exp_name="dec")
+            out = model.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=draft)
+            handle.configure(exp_name="ref")
+            model(out)
+    finally:
+        handle.remove()
+    code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
+    verdict = result["ranks"]["0"]
+    assert verdict["alignment"]["unaligned_b"] > 0  # rejected drafts: the draft model's weights are other
+    assert verdict["rows_compared"] == out.shape[1] - 1  # every position but the last token, never fed back
+    noise = [c["call"] for c in verdict["noise"]["culprits"]] if "noise" in verdict else []
+    assert noise == (["model.layers.1.self_attn#0"] if planted else [])
+
+
 class SplitKLinear(torch.nn.Linear):
     """A batch-variant GEMM, as real kernels are: over one token row it sums K in two halves."""
 
