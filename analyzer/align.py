@@ -37,7 +37,9 @@ class Alignment:
     rows_b: int
     cached_b: int = 0  # rows of B computed on a cache (decode, extend): what the comparison is for
     cached_unpaired_b: int = 0  # of those, rows with no partner in A
-    cached_a: int = 0  # rows of A computed on a cache: a reference is one prefill, so none
+    cached_a: int = 0  # rows of A computed on a cache (extend, decode): a reference made on a warm cache has them
+    decode_a: int = 0  # decode rows of A: a reference prefill has none
+    decode_b: int = 0
     embedding: Optional[str] = None  # module path of the embedding call used in the proof
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
     history_notes_b: List[str] = dataclasses.field(default_factory=list)  # why rows of B have no key (row_keys)
@@ -68,6 +70,7 @@ def row_keys(index: Index) -> Tuple[Columns, List[str]]:
     branches: Dict[str, _Branch] = {}
     keys = np.empty(len(tokens), dtype=object)
     passes, seqs, positions, ids = (tokens[n].tolist() for n in ("pass", "seq", "pos", "id"))
+    steps = tokens["step"].tolist() if "step" in tokens else [None] * len(tokens)
     started = None
     for i in np.lexsort((tokens["pos"], codes, tokens["pass"])).tolist():  # each (pass, sequence) in position order
         branch = branches.get(seqs[i]) or branches.setdefault(seqs[i], _Branch())
@@ -76,24 +79,26 @@ def row_keys(index: Index) -> Tuple[Columns, List[str]]:
             prefix = prefixes.get((int(passes[i]), seqs[i])) or []  # a cache hit's prefix: this pass's context
             for offset, tok in enumerate(prefix, start=positions[i] - len(prefix)):
                 if offset >= 0:
-                    branch.place(offset, int(tok))
-        keys[i] = branch.place(positions[i], ids[i])
+                    branch.place(offset, int(tok), steps[i])
+        keys[i] = branch.place(positions[i], ids[i], steps[i])
     out = Columns({n: tokens[n] for n in ("pass", "row", "seq", "pos", "id", "mode")} | {"key": keys})
     return out, _history_notes(branches, int(np.count_nonzero(tokens["id"] < 0)))
 
 
 class _Branch:
     """One sequence's token ids from position 0 as last computed, with the key of each prefix."""
-    __slots__ = ("ids", "keys", "gap")
+    __slots__ = ("ids", "keys", "step", "gap")
 
     def __init__(self):
         self.ids: List[int] = []
         self.keys: List[bytes] = []
-        self.gap: Optional[Tuple[int, int]] = None  # (first unknown position, the row found past it)
+        self.step = None  # the engine step of the pass that last extended it
+        self.gap: Optional[tuple] = None  # (first unknown position, the row found past it, step before, step of it)
 
-    def place(self, pos: int, tok: int) -> Optional[bytes]:
-        """The key of token ``tok`` computed at ``pos``: on the branch when it holds that token
-        there, else on a new branch from ``pos``; None when an earlier position is unknown."""
+    def place(self, pos: int, tok: int, step=None) -> Optional[bytes]:
+        """The key of token ``tok`` computed at ``pos`` (in engine step ``step``): on the branch
+        when it holds that token there, else on a new branch from ``pos``; None when an earlier
+        position is unknown."""
         if pos < len(self.ids):
             if self.ids[pos] == tok:
                 return self.keys[pos]
@@ -102,22 +107,32 @@ class _Branch:
             before = self.keys[-1] if self.keys else b""
             self.keys.append(hashlib.blake2b(before + int(tok).to_bytes(8, "little", signed=True), digest_size=16).digest())
             self.ids.append(tok)
+            self.step = step
             return self.keys[-1]
         if self.ids and self.gap is None:
-            self.gap = (len(self.ids), pos)
+            self.gap = (len(self.ids), pos, self.step, step)
         return None
 
 
 def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str]:
-    """Why rows of a dump cannot be keyed, for an error that found no partner: a sequence whose
-    positions jump (rows after the gap have no known prefix), token ids not recorded."""
+    """Why rows of a dump cannot be keyed, for an error that found no partner: a sequence with
+    no row at some position but rows after it (a pass not dumped, or positions that jump),
+    token ids not recorded."""
     notes = []
     for seq, branch in branches.items():
         if branch.gap is not None:
-            missing, found = branch.gap
-            notes.append(f"sequence {seq} has no token at position {missing} but has rows at {found} and after: its "
-                         "positions jump (a position or rotary bug in the engine?), and rows after the gap cannot "
-                         "be paired")
+            missing, found, before, after = branch.gap
+            known = all(isinstance(s, (int, np.integer)) for s in (before, after))
+            if known and after == before + 1:
+                why = (f"between consecutive engine steps {before} and {after} its positions jump (a position or "
+                       "rotary bug in the engine?)")
+            elif known:
+                why = (f"the passes of engine steps {before + 1}..{after - 1} were not dumped (dumping paused?), or its "
+                       "positions jump")
+            else:
+                why = "a pass was not dumped, or its positions jump (a position or rotary bug in the engine?)"
+            notes.append(f"sequence {seq} has no row at position {missing} but has rows at {found} and after: {why}; "
+                         "rows after the gap cannot be paired")
             break
     if unknown_ids:
         notes.append(f"{unknown_ids} token rows hold no token id (-1: a forward given inputs_embeds instead of input_ids "
@@ -139,25 +154,29 @@ def align(a: Index, b: Index) -> Alignment:
                     "id_a": keys_a["id"][at_a], "mode_a": keys_a["mode"][at_a], "mode_b": keys_b["mode"][at_b]})
     cached = np.array([mode not in ("prefill", None) for mode in keys_b["mode"].tolist()], dtype=bool)
     cached_a = sum(mode not in ("prefill", None) for mode in keys_a["mode"].tolist())
+    decode_a = sum(mode == "decode" for mode in keys_a["mode"].tolist())
+    decode_b = sum(mode == "decode" for mode in keys_b["mode"].tolist())
     return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
                      rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
-                     history_notes_b=notes_b, cached_a=cached_a)
+                     history_notes_b=notes_b, cached_a=cached_a, decode_a=decode_a, decode_b=decode_b)
 
 
 def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, trust: bool = False) -> Alignment:
     """Check the alignment; raise DumpError (exit 2) with the reason when it does not hold."""
     pairs = alignment.cols
     why = "".join(f"; {label_b}: {note}" for note in alignment.history_notes_b)
+    if alignment.cached_a:  # the reference's cached tokens have no rows: it cannot pair them
+        why += (f"; {label_a} holds {alignment.cached_a} rows computed on a cache (extend or decode passes), not one "
+                "prefill: flush the engine's cache before dumping the reference (sglang: POST /flush_cache)")
     if not len(pairs):
-        raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0)" +
-                        (why or "; were both dumps made from the same prompt? dump the reference prefill of prompt+output"))
+        raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0); "
+                        "were both dumps made from the same prompt? dump the reference prefill of prompt+output" + why)
     if alignment.cached_b and alignment.cached_unpaired_b == alignment.cached_b:
         # Only prefill rows would be compared: "no divergence" would hide that the decode steps,
         # the point of the comparison, were never looked at.
         raise DumpError(f"none of the {alignment.cached_b} decode/extend rows of {label_b} has a partner in {label_a} "
-                        "(same token ids from position 0)" +
-                        (why or "; the reference must hold the tokens the decode run generated: dump it as one prefill "
-                                "of prompt+output"))
+                        "(same token ids from position 0); the reference must hold the tokens the decode run generated: "
+                        "dump it as one prefill of prompt+output" + why)
     bad = int(((pairs["id"] != pairs["id_a"]) | (pairs["pos"] != pairs["pos_a"])).sum())
     if bad:
         raise DumpError(f"alignment broken: {bad} paired rows differ in token id or position")
@@ -199,18 +218,22 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
 def row_selection_hint(a: Index, b: Index) -> str:
     """For an error that found no paired row dumped on both sides: the row selection each dump
     was made with, and what it must keep ("" when neither selected rows)."""
-    kept = []
+    kept, last_rows = [], False
     for index in (a, b):
         config = index.dump.run.get("config") or {}
         if config.get("last_rows"):
             kept.append(f"{index.dump.label} kept DUMPER_LAST_ROWS={config['last_rows']}")
+            last_rows = last_rows or index is a
         if config.get("positions"):
             kept.append(f"{index.dump.label} kept DUMPER_POSITIONS={config['positions']!r}")
     if not kept:
         return ""
-    return (f"; {' and '.join(kept)}: a reference prefill of prompt+output holds one row more than the decode run "
-            "computes (its last generated token is never fed back), so the reference must keep at least the decode "
-            "steps of a sequence plus one (DUMPER_LAST_ROWS >= new tokens)")
+    advice = ("the reference prefill of prompt+output holds one row more than the decode run computes (its last "
+              "generated token is never fed back), so the reference must keep at least the decode steps of a "
+              "sequence plus one (DUMPER_LAST_ROWS >= new tokens)" if last_rows else
+              "keep positions that both runs compute (the decode steps: DUMPER_POSITIONS='T:' with T the prompt length, "
+              "in both dumps)")
+    return f"; {' and '.join(kept)}: {advice}"
 
 
 def embedding_call(index: Index):

@@ -4,6 +4,7 @@ and give the verdict rank by rank. Returns a plain dict that every report format
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from .align import align, prove, row_selection_hint
@@ -46,11 +47,13 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             raise DumpError(f"rank {rank} is not in both dumps (ranks {ranks})")
         ranks = [rank]
     result = {"a": describe(dump_a), "b": describe(dump_b), "ranks": {}, "warnings": dump_a.warnings() + dump_b.warnings()}
+    if os.path.realpath(dump_a.path) == os.path.realpath(dump_b.path):
+        _warn(result, f"both arguments are the same dump ({show(dump_a.label)}): it is compared with itself")
     for r in ranks:
         ia, ib = index_a.rank(r), index_b.rank(r)
         alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
-        if alignment.cached_a and not alignment.cached_b and r == ranks[0]:
-            _warn_swapped(result, dump_a, dump_b, alignment.cached_a)
+        if alignment.decode_a and not alignment.decode_b and r == ranks[0]:
+            _warn_swapped(result, dump_a, dump_b, alignment.decode_a)
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean
@@ -75,11 +78,16 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     return result
 
 
-def _warn_swapped(result: dict, a: Dump, b: Dump, cached_a: int):
+def _warn_swapped(result: dict, a: Dump, b: Dump, decode_a: int):
     """The reference (first argument) holds decode steps and the run under test none: the usual
-    slip of giving the decode run first. The verdict still runs (the labels say which is which)."""
-    note = (f"{show(a.label)} (the reference, first argument) has {cached_a} decode/extend rows and {show(b.label)} has "
-            "none: are the arguments swapped? give the reference prefill first: first-divergence REF DEC")
+    slip of giving the decode run first. The verdict still runs (the labels say which is which).
+    Extend rows in a reference are no sign of it: chunked prefills and cache hits make them."""
+    _warn(result, f"{show(a.label)} (the reference, first argument) has {decode_a} decode rows and {show(b.label)} has "
+          "none: are the arguments swapped? give the reference prefill first: first-divergence REF DEC")
+
+
+def _warn(result: dict, note: str):
+    """On stderr now, and in the report."""
     logging.getLogger("dumpdiff").warning("warning: %s", note)
     result["warnings"].append(note)
 
@@ -121,10 +129,12 @@ def summarize(verdict: dict) -> str:
     if found:
         top = found[0]
         kinds = ", ".join(f"{n} {k}" for k, n in top["kinds"].items())
-        parts.append(f"A real error is introduced at {top['call']} ({top['cls']}) on {top['rows']} rows ({kinds}): "
+        examined, total = noise.get("rows_examined"), noise.get("rows_total")
+        sampled = f" of the {examined} sampled (of {total})" if examined is not None and total and examined < total else ""
+        parts.append(f"A real error is introduced at {top['call']} ({top['cls']}) on {top['rows']} rows{sampled} ({kinds}): "
                      f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}, "
                      f"{top['amplification']:.3g}x amplification, far beyond float noise. "
-                     "Look there for a state or cache bug.")
+                     "Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
         parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: the divergence is float noise "
                      "carried along (batch-variance), not a state bug.")

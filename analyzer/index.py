@@ -186,13 +186,13 @@ def _locked_folders(places: List[str], held: contextlib.ExitStack) -> dict:
     for where in dict.fromkeys(places):
         try:
             os.makedirs(where, exist_ok=True)
-            handle = open(os.path.join(where, ".lock"), "a")
-        except OSError as exc:  # a full or read-only disk: the comparison needs no saved index
+            handle = _open_regular(os.path.join(where, ".lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, "ab")
+        except OSError as exc:  # a full or read-only disk (or no regular lock file): no saved index is needed
             _unsaved(where, exc)
             found[where] = None
             continue
-        stat = os.fstat(handle.fileno())
-        found[where] = (stat.st_dev, stat.st_ino)
+        info = os.fstat(handle.fileno())
+        found[where] = (info.st_dev, info.st_ino)
         if found[where] in handles:
             handle.close()  # locking it again through a second open file would wait for ourselves
         else:
@@ -246,13 +246,27 @@ def _warn(dump: Dump):
 
 def _open_saved(path: str):
     """A saved index file, opened for reading; anything but a regular file is damage (OSError: the
-    index is rebuilt over it). A named pipe in a table's place would otherwise block the open,
-    and the command, forever."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    index is rebuilt over it)."""
+    return _open_regular(path, os.O_RDONLY, "rb")
+
+
+def _open_regular(path: str, flags: int, mode: str):
+    """Open a file of the index folder, refusing anything but a regular file (OSError): opening a
+    named pipe put in its place would block, and the command with it, forever."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o644)
+    except OSError:
+        if os.path.exists(path) and not os.path.isfile(path):  # a pipe without a reader: ENXIO
+            raise OSError(f"{show(path)} is not a regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{show(path)} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, mode)
+    except BaseException:
         os.close(fd)
-        raise OSError(f"{path}: not a regular file")
-    return os.fdopen(fd, "rb")
+        raise
 
 
 def _read_table(path: str, lazy: bool = False):
@@ -272,9 +286,11 @@ def _read_table(path: str, lazy: bool = False):
 
 
 def _whole(handle):
-    """The file's bytes for pyarrow: mapped, not copied (a copy cost 11 ms of a 0.45 s verdict on
-    the H200); read where a file cannot be mapped (an empty one). A rebuild writes new files and
-    renames them into place: a mapped file is never changed under us."""
+    """The file's bytes for pyarrow: mapped, not copied (copying cost 11 ms of a 0.45 s verdict on
+    the H200, benchmarks/results/h200-table-reads-s21/); read where a file cannot be mapped (an
+    empty one). dumpdiff's rebuilds write new files and rename them into place, so a mapped file
+    is never changed under it; a tool that rewrites a saved table in place while a command reads
+    it (rsync --inplace) would end that command with SIGBUS."""
     import mmap
     import pyarrow as pa
     try:
@@ -338,9 +354,10 @@ class LazyParquet:
         return self._read(None).to_pandas(use_threads=False)
 
     def close(self):
+        """Let go of the mapping now (both the bytes and the parser over them hold it)."""
         with self._lock:
             self._settle(quiet=True)
-        self._data = None
+        self._data = self._file = None
 
     def _settle(self, quiet: bool = False):
         """Wait for the read-ahead (under self._lock)."""
@@ -356,6 +373,8 @@ class LazyParquet:
         """The named columns (one, unless ``as_table``: that column; None: the whole table). Each read
         has a ParquetFile of its own (over the same bytes, footer parsed once): one is not safe
         on two threads."""
+        if self._file is None:
+            raise DumpError(f"{show(self._path)}: read after the index was closed")
         try:
             table = _parquet(self._data, self._file.metadata).read(columns=columns, use_threads=False)
         except _unreadable_errors() as exc:

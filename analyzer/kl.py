@@ -137,8 +137,9 @@ def classify(helpers: dict) -> dict:
         if not any(n in clean for n in CACHE_HELPERS):
             kind = BATCH
             text = ("every helper is dirty, with and without the cache: prefill and decode compute the same token "
-                    "differently (batch-variance, e.g. a kernel chosen by the number of token rows). Localize the "
-                    "first op whose bits flip with `dumpdiff localize` (strict culprit).")
+                    "differently (batch-variance, e.g. a kernel chosen by the number of token rows). Localize it "
+                    "with `dumpdiff localize`: an op that adds an error beyond float noise (noise-aware culprit) "
+                    "first, else the first op whose bits flip (strict culprit).")
             if not all(n in dirty for n in CACHE_HELPERS):
                 notes.append("the cache-hit helpers did not all run (" + ", ".join(
                     f"{n} {status.get(n) or 'not run'}" for n in CACHE_HELPERS if n not in dirty) + ")")

@@ -69,7 +69,7 @@ class Dump:
                              f"(killed, crashed or still running); passes after pass {last} may be missing")
             if rank.orphans:
                 notes.append(f"{self.label} rank{rank.rank}: {len(rank.orphans)} uncommitted pass file(s) ignored "
-                             f"(writer was killed mid-write): {', '.join(rank.orphans[:3])}")
+                             f"(a writer killed mid-write, or one still writing): {', '.join(rank.orphans[:3])}")
         return notes
 
 

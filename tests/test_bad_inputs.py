@@ -290,13 +290,15 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
         handle.seek(-8, 2)
         handle.write(b"\0" * 8)
 
-    def open_tables():
+    def open_tables():  # open files and memory mappings (saved tables are mapped)
         found = []
         for fd in os.listdir("/proc/self/fd"):
             try:
                 found.append(os.readlink(f"/proc/self/fd/{fd}"))
             except OSError:
                 pass
+        with open("/proc/self/maps") as maps:
+            found += [line.split()[-1] for line in maps if line.strip()]
         return [f for f in found if ".parquet" in f and str(tmp_path) in f]
     gc.disable()
     try:
@@ -308,24 +310,26 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
 
 
 @pytest.mark.parametrize("where", ["beside the tables", "in place of the rows table", "in place of a table, stamp kept",
-                                   "in place of the stamp"])
+                                   "in place of the stamp", "in place of the lock file"])
 def test_a_named_pipe_in_the_index_folder_does_not_hang_the_comparison(dumps, tmp_path, where):
     """first-divergence asks the kernel to read the saved index ahead; opening a named pipe for
     that would wait for a writer forever. Beside the tables it is ignored; in place of a table
-    or of the stamp, the index is rebuilt over it (with the stamp kept, opening the table hung
-    until stop 21)."""
+    or of the stamp, the index is rebuilt over it; in place of the lock file, the index is used
+    from memory, with a warning (with the stamp kept, or as the lock, the open hung until stop 21)."""
     ref, dec = dumps
     dec = copy_dump(dec, tmp_path / "dec")
     assert dumpdiff("index", dec, "--no-progress")[0] == 0
     folder = os.path.join(dec, "index")
     replaced = {"beside the tables": [], "in place of the rows table": ["stamp.json", "rows.parquet"],
-                "in place of a table, stamp kept": ["tokens.parquet"], "in place of the stamp": ["stamp.json"]}[where]
+                "in place of a table, stamp kept": ["tokens.parquet"], "in place of the stamp": ["stamp.json"],
+                "in place of the lock file": [".lock"]}[where]
     for name in replaced:
         os.unlink(os.path.join(folder, name))
     for name in replaced[-1:] or ["notes"]:
         os.mkfifo(os.path.join(folder, name))
     code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress", timeout=60)
     assert code in (0, 1) and "alignment proof: OK" in out, err
+    assert ("lock is not a regular file" in err) == (where == "in place of the lock file"), err
 
 
 def test_a_table_footer_pyarrow_cannot_read_is_rebuilt(dumps, tmp_path):

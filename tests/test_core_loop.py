@@ -106,7 +106,33 @@ def test_a_decode_run_whose_positions_jump_is_named_as_such(llama_dir, tmp_path)
     model.prepare_inputs_for_generation = shifted
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6)
     one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"),
-                   "none of the 5 decode/extend rows", "has no token at position 24 but has rows at 25", "positions jump")
+                   "none of the 5 decode/extend rows", "has no row at position 24 but has rows at 25",
+                   "between consecutive engine steps", "positions jump")
+
+
+def test_a_decode_step_not_dumped_is_not_blamed_on_the_engine(llama_dir, tmp_path):
+    """Dumping paused for one decode step leaves the same hole in positions as an engine that
+    skips one; the engine steps tell them apart (they are counted while dumping is off)."""
+    from dump_surgery import one_line_error
+    model = load_model(llama_dir, torch.float32)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    forwards = [0]
+
+    def pause_first_decode_step(module, args, out):
+        forwards[0] += 1
+        handle.configure(enable=forwards[0] != 1)  # off after the prefill, on again after the first decode step
+    hook = model.lm_head.register_forward_hook(pause_first_decode_step)
+    try:
+        with torch.no_grad():
+            handle.configure(enable=True, exp_name="dec")
+            out = model.generate(prompt_ids(24), max_new_tokens=6, do_sample=False)
+            hook.remove()
+            handle.configure(enable=True, exp_name="ref")
+            model(out)
+    finally:
+        handle.remove()
+    one_line_error(dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress"),
+                   "has no row at position 24 but has rows at 25", "were not dumped (dumping paused?)")
 
 
 def test_a_run_from_inputs_embeds_says_its_token_ids_are_unknown(llama_dir, tmp_path):
@@ -151,6 +177,49 @@ def test_swapped_arguments_are_warned_about(llama_dir, tmp_path):
     assert any("are the arguments swapped?" in w for w in json.loads(out)["warnings"])
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
     assert code == 1 and "arguments swapped" not in err + out
+
+
+def test_a_reference_made_on_a_warm_cache_says_to_flush_it(llama_dir, tmp_path):
+    """A reference prefill whose prompt came from the cache (dumped without a flush) holds rows
+    for the new tokens only, none from position 0: nothing pairs, and the error says why."""
+    from dump_surgery import one_line_error
+    from transformers import DynamicCache
+    model = load_model(llama_dir, torch.float32)
+    prompt = prompt_ids(24)
+    ref, dec, out = dump_pair(model, tmp_path / "pair", prompt, new_tokens=6)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    try:
+        with torch.no_grad():
+            cache = DynamicCache()
+            model(out[:, :24], past_key_values=cache, use_cache=True)  # the warm cache, not dumped
+            handle.configure(enable=True, exp_name="warm_ref")
+            model(out[:, 24:], past_key_values=cache, use_cache=True)
+    finally:
+        handle.remove()
+    one_line_error(dumpdiff("first-divergence", tmp_path / "warm_ref", dec, "--no-progress"),
+                   "rows computed on a cache", "flush the engine's cache before dumping the reference")
+
+
+def test_a_chunked_reference_is_not_taken_for_swapped_arguments(llama_dir, tmp_path):
+    """A reference prefilled in two chunks (its second chunk an extend pass, as sglang's chunked
+    prefill or a cache hit makes) against one plain prefill: no decode rows, no warning."""
+    from transformers import DynamicCache
+    model = load_model(llama_dir, torch.float32)
+    ids = prompt_ids(32)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    try:
+        with torch.no_grad():
+            handle.configure(enable=True, exp_name="chunked")
+            cache = DynamicCache()
+            model(ids[:, :16], past_key_values=cache, use_cache=True)
+            model(ids[:, 16:], past_key_values=cache, use_cache=True)
+            handle.configure(exp_name="whole")
+            model(ids)
+    finally:
+        handle.remove()
+    code, out, err = dumpdiff("first-divergence", tmp_path / "chunked", tmp_path / "whole", "--no-progress")
+    assert code in (0, 1) and "alignment proof: OK" in out, err
+    assert "swapped" not in err
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["clean", "stale-kv"])
@@ -415,6 +484,7 @@ def test_a_dump_compared_with_itself_does_not_diverge(llama_dir, tmp_path):
     for _ in range(3):
         code, out, err = dumpdiff("first-divergence", dec, dec, "--no-progress", "--strict-only")
         assert code == 0 and "NO DIVERGENCE" in out, out + err
+        assert "both arguments are the same dump" in err  # said, in case it was a slip
 
 
 def test_index_progress_shows_on_a_terminal_only(llama_dir, tmp_path):

@@ -59,6 +59,16 @@ def calibrated(clean, tmp_path_factory):
     return path, json.loads(out)
 
 
+def localize_json(server, kl_result: dict, tmp_path, prefix: str):
+    """`dumpdiff localize` on a saved `kl` result; (its JSON result, stderr). A culprit: exit 1."""
+    saved = tmp_path / "kl.json"
+    saved.write_text(json.dumps(kl_result))
+    code, out, err = dumpdiff("localize", "--url", server.url, "--kl-result", saved, "--exp-prefix", prefix,
+                              "--format", "json", "-q")
+    assert code == 1, err
+    return json.loads(out), err
+
+
 def kl_json(url, *args):
     code, out, err = dumpdiff("kl", "--url", url, "--format", "json", "-q", *args)
     assert code in (0, 1), err
@@ -141,12 +151,7 @@ def test_planted_cache_restore_bug_is_a_state_bug_and_localized(sglang, model_di
     choice = result["verdict"]["localize"]
     assert choice["helper"] in ("prefill_cache_hit", "decode_cache_hit")
 
-    saved = tmp_path / "kl.json"
-    saved.write_text(json.dumps(result))
-    code, out, err = dumpdiff("localize", "--url", server.url, "--kl-result", saved, "--exp-prefix", "kl-test",
-                              "--format", "json", "-q")
-    assert code == 1, err
-    found = json.loads(out)
+    found, err = localize_json(server, result, tmp_path, "kl-test")
     assert found["helper"] == choice["helper"] and found["replay"]["hit"]
     assert found["noise_culprits"][0]["call"] == PLANTED_ATTN and found["noise_culprits"][0]["cls"] == "RadixAttention"
     assert found["strict_culprit"]["call"]  # CPU float32: the first bit flips early (layer 0 GEMM) anyway
@@ -156,11 +161,21 @@ def test_planted_cache_restore_bug_is_a_state_bug_and_localized(sglang, model_di
     server.stop()  # done with it: free its memory for the next server
 
 
-def test_planted_batch_variant_op_dirties_every_helper(sglang, model_dir, calibrated):
+def test_planted_batch_variant_op_dirties_every_helper(sglang, model_dir, calibrated, tmp_path):
+    """The planted op is wrong only on passes of one token row. Three prompts share each decode
+    step; their output lengths are staggered (16, 15, 8), so the last steps run with one prompt
+    alone and the bug shows. With one length for all, every step ran at batch size 3 and the
+    check said PASS. localize then points at the planted op first, not at the strict culprit
+    (natural CPU GEMM variance), and not at a cache bug."""
     server = sglang(model_dir, env={"DUMPDIFF_PLANT": "batch_variant:1"}, extra_args=IDLE)
-    code, result = kl_json(server.url, "--max-samples", "1", "--max-new-tokens", "16", "--prompt-len", "16",
+    code, result = kl_json(server.url, "--max-samples", "3", "--max-new-tokens", "16", "--prompt-len", "16",
                            "--thresholds", calibrated[0])
     assert code == 1 and result["verdict"]["kind"] == "batch_invariance", result["verdict"]
     assert all(h["status"] == "dirty" for h in result["helpers"].values())
+    assert result["settings"]["new_tokens"] == [16, 15, 8]
     assert result["verdict"]["localize"]["helper"] == "match"
+    found, _ = localize_json(server, result, tmp_path, "kl-bv")
+    planted = "model.layers.1.mlp.down_proj#0"
+    assert found["noise_culprits"][0]["call"] == planted
+    assert found["reading"].startswith(f"look at {planted} first") and "not a prefix-cache restore" in found["reading"]
     server.stop()

@@ -175,7 +175,7 @@ def test_kill_9_mid_write_leaves_whole_passes_and_the_analyzer_says_what_is_miss
     assert code == 0, err
     rows = 24 + (n - 1)  # the prefill's 24 rows and one row per committed decode pass
     assert f"{rows} token rows" in out
-    assert f"1 uncommitted pass file(s) ignored (writer was killed mid-write): {leftover[0]}" in err
+    assert f"1 uncommitted pass file(s) ignored (a writer killed mid-write, or one still writing): {leftover[0]}" in err
     assert f"never closed the dump (killed, crashed or still running); passes after pass {n - 1} may be missing" in err
 
     # the reference: one prefill of prompt + everything the run would have generated

@@ -335,3 +335,15 @@ def test_report_command_writes_markdown_by_default(reports, dumps, tmp_path):
     code, out, err = dumpdiff("report", *dumps, "-o", target, "--no-progress")
     assert code == 1 and out == "" and "wrote" in err
     assert target.read_text(encoding="utf-8") == reports["md"]  # the same report first-divergence writes
+
+
+@pytest.mark.parametrize("examined,total", [(200, 634), (40, 40)])
+def test_the_summary_says_when_its_row_count_is_of_a_sample(examined, total):
+    """The noise-aware verdict reads at most 512 rows; the summary's count of rows with a real
+    error is of those, and says so when they are a sample."""
+    from analyzer.diverge import summarize
+    culprit = {"call": "model.layers.0.self_attn.attn#0", "cls": "RadixAttention", "rows": 38,
+               "kinds": {"decode": 34, "extend": 4}, "out_err": 0.2, "in_err": 0.0, "amplification": 1e4}
+    text = summarize({"culprit": None, "noise": {"culprits": [culprit], "rows_examined": examined, "rows_total": total}})
+    sampled = f"on 38 rows of the {examined} sampled (of {total}) (34 decode, 4 extend)"
+    assert (sampled in text) == (examined < total) and "on 38 rows" in text
