@@ -55,9 +55,7 @@ def prompt_options(func):
         click.option("--max-samples", default=32, show_default=True, type=click.IntRange(1),
                      help="Prompts to use (as sglang's KL tests)."),
         click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(1),
-                     help="Tokens generated per prompt (ignore_eos): the first prompt this many, the others "
-                          "fewer, down to about half, so the helpers' decode steps run at every batch size down "
-                          "to 1; a replay generates this many."),
+                     help="Tokens generated per prompt (ignore_eos: exactly this many)."),
         click.option("--prompt-len", default=256, show_default=True, type=click.IntRange(2),
                      help="Synthetic prompts: mean length (each 0.5x..1.5x)."),
         click.option("--seed", default=0, show_default=True, type=int,

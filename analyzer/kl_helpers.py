@@ -11,9 +11,6 @@ decode_cache_hit   flush; turn 1 generates; turn 2 = prompt + output + one more 
                    warm cache (cached_tokens must reach into turn 1's output); flush; reference
                    prefill of turn 2 + its output.
 
-Each generate sends the helper's prompts at once with staggered output lengths
-(staggered_lengths): decode steps run at every batch size from the number of prompts down to 1.
-
 Tokens are aligned by position: output logprob k belongs to output_ids[k], and the reference
 prefill's last len(output) input logprobs to the same tokens. The token ids the server reports
 next to the logprobs are only checked, never trusted: sglang 0.5.23 reports the id
@@ -101,14 +98,10 @@ class Server:
                     raise DumpError(f"could not flush the cache: {exc}") from None
                 time.sleep(0.5)
 
-    def generate(self, input_ids: List[List[int]], max_new_tokens, *, sampling: dict,
+    def generate(self, input_ids: List[List[int]], max_new_tokens: int, *, sampling: dict,
                  return_logprob: bool = True, logprob_start_len: int = -1) -> list:
-        """``max_new_tokens``: one number for every prompt, or one per prompt."""
-        if isinstance(max_new_tokens, int):
-            params = {**sampling, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-        else:
-            params = [{**sampling, "max_new_tokens": n, "ignore_eos": True} for n in max_new_tokens]
-        body = {"input_ids": input_ids, "sampling_params": params}
+        body = {"input_ids": input_ids,
+                "sampling_params": {**sampling, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
         if return_logprob:
             body.update({"return_logprob": True, "return_text_in_logprobs": False,
                          "logprob_start_len": logprob_start_len})
@@ -197,19 +190,6 @@ def prefill_logprobs(result: dict, full: List[int], n: int, where: str, vocab_si
 
 # -- the helpers -------------------------------------------------------------------------------
 
-def staggered_lengths(n: int, max_new_tokens: int) -> List[int]:
-    """New tokens per prompt: the first gets max_new_tokens, the others fewer and fewer, down to
-    about half. Requests then finish one after another, so the decode steps run at every batch
-    size from n down to 1 (the last steps with the first prompt alone). With one length for all,
-    every decode step ran at batch size n, and a kernel path taken only at batch size 1 (a GEMV,
-    a split-K choice), where batch-variance often hides, was never exercised."""
-    if n <= 1 or max_new_tokens <= 1:
-        return [max_new_tokens] * n
-    low = max(1, (max_new_tokens + 1) // 2)
-    step = (max_new_tokens - 1 - low) / max(n - 2, 1)
-    return [max_new_tokens] + [max(low, max_new_tokens - 1 - round(i * step)) for i in range(n - 1)]
-
-
 class Context:
     """What every helper needs: the server, sampling, sizes, logging."""
 
@@ -261,7 +241,7 @@ def _ref_notes(ref_cached: list, notes: list):
 def run_match(ctx: Context, prompts: List[List[int]]) -> tuple:
     s = ctx.server
     s.flush()
-    results = s.generate(prompts, staggered_lengths(len(prompts), ctx.max_new_tokens), sampling=ctx.sampling)
+    results = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "match")
     cached = [_cached(r) for r in results]
     ref_lp, ref_cached = ctx.reference([p + o for p, o in zip(prompts, outs)], [len(o) for o in outs], "match")
@@ -294,7 +274,7 @@ def run_prefill_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     s = ctx.server
     s.flush()
     s.generate(prompts, 0, sampling=ctx.sampling, return_logprob=False)  # warm the radix cache
-    results = s.generate(prompts, staggered_lengths(len(prompts), ctx.max_new_tokens), sampling=ctx.sampling)
+    results = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "prefill_cache_hit")
     cached = [_cached(r) for r in results]
     hits = [c > 0 and c >= expected_prefill_hit(len(p), s.page_size) for p, c in zip(prompts, cached)]
@@ -335,7 +315,7 @@ def run_decode_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     first = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)  # turn 1: fills the cache
     extra = turn_tokens(ctx, prompts)
     second = [p + list(r.get("output_ids") or []) + [t] for p, r, t in zip(prompts, first, extra)]
-    results = s.generate(second, staggered_lengths(len(second), ctx.max_new_tokens), sampling=ctx.sampling)
+    results = s.generate(second, ctx.max_new_tokens, sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "decode_cache_hit")
     cached = [_cached(r) for r in results]
     hits = [c > len(p) + 1 for p, c in zip(prompts, cached)]  # restored into turn 1's output (sglang's rule)
@@ -401,10 +381,13 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
     sampling = sampling_params(server, temperature, seed, notes)
     ctx = Context(server, max_new_tokens=max_new_tokens, sampling=sampling, vocab_size=vocab, log=log,
                   turn_token=turn_token)
+    if len(ids) > 1:  # say what the batch left out: bugs of one kernel shape hide there
+        notes.append(f"the {len(ids)} prompts of a helper decode together: every decode step ran at batch size "
+                     f"{len(ids)}, not 1 (one request alone), nor at the sizes in between; a kernel path taken only "
+                     "at those (a GEMV for one token row) was not exercised: rerun with --max-samples 1 to test one")
     result = {"kind": "dumpdiff-kl", "target": target, "prompts": prompt_info,
               "settings": {"max_samples": max_samples, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                           "seed": seed, "min_hit_rate": min_hit_rate, "helpers": list(helpers),
-                           "new_tokens": staggered_lengths(len(ids), max_new_tokens)},
+                           "seed": seed, "min_hit_rate": min_hit_rate, "helpers": list(helpers)},
               "threshold": limits, "helpers": {}, "timings": {}, "notes": notes}
     for name in helpers:
         if name not in RUNNERS:

@@ -38,14 +38,6 @@ def rows(result: dict) -> list:
     return out
 
 
-def _new_tokens(settings: dict) -> str:
-    lengths = settings.get("new_tokens") or []
-    if len(set(lengths)) > 1:  # staggered (analyzer/kl_helpers.py): every decode batch size was run
-        return (f"{max(lengths)} down to {min(lengths)} new tokens (staggered: decode steps at every batch size "
-                f"from {len(lengths)} down to 1)")
-    return f"{settings['max_new_tokens']} new tokens each"
-
-
 def _header_lines(result: dict) -> list:
     t, p, s, th = result["target"], result["prompts"], result["settings"], result["threshold"]
     if t.get("engine") == "sglang":
@@ -55,7 +47,7 @@ def _header_lines(result: dict) -> list:
         server = f"model: {t.get('model')} ({t.get('model_class')}, in-process)  {t.get('dtype')}  {t.get('device')}"
     lines = [server,
              f"prompts: {p['count']} from {p['source']}, {p.get('min_len')}..{p.get('max_len')} tokens, "
-             f"{_new_tokens(s)}, temperature {s['temperature']:g}",
+             f"{s['max_new_tokens']} new tokens each, temperature {s['temperature']:g}",
              f"threshold: {g(th['value'])} on avg_kl_div ({th['source']}{': ' + repr(th['key']) if th.get('key') else ''})"
              + ("; per helper " + ", ".join(f"{k} {g(v)}" for k, v in th["helpers"].items()) if th.get("helpers") else "")]
     return lines

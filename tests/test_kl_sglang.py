@@ -106,6 +106,7 @@ def test_clean_engine_calibrates_and_passes(clean, calibrated, model_dir):
     for row in result["helpers"]["prefill_cache_hit"]["per_prompt"]:
         assert row["cached_tokens"] == row["prompt_len"] - 1 and row["ref_cached_tokens"] == 0
     assert all(r["cached_tokens"] == 0 for r in result["helpers"]["match"]["per_prompt"])
+    assert any("decode together: every decode step ran at batch size" in n for n in result["notes"])
 
     code, out, _ = dumpdiff("kl", "--url", clean.url, *SIZES, "--thresholds", path, "-q")
     assert code == 0 and out.startswith("dumpdiff kl: PASS") and "prefill_cache_hit  clean" in out
@@ -162,17 +163,15 @@ def test_planted_cache_restore_bug_is_a_state_bug_and_localized(sglang, model_di
 
 
 def test_planted_batch_variant_op_dirties_every_helper(sglang, model_dir, calibrated, tmp_path):
-    """The planted op is wrong only on passes of one token row. Three prompts share each decode
-    step; their output lengths are staggered (16, 15, 8), so the last steps run with one prompt
-    alone and the bug shows. With one length for all, every step ran at batch size 3 and the
-    check said PASS. localize then points at the planted op first, not at the strict culprit
-    (natural CPU GEMM variance), and not at a cache bug."""
+    """The planted op is wrong only on passes of one token row: one prompt (each decode step of
+    batch size 1) shows it in every helper. localize then points at the planted op first, not
+    at the strict culprit (natural CPU GEMM variance), and not at a cache bug."""
     server = sglang(model_dir, env={"DUMPDIFF_PLANT": "batch_variant:1"}, extra_args=IDLE)
-    code, result = kl_json(server.url, "--max-samples", "3", "--max-new-tokens", "16", "--prompt-len", "16",
+    code, result = kl_json(server.url, "--max-samples", "1", "--max-new-tokens", "16", "--prompt-len", "16",
                            "--thresholds", calibrated[0])
     assert code == 1 and result["verdict"]["kind"] == "batch_invariance", result["verdict"]
     assert all(h["status"] == "dirty" for h in result["helpers"].values())
-    assert result["settings"]["new_tokens"] == [16, 15, 8]
+    assert not any("decode together" in n for n in result["notes"])  # one prompt: batch size 1 was run
     assert result["verdict"]["localize"]["helper"] == "match"
     found, _ = localize_json(server, result, tmp_path, "kl-bv")
     planted = "model.layers.1.mlp.down_proj#0"
