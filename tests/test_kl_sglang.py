@@ -166,7 +166,9 @@ def test_planted_batch_variant_op_dirties_every_helper(sglang, model_dir, calibr
     """The planted op is wrong only on passes of one token row: one prompt (each decode step of
     batch size 1) shows it in every helper. localize then points at the planted op first, not
     at the strict culprit (natural CPU GEMM variance), and not at a cache bug."""
-    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "batch_variant:1"}, extra_args=IDLE)
+    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "batch_variant:1", "DUMPER_ENABLE": "0",
+                                    "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(tmp_path / "dumps")},
+                    extra_args=IDLE)
     code, result = kl_json(server.url, "--max-samples", "1", "--max-new-tokens", "16", "--prompt-len", "16",
                            "--thresholds", calibrated[0])
     assert code == 1 and result["verdict"]["kind"] == "batch_invariance", result["verdict"]
