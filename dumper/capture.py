@@ -33,6 +33,20 @@ def flatten(value: Any, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str,
         yield prefix, value
 
 
+def unique_slots(leaves) -> Iterator[Tuple[str, Any]]:
+    """The leaves with slot names made unique: {"a.b": x, "a": {"b": y}} flattens to two "a.b"
+    slots, and the second would overwrite the first; it becomes "a.b~1"."""
+    seen = set()
+    for slot, value in leaves:
+        slot = slot or "0"  # a bare tensor
+        name, k = slot, 0
+        while name in seen:
+            k += 1
+            name = f"{slot}~{k}"
+        seen.add(name)
+        yield name, value
+
+
 def _is_small_dataclass(value) -> bool:
     # Engine state objects (sglang's ForwardBatch) are dataclasses with dozens of fields and
     # pools of the whole KV cache; they are pass metadata, not an operator's input.
@@ -75,7 +89,12 @@ def find_token_dims(shape: Sequence[int], token_shape: Sequence[int], n_seqs: in
 
 
 def storage_key(tensor: torch.Tensor):
-    """Identity of a tensor's current contents: equal keys mean equal bytes."""
+    """Identity of a tensor's current contents: equal keys mean equal bytes (PyTorch counts every
+    in-place write in the version; one that bypasses it, through .data or a numpy view, is not
+    seen). None for an inference tensor: it has no version counter, so it is never taken for an
+    earlier one."""
+    if tensor.is_inference():
+        return None
     return (
         tensor.device.type,
         tensor.untyped_storage().data_ptr(),

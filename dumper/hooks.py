@@ -20,7 +20,7 @@ import torch
 from . import capture
 from . import format as fmt
 from .config import ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
-from .passinfo import PassInfo
+from .passinfo import PassInfo, UndescribedPass
 from .writer import PassRecord, PassWriter
 
 log = logging.getLogger("dumper")
@@ -87,6 +87,10 @@ class Dumper:
         self._seq_next: Dict[tuple, int] = {}  # (exp dir, seq) -> next position the dump lacks
         self._endpoint = None
         self._original_forward = model.forward
+        self._own_forward = model.__dict__.get("forward")  # the user's own patch of this instance, kept on remove
+        self._pass_thread: Optional[int] = None  # the thread whose forward is being dumped
+        self._removed = False
+        self._warned: set = set()  # warnings given once
         self._wrap_root()
         self._announce()
 
@@ -98,8 +102,13 @@ class Dumper:
             self._endpoint = start_endpoint(self, port, self.rank, world_size)
 
     # --- public API -----------------------------------------------------------------------
+    def _check_installed(self):
+        if self._removed:
+            raise RuntimeError("dumper: this handle was removed; install the dumper again to dump")
+
     def configure(self, **changes) -> dict:
         """Change settings at run time (e.g. enable=True, exp_name="decode"); next pass on."""
+        self._check_installed()
         if "exp_name" in changes and changes["exp_name"] is not None:
             check_exp_name(changes["exp_name"])
         with self._lock:
@@ -122,6 +131,7 @@ class Dumper:
 
     def reset(self) -> dict:
         """Flush, disable, and forget the pass counters (sglang's /dumper/reset)."""
+        self._check_installed()
         if self.config.exp_name:
             self._writer.finish(os.path.join(self.config.dir, self.config.exp_name))
         with self._lock:
@@ -151,31 +161,44 @@ class Dumper:
             self._endpoint = None
         self._detach_hooks()
         self.model.__dict__.pop("_dumpdiff_dumper", None)
-        if self.model.__dict__.get("forward") is not None:
+        if self._own_forward is not None:
+            self.model.forward = self._own_forward
+        elif self.model.__dict__.get("forward") is not None:
             del self.model.forward
-        self._writer.close()
-        self._report_sizes()
+        if not self._removed:
+            self._removed = True
+            self._writer.close()
+            self._report_sizes()
 
     # --- root wrapper: pass boundaries ----------------------------------------------------
     def _wrap_root(self):
         original = self._original_forward
 
+        @_outside_compile
+        def dumped(args, kwargs):
+            if not self._begin_pass(args, kwargs):
+                return original(*args, **kwargs)
+            try:
+                output = original(*args, **kwargs)
+            except BaseException:
+                self._pass = self._pass_thread = None
+                raise
+            self._end_pass(output)
+            return output
+
         @functools.wraps(original)
         def forward(*args, **kwargs):
             if self._pass is None:
                 self.step += 1  # the engine step, counted even while idle
+            elif self._pass_thread != threading.get_ident():
+                _warn_once(self, "threads", "dumper: a forward from a second thread while another thread's pass is "
+                                            "dumped runs undumped (one pass at a time)")
+                return original(*args, **kwargs)
             if not self._active() or self._pass is not None:
                 if self._hook_handles and self._pass is None:
                     self._detach_hooks()  # disabled again after a dump: back to one flag check
                 return original(*args, **kwargs)
-            self._begin_pass(args, kwargs)
-            try:
-                output = original(*args, **kwargs)
-            except BaseException:
-                self._pass = None
-                raise
-            self._end_pass(output)
-            return output
+            return dumped(args, kwargs)
 
         self.model.forward = forward
 
@@ -183,13 +206,20 @@ class Dumper:
         cfg = self.config
         return cfg.enable and cfg.non_intrusive_mode != "off" and not self._writer.stopped_reason
 
-    def _begin_pass(self, args, kwargs):
+    def _begin_pass(self, args, kwargs) -> bool:
+        """Open a pass; False when the adapter cannot describe this forward (it then runs undumped:
+        the dumper never makes a model call fail)."""
         cfg = self.config
-        info = self.adapter.pass_info(self.model, args, kwargs)
+        try:
+            info = self.adapter.pass_info(self.model, args, kwargs)
+        except UndescribedPass as exc:
+            _warn_once(self, "undescribed", f"dumper: forward not dumped: {exc}")
+            return False
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
         self._pass = _Pass(info, kept, exp_dir)
+        self._pass_thread = threading.get_ident()
         if cfg.non_intrusive_mode == "all":
             if self._hooked_filter != cfg.filter:
                 self._detach_hooks()
@@ -198,6 +228,7 @@ class Dumper:
                 self._pre(self.model, args, kwargs)
         else:
             self._detach_hooks()
+        return True
 
     def _fill_prefixes(self, info: PassInfo, exp_dir: str):
         """Record a sequence's earlier token ids when this dump does not hold them already
@@ -215,7 +246,7 @@ class Dumper:
         if self.config.non_intrusive_mode == "all" and current.open.get(""):
             self._post(self.model, (), {}, output)
         self.adapter.after_pass(self.model, current.info, output)
-        self._pass = None
+        self._pass = self._pass_thread = None
         exp_dir = current.exp_dir
         meta = current.info.to_meta()
         meta.update(step=self.step, rank=self.rank, calls=[c.to_meta() for c in current.calls],
@@ -275,7 +306,7 @@ class Dumper:
 
     def _pre(self, module, args, kwargs):
         current = self._pass
-        if current is None:
+        if current is None or self._pass_thread != threading.get_ident():
             return
         path = self._paths.get(module, "")
         index = current.counts.get(path, 0)
@@ -284,11 +315,12 @@ class Dumper:
         current.order += 1
         current.calls.append(call)
         current.open.setdefault(path, []).append(call)
-        self._capture(current, call, "in", list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))
+        self._capture(current, call, "in", list(capture.unique_slots(
+            list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))))
 
     def _post(self, module, args, kwargs, output):
         current = self._pass
-        if current is None:
+        if current is None or self._pass_thread != threading.get_ident():
             return
         stack = current.open.get(self._paths.get(module, ""))
         if not stack:
@@ -296,11 +328,10 @@ class Dumper:
         call = stack.pop()
         call.post = current.order
         current.order += 1
-        self._capture(current, call, "out", list(capture.flatten(output)))
+        self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output))))
 
     def _capture(self, current: _Pass, call: _Call, io: str, leaves):
         for slot, value in leaves:
-            slot = slot or "0"
             if isinstance(value, torch.Tensor):
                 self._capture_tensor(current, call, fmt.tensor_name(call.name, io, slot), value)
             elif isinstance(value, capture.JSON_SCALARS):
@@ -309,8 +340,12 @@ class Dumper:
                 call.skipped[f"{io}.{slot}"] = type(value).__name__
 
     def _capture_tensor(self, current: _Pass, call: _Call, name: str, tensor: torch.Tensor):
-        if tensor.layout != torch.strided or tensor.is_complex() or tensor.device.type == "meta":
+        if (tensor.layout != torch.strided or tensor.device.type == "meta"
+                or str(tensor.dtype).replace("torch.", "") not in fmt.STORED_DTYPES):
             call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
+            return
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # a wrapper (DTensor, torchao): no plain storage
+            call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
         info = current.info
         dims, rows, why = capture.find_token_dims(tensor.shape, info.token_shape, current.n_seqs)
@@ -318,15 +353,16 @@ class Dumper:
                 "token_dims": dims, "rows": rows}
         if dims is None:
             meta["why"] = why
-        key = capture.storage_key(tensor)
-        alias, ref = current.seen.get(key, (None, None))
+        key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
+        alias, ref = current.seen.get(key, (None, None)) if key is not None else (None, None)
         if alias is not None and ref() is not None:
             meta["alias"] = alias
             call.tensors[name] = meta
             return
         # The weak reference proves the first tensor is still alive: a freed tensor's memory can
         # be handed to a new tensor of the same shape, which must not pass for the old one.
-        current.seen[key] = (name, weakref.ref(tensor))
+        if key is not None:
+            current.seen[key] = (name, weakref.ref(tensor))
         data, fresh = tensor, False
         if current.kept_index is not None and dims is not None and rows == "all":
             data, fresh = capture.select_rows(tensor, dims, _kept_index_on(current, tensor.device)), True
@@ -377,8 +413,27 @@ def _kept_index_on(current: _Pass, device: torch.device) -> torch.Tensor:
     return cache[device]
 
 
+def _outside_compile(func):
+    """Run ``func`` eagerly under torch.compile: hooks, copies and file writes are not traced
+    (a compiled model is dumped as it runs eagerly; an idle dumper stays in the graph)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(func) if disable is not None else func
+
+
+def _warn_once(dumper: Dumper, what: str, message: str):
+    if what not in dumper._warned:
+        dumper._warned.add(what)
+        log.warning(message)
+
+
 def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapter=None) -> Dumper:
     """Install dump hooks on ``model``; with no config, DUMPER_* variables decide everything."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError("dumper: a TorchScript module takes no Python hooks; install the dumper on the "
+                        "nn.Module before torch.jit.script")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise TypeError("dumper: the model is already torch.compile'd; install the dumper on the module first "
+                        "and compile after (dumped passes then run eagerly), or install it on model._orig_mod")
     if config is None:
         config = DumperConfig.from_env()
     if not isinstance(config, DumperConfig):

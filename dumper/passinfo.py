@@ -77,3 +77,8 @@ def mode_of(past_len_min: int, past_len_max: int, new_tokens: int) -> str:
     if new_tokens == 1:
         return "decode"
     return "extend" if past_len_min > 0 else "mixed"
+
+
+class UndescribedPass(ValueError):
+    """An adapter cannot tell a forward's token rows (no token ids among its arguments): the
+    dumper runs that forward undumped and says so once."""

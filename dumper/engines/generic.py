@@ -1,21 +1,45 @@
-"""Adapter for any torch.nn.Module: token rows from the first integer tensor argument.
+"""Adapter for any torch.nn.Module: token rows from its token-id argument, positions from its
+position argument.
 
-Every forward is a fresh set of sequences at positions 0..S-1 (no cache is known), which is
-right for a plain prefill and for models whose forward takes token ids as [B, S] or [T].
+The forward's arguments are matched to its parameter names. Token ids: the argument named
+input_ids, ids, tokens, token_ids or idx, else the first integer tensor ([B, S] or [T]; not a
+bool mask). Positions: position_ids, positions or cache_position (a tensor like the ids), or
+start_pos / start / offset (a number: the first row's position, as in llama's reference code).
+With positions, one dump's passes continue each batch row's sequence (a decode step after its
+prefill), so decode rows pair with a reference prefill. Without them every forward is a fresh
+prefill at positions 0..S-1, right for a plain prefill; a forward that gets a cache or state
+but no positions cannot be placed and is dumped with no alignable rows (with a warning), never
+at wrong positions. Anything else needs an adapter of one's own: dumper.install(model,
+adapter=...) with a pass_info(model, args, kwargs) that returns a PassInfo (see dense_pass).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import logging
+from typing import Optional
 
 import torch
 
-from ..passinfo import PassInfo
+from ..passinfo import PassInfo, UndescribedPass
+
+TOKEN_NAMES = ("input_ids", "ids", "tokens", "token_ids", "idx")
+POSITION_NAMES = ("position_ids", "positions", "cache_position")
+START_NAMES = ("start_pos", "start", "offset")
+STATE_WORDS = ("cache", "past", "state")  # an argument carrying earlier tokens' state
+
+log = logging.getLogger("dumper")
+
+
+def _token_like(value) -> bool:
+    return (isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+            and value.dtype != torch.bool and value.dim() in (1, 2))
 
 
 def first_token_tensor(args, kwargs):
     for value in itertools.chain(args, kwargs.values()):
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() in (1, 2):
+        if _token_like(value):
             return value
     return None
 
@@ -48,21 +72,78 @@ class GenericAdapter:
 
     def __init__(self, model):
         self._passes = 0
+        self._warned = False
+        try:
+            self._signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+
+    def _named(self, args, kwargs) -> dict:
+        """The call's arguments by parameter name (positional ones as #i where unnamed)."""
+        if self._signature is not None:
+            try:
+                bound = self._signature.bind_partial(*args, **kwargs).arguments
+                named = {}
+                for name, value in bound.items():
+                    kind = self._signature.parameters[name].kind
+                    if kind is inspect.Parameter.VAR_KEYWORD:
+                        named.update(value)
+                    elif kind is inspect.Parameter.VAR_POSITIONAL:
+                        named.update((f"#{i}", v) for i, v in enumerate(value))
+                    else:
+                        named[name] = value
+                return named
+            except TypeError:
+                pass
+        return {**{f"#{i}": value for i, value in enumerate(args)}, **kwargs}
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
         self._passes += 1
-        ids = first_token_tensor(args, kwargs)
+        named = self._named(args, kwargs)
+        ids = next((named[n] for n in TOKEN_NAMES if _token_like(named.get(n))), None)
+        ids = ids if ids is not None else first_token_tensor(named.values(), {})
         if ids is None:
-            raise ValueError(
-                f"dumper: cannot find token ids among the arguments of {type(model).__name__}.forward; "
-                "pass an adapter to dumper.install(model, adapter=...) that returns a PassInfo")
-        return dense_pass(ids.detach().cpu(), f"p{self._passes}", "prefill")
+            raise UndescribedPass(f"no token ids among the arguments of {type(model).__name__}.forward (an integer "
+                                  "tensor named input_ids, ids or tokens); give dumper.install(model, adapter=...) "
+                                  "an adapter whose pass_info returns a PassInfo")
+        ids = ids.detach().cpu()
+        pos = _positions(named, ids)
+        if pos is not None:  # one dump's passes continue each row's sequence
+            mode = "prefill" if int(pos.min()) == 0 else "decode" if ids.shape[-1] == 1 else "extend"
+            return dense_pass(ids, "s", mode, pos=pos)
+        state = next((n for n, v in named.items() if v is not None and any(w in n.lower() for w in STATE_WORDS)), None)
+        if state is not None:
+            if not self._warned:
+                self._warned = True
+                log.warning("dumper: %s.forward gets %r but no positions: its token rows cannot be placed and are "
+                            "dumped unaligned; pass position_ids= (or start_pos=) to forward, or give "
+                            "dumper.install(model, adapter=...)", type(model).__name__, state)
+            ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
+            return dense_pass(ids, f"p{self._passes}", "unknown", valid=torch.zeros(ids2.shape, dtype=torch.bool))
+        return dense_pass(ids, f"p{self._passes}", "prefill")
 
     def after_pass(self, model, info, output):
         pass
 
     def run_info(self, model) -> dict:
         return {"model": type(model).__name__, "dtype": _param_dtype(model), "device": _param_device(model)}
+
+
+def _positions(named: dict, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Each row's position, shaped like the ids as [B, S], from a positions argument; None when the
+    forward gets none."""
+    ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
+    for name in POSITION_NAMES:
+        value = named.get(name)
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() in (ids2.shape[1], ids2.numel()):
+            return value.detach().cpu().reshape(-1, ids2.shape[1]).expand(ids2.shape).to(torch.int64)
+    for name in START_NAMES:
+        value = named.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return (value + torch.arange(ids2.shape[1])).expand(ids2.shape)
+    return None
 
 
 def _param_dtype(model) -> str:
