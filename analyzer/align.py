@@ -187,6 +187,9 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     emb_a, emb_b = embedding_call(a), embedding_call(b)
     if emb_b is None or emb_a is None:
         missing = label_b if emb_b is None else label_a
+        if "core" in {(i.dump.run.get("config") or {}).get("non_intrusive_mode") for i in (a, b)}:
+            raise DumpError(f"cannot prove the alignment: {missing} holds no module tensors (DUMPER_NON_INTRUSIVE_MODE="
+                            "core writes pass metadata only); dump with DUMPER_NON_INTRUSIVE_MODE=all")
         raise DumpError(f"cannot prove the alignment: {missing} has no dumped embedding call (a module taking the token "
                         "ids); widen DUMPER_FILTER to include it, or pass --trust-alignment")
     if emb_a[0] != emb_b[0]:

@@ -542,7 +542,7 @@ def error_stats(ref: np.ndarray, test: np.ndarray, dtype: DType) -> dict:
     if not dtype.floating:
         values_r, values_t = (x.view(dtype.native).astype(np.int64) for x in (ref, test))
         return {"max_abs": float(np.abs(values_r - values_t).max()) if ref.size else 0.0, "max_ulp": None,
-                "rel": None, "elements_differ": differ, "dtype": dtype.name}
+                "rel": None, "elements_differ": differ, "elements": int(ref.size), "dtype": dtype.name}
     r64, t64 = to_float64(ref, dtype), to_float64(test, dtype)
     finite = np.isfinite(r64) & np.isfinite(t64)
     diff = np.abs(r64 - t64)[finite]

@@ -110,6 +110,10 @@ def _not_a_dump_message(path: str) -> str:
                 f"give one of them, e.g. {show(os.path.join(path, sorted(inner)[0]))}")
     if any(e.endswith(".pt") for e in entries):
         return f"{show(path)}: holds .pt files but no run.json; for sglang's built-in dumper output use 'dumpdiff import-sglang'"
+    if fmt.INCOMPLETE_FILE in entries:  # stopped before its first pass was written (the run file comes with it)
+        with open(os.path.join(path, fmt.INCOMPLETE_FILE), "rb") as handle:
+            reason = (handle.read(2000).decode("utf-8", "replace").strip().splitlines() or ["reason unknown"])[0]
+        return f"{show(path)}: the dump holds no committed pass (dumping stopped before the first: {reason})"
     return f"{show(path)}: not a dumpdiff dump (no {fmt.RUN_FILE}); give the experiment folder <DUMPER_DIR>/<exp_name>"
 
 

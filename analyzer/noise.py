@@ -218,7 +218,15 @@ def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, traits: tu
         "pair": pair, "ccode": ccode, "in_err": in_err, "out_err": out_err,
         "in_exceeds": np.bincount(cell_of[is_in & errors["exceeds"]], minlength=n) > 0,
         "out_exceeds": np.bincount(cell_of[is_out & errors["exceeds"]], minlength=n) > 0,
-        "eps": out_eps, "floor": floor, "amplification": out_err / np.maximum(in_err, floor)})
+        "eps": out_eps, "floor": floor, "amplification": _ratio(out_err, np.maximum(in_err, floor))})
+
+
+def _ratio(out_err: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """out_err / scale; where the scale is 0 (integer outputs have no epsilon), inf for an error
+    and 0 for none, without numpy's divide-by-zero warning on stderr."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = out_err / scale
+    return np.where(scale > 0, ratio, np.where(out_err > 0, np.inf, 0.0))
 
 
 def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray,

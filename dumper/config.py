@@ -62,8 +62,10 @@ class DumperConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(_bad(env_name(name), getattr(self, name), "a whole number >= 0"))
         port = self.server_port
-        if port != "reuse" and not re.fullmatch(r"-1|\d{1,5}", port):
-            raise ConfigError(_bad("DUMPER_SERVER_PORT", port, "-1, reuse, or a port number"))
+        if port != "reuse" and not (re.fullmatch(r"-1|\d{1,5}", port) and int(port) <= 65535):
+            raise ConfigError(_bad("DUMPER_SERVER_PORT", port, "-1, reuse, or a port number up to 65535"))
+        if not self.dir.strip():
+            raise ConfigError(_bad("DUMPER_DIR", self.dir, "a folder path (empty would write into the current folder)"))
         check_exp_name(self.exp_name, variable="DUMPER_EXP_NAME", allow_empty=True)
         compile_filter(self.filter)
         parse_positions(self.positions)
@@ -126,8 +128,11 @@ def parse_value(variable: str, raw: str, default):
         raise ConfigError(_bad(variable, raw, "1 or 0 (also true/false, yes/no, on/off)"))
     if isinstance(default, int):
         try:
-            return int(float(text)) if re.fullmatch(r"\d+(\.\d*)?(e\d+)?", text, re.I) else int(text)
-        except ValueError:
+            value = float(text) if re.fullmatch(r"\d+(\.\d*)?(e\d+)?", text, re.I) else int(text)
+            if value != int(value):  # 1.9 is not a number of bytes or rows
+                raise ValueError(text)
+            return int(value)
+        except (ValueError, OverflowError):  # OverflowError: 1e400 is inf
             raise ConfigError(_bad(variable, raw, "a whole number of bytes/rows, e.g. 1000000000 or 1e9")) from None
     return text
 
@@ -187,5 +192,8 @@ def parse_positions(text: str):
         if match.group(2) is None and ":" not in part:
             parts.append((start, start + 1))
         else:
-            parts.append((start, int(match.group(2)) if match.group(2) else None))
+            end = int(match.group(2)) if match.group(2) else None
+            if end is not None and end <= start:  # would keep nothing
+                raise ConfigError(_bad("DUMPER_POSITIONS", text, f"ranges whose end is past their start ({part!r})"))
+            parts.append((start, end))
     return lambda pos: any(pos >= lo and (hi is None or pos < hi) for lo, hi in parts)

@@ -474,6 +474,8 @@ def test_dumps_without_tensor_rows_are_not_called_clean_when_alignment_is_truste
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(12), new_tokens=4, non_intrusive_mode="core")
     result = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json", "--trust-alignment")
     one_line_error(result, "nothing was compared", "DUMPER_NON_INTRUSIVE_MODE=core holds pass metadata only")
+    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"),  # said "widen DUMPER_FILTER" before
+                   "holds no module tensors", "dump with DUMPER_NON_INTRUSIVE_MODE=all")
 
 
 def test_a_dump_compared_with_itself_does_not_diverge(llama_dir, tmp_path):

@@ -36,6 +36,11 @@ def test_env_example_documents_every_variable_with_its_default():
     ("DUMPER_FILTER", "layers.(", "DUMPER_FILTER='layers.(' is not valid"),
     ("DUMPER_SERVER_PORT", "http", "-1, reuse, or a port number"),
     ("DUMPER_POSITIONS", "a:b", "DUMPER_POSITIONS='a:b' is not valid"),
+    ("DUMPER_POSITIONS", "5:3", "ranges whose end is past their start"),  # kept nothing, silently
+    ("DUMPER_MAX_BYTES", "1e400", "DUMPER_MAX_BYTES='1e400' is not valid"),  # an OverflowError escaped
+    ("DUMPER_LAST_ROWS", "1.9", "DUMPER_LAST_ROWS='1.9' is not valid"),  # was truncated to 1
+    ("DUMPER_SERVER_PORT", "99999", "a port number up to 65535"),  # bind() failed at install
+    ("DUMPER_DIR", "", "DUMPER_DIR='' is not valid"),  # wrote into the current folder
 ])
 def test_bad_values_are_one_line_errors_naming_the_variable(name, value, needle):
     with pytest.raises(ConfigError) as err:

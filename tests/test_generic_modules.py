@@ -296,3 +296,16 @@ def test_slot_names_never_collide(tmp_path):
 def test_every_element_type_the_dumper_stores_is_one_the_analyzer_reads():
     from analyzer.dtypes import BY_NAME
     assert fmt.STORED_DTYPES == set(BY_NAME)
+
+
+def test_a_dump_stopped_before_its_first_pass_says_why(tmp_path):
+    """DUMPER_MAX_BYTES below one pass: nothing is committed, not even run.json; the analyzer
+    gives the INCOMPLETE marker's reason, not "not a dumpdiff dump"."""
+    torch.manual_seed(0)
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="tiny", max_bytes=100))
+    with torch.no_grad():
+        model(torch.tensor([[3, 4, 5, 6]]))
+    handle.remove()
+    code, out, err = dumpdiff("index", tmp_path / "tiny", "--no-progress")
+    assert code == 2 and "dumping stopped before the first: " in err and "DUMPER_MAX_BYTES=100" in err, err
