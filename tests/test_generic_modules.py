@@ -309,3 +309,16 @@ def test_a_dump_stopped_before_its_first_pass_says_why(tmp_path):
     handle.remove()
     code, out, err = dumpdiff("index", tmp_path / "tiny", "--no-progress")
     assert code == 2 and "dumping stopped before the first: " in err and "DUMPER_MAX_BYTES=100" in err, err
+
+
+def test_installing_and_dumping_does_not_import_torch_dynamo(tmp_path):
+    """The dumper runs eagerly under torch.compile without importing dynamo in a process that
+    never compiles (importing it took 0.7 s in every engine process, dumping or not)."""
+    import subprocess
+    import sys
+    script = ("import sys, torch, dumper; m = torch.nn.Embedding(5, 4); "
+              f"h = dumper.install(m, dumper.DumperConfig(dir={str(tmp_path)!r}, enable=True)); "
+              "m(torch.tensor([[1, 2]])); h.remove(); print('torch._dynamo' in sys.modules)")
+    from helpers import ROOT
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
