@@ -24,6 +24,7 @@ from .passinfo import PassInfo, UndescribedPass
 from .writer import PassRecord, PassWriter
 
 log = logging.getLogger("dumper")
+_STORED = frozenset(getattr(torch, name) for name in fmt.STORED_DTYPES if hasattr(torch, name))  # a set lookup per tensor
 
 
 class _Call:
@@ -340,8 +341,7 @@ class Dumper:
                 call.skipped[f"{io}.{slot}"] = type(value).__name__
 
     def _capture_tensor(self, current: _Pass, call: _Call, name: str, tensor: torch.Tensor):
-        if (tensor.layout != torch.strided or tensor.device.type == "meta"
-                or str(tensor.dtype).replace("torch.", "") not in fmt.STORED_DTYPES):
+        if tensor.layout != torch.strided or tensor.device.type == "meta" or tensor.dtype not in _STORED:
             call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
             return
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # a wrapper (DTensor, torchao): no plain storage
