@@ -39,6 +39,7 @@ class Alignment:
     cached_unpaired_b: int = 0  # of those, rows with no partner in A
     cached_a: int = 0  # rows of A computed on a cache (extend, decode): a reference made on a warm cache has them
     decode_a: int = 0  # decode rows of A: a reference prefill has none
+    unkeyed_a: int = 0  # rows of A with no key (positions before them unknown)
     decode_b: int = 0
     embedding: Optional[str] = None  # module path of the embedding call used in the proof
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
@@ -71,18 +72,25 @@ def row_keys(index: Index) -> Tuple[Columns, List[str]]:
     keys = np.empty(len(tokens), dtype=object)
     passes, seqs, positions, ids = (tokens[n].tolist() for n in ("pass", "seq", "pos", "id"))
     steps = tokens["step"].tolist() if "step" in tokens else [None] * len(tokens)
-    started = None
+    started, last, forked = None, None, False
+    notes = []
     for i in np.lexsort((tokens["pos"], codes, tokens["pass"])).tolist():  # each (pass, sequence) in position order
         branch = branches.get(seqs[i]) or branches.setdefault(seqs[i], _Branch())
         if (passes[i], seqs[i]) != started:
-            started = (passes[i], seqs[i])
+            started, last, forked = (passes[i], seqs[i]), None, False
             prefix = prefixes.get((int(passes[i]), seqs[i])) or []  # a cache hit's prefix: this pass's context
             for offset, tok in enumerate(prefix, start=positions[i] - len(prefix)):
                 if offset >= 0:
                     branch.place(offset, int(tok), steps[i])
-        keys[i] = branch.place(positions[i], ids[i], steps[i])
+        if positions[i] == last and not forked:  # one pass computes a position twice for one sequence
+            forked = True
+            if len(notes) < 3:
+                notes.append(f"pass {passes[i]} computes position {last} of sequence {seqs[i]} twice (a tree of draft "
+                             "tokens, or sequences packed under one key): its rows from there on are not paired")
+        last = positions[i]
+        keys[i] = None if forked else branch.place(positions[i], ids[i], steps[i])  # a row's context is unknown then
     out = Columns({n: tokens[n] for n in ("pass", "row", "seq", "pos", "id", "mode")} | {"key": keys})
-    return out, _history_notes(branches, int(np.count_nonzero(tokens["id"] < 0)))
+    return out, notes + _history_notes(branches, int(np.count_nonzero(tokens["id"] < 0)))
 
 
 class _Branch:
@@ -101,6 +109,7 @@ class _Branch:
         position is unknown."""
         if pos < len(self.ids):
             if self.ids[pos] == tok:
+                self.step = step if pos == len(self.ids) - 1 else self.step
                 return self.keys[pos]
             del self.ids[pos:], self.keys[pos:]  # another token here: the old branch ends before it
         if pos == len(self.ids):
@@ -155,17 +164,19 @@ def align(a: Index, b: Index) -> Alignment:
     cached = np.array([mode not in ("prefill", None) for mode in keys_b["mode"].tolist()], dtype=bool)
     cached_a = sum(mode not in ("prefill", None) for mode in keys_a["mode"].tolist())
     decode_a = sum(mode == "decode" for mode in keys_a["mode"].tolist())
+    unkeyed_a = sum(key is None for key in keys_a["key"].tolist())
     decode_b = sum(mode == "decode" for mode in keys_b["mode"].tolist())
     return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
                      rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
-                     history_notes_b=notes_b, cached_a=cached_a, decode_a=decode_a, decode_b=decode_b)
+                     history_notes_b=notes_b, cached_a=cached_a, decode_a=decode_a, decode_b=decode_b,
+                     unkeyed_a=unkeyed_a)
 
 
 def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, trust: bool = False) -> Alignment:
     """Check the alignment; raise DumpError (exit 2) with the reason when it does not hold."""
     pairs = alignment.cols
     why = "".join(f"; {label_b}: {note}" for note in alignment.history_notes_b)
-    if alignment.cached_a:  # the reference's cached tokens have no rows: it cannot pair them
+    if alignment.cached_a and alignment.unkeyed_a:  # rows after a cached prefix it does not hold: unpairable
         why += (f"; {label_a} holds {alignment.cached_a} rows computed on a cache (extend or decode passes), not one "
                 "prefill: flush the engine's cache before dumping the reference (sglang: POST /flush_cache)")
     if not len(pairs):

@@ -184,20 +184,24 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
             "replay": figures, "threshold": threshold, "notes": notes,
             "divergence": diverge["divergence"], "strict_culprit": diverge.get("culprit"),
             "noise_culprits": noise, "summary": next((v.get("summary") for v in ranks if v.get("summary")), None),
-            "reading": reading(helper, diverge.get("culprit"), noise),
+            "reading": reading(helper, diverge.get("culprit"), noise, figures["hit"]),
             "timings": {"replay": round(replay_seconds, 3), "first_divergence": round(time.monotonic() - t1, 3)},
             "kl": _kl_brief(check) if check else None, "first_divergence": diverge}
 
 
-def reading(helper: str, strict: Optional[dict], noise: list) -> Optional[str]:
-    """Which culprit to look at first, given the path the replay took."""
+def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True) -> Optional[str]:
+    """Which culprit to look at first, given the path the replay took (``hit``: the cache state
+    the helper needs was restored)."""
     if noise:
         top = noise[0]["call"]
-        where = ("with no prefix restored from the cache (the match replay): in the decode path itself, a kernel "
-                 "wrong at this batch shape (e.g. taken only for one token row) or the decode steps' KV-cache state, "
-                 "not a prefix-cache restore" if helper == "match" else
-                 f"on the {helper} replay's cache-hit path: a cache-restore (state) bug, or a kernel wrong at this "
-                 "batch shape")
+        if helper == "match" or not hit:
+            where = ("with no prefix restored from the cache (" + ("the match replay" if helper == "match" else
+                     f"the {helper} replay missed the cache") + "): in the decode path itself, a kernel wrong at "
+                     "this batch shape (e.g. taken only for one token row) or the decode steps' KV-cache state, not "
+                     "a prefix-cache restore")
+        else:
+            where = (f"on the {helper} replay's cache-hit path: a cache-restore (state) bug, or a kernel wrong at "
+                     "this batch shape")
         text = f"look at {top} first: it adds an error far beyond float noise, {where}"
         if strict and strict["call"] != top:
             text += f"; {strict['call']} (strict) is only where bits first flip, within float noise"

@@ -90,6 +90,7 @@ class Dumper:
         self._original_forward = model.forward
         self._own_forward = model.__dict__.get("forward")  # the user's own patch of this instance, kept on remove
         self._pass_thread: Optional[int] = None  # the thread whose forward is being dumped
+        self._claim = threading.Lock()  # taken to claim a pass for a thread
         self._removed = False
         self._warned: set = set()  # warnings given once
         self._wrap_root()
@@ -155,7 +156,10 @@ class Dumper:
         self._writer.flush()
 
     def remove(self):
-        """Detach every hook, restore the root forward, and finish writing."""
+        """Detach every hook, restore the root forward, and finish writing. Once: a second call
+        must not take down a dumper installed on the model since."""
+        if self._removed:
+            return
         if self._endpoint is not None:
             self._endpoint.shutdown()
             self._endpoint.server_close()
@@ -166,19 +170,26 @@ class Dumper:
             self.model.forward = self._own_forward
         elif self.model.__dict__.get("forward") is not None:
             del self.model.forward
-        if not self._removed:
-            self._removed = True
-            self._writer.close()
-            self._report_sizes()
+        self._removed = True
+        self._writer.close()
+        self._report_sizes()
 
     # --- root wrapper: pass boundaries ----------------------------------------------------
     def _wrap_root(self):
         original = self._original_forward
 
         def dumped(args, kwargs):
-            if not self._begin_pass(args, kwargs):
-                return original(*args, **kwargs)
+            me = threading.get_ident()
+            with self._claim:  # the pass is this thread's before the adapter runs (it may let go of the GIL)
+                mine = self._pass_thread is None
+                if mine:
+                    self._pass_thread = me
+            if not mine:
+                return undumped(args, kwargs)
             try:
+                if not self._begin_pass(args, kwargs):
+                    self._pass_thread = None
+                    return original(*args, **kwargs)
                 output = original(*args, **kwargs)
             except BaseException:
                 self._pass = self._pass_thread = None
@@ -186,16 +197,20 @@ class Dumper:
             self._end_pass(output)
             return output
 
+        def undumped(args, kwargs):
+            _warn_once(self, "threads", "dumper: a forward from a second thread while another thread's pass is "
+                                        "dumped runs undumped (one pass at a time)")
+            return original(*args, **kwargs)
+
         @functools.wraps(original)
         def forward(*args, **kwargs):
-            if self._pass is None:
+            owner = self._pass_thread
+            if owner is None:
                 self.step += 1  # the engine step, counted even while idle
-            elif self._pass_thread != threading.get_ident():
-                _warn_once(self, "threads", "dumper: a forward from a second thread while another thread's pass is "
-                                            "dumped runs undumped (one pass at a time)")
-                return original(*args, **kwargs)
-            if not self._active() or self._pass is not None:
-                if self._hook_handles and self._pass is None:
+            elif owner != threading.get_ident():
+                return undumped(args, kwargs)
+            if not self._active() or owner is not None:  # owner: this thread's pass calls the root again
+                if self._hook_handles and owner is None:
                     self._detach_hooks()  # disabled again after a dump: back to one flag check
                 return original(*args, **kwargs)
             return eager(args, kwargs) if _compiling() else dumped(args, kwargs)
@@ -220,7 +235,6 @@ class Dumper:
         self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
         self._pass = _Pass(info, kept, exp_dir)
-        self._pass_thread = threading.get_ident()
         if cfg.non_intrusive_mode == "all":
             if self._hooked_filter != cfg.filter:
                 self._detach_hooks()

@@ -413,3 +413,38 @@ def test_distinct_gives_what_np_unique_gives():
     for values in cases:
         got, want = distinct(values), np.unique(values)
         assert got.dtype == want.dtype and got.tolist() == want.tolist(), values
+
+
+class _TokensOnly:
+    """An index holding only a tokens table (and no prefix ids): what row_keys reads."""
+
+    def __init__(self, rows):
+        from analyzer.columns import Columns
+        names = ("pass", "row", "seq", "pos", "id", "mode", "valid", "step")
+        self._tokens = Columns({n: np.array([r[k] for r in rows], dtype=object if n in ("seq", "mode") else np.int64)
+                                for k, n in enumerate(names)})
+        self._seqs = Columns({"pass": np.zeros(0, np.int64), "seq": np.zeros(0, object), "prefix_ids": np.zeros(0, object)})
+
+    def cols(self, name):
+        return self._tokens if name == "tokens" else self._seqs
+
+
+def test_row_keys_follow_branches_and_refuse_a_position_computed_twice_in_one_pass():
+    """Keys are the ids from position 0 as each pass saw them. A later pass that computes a
+    position again with another token branches off (a rejected speculative draft); one pass that
+    computes a position twice (a tree of drafts) leaves its rows from there unkeyed, with a note,
+    instead of keying a row under a sibling's context."""
+    from analyzer.align import row_keys
+    prompt = [(0, r, "q", r, 10 + r, "prefill", 1, 1) for r in range(5)]
+    chain = row_keys(_TokensOnly(prompt + [(1, 0, "q", 5, 20, "extend", 1, 2), (1, 1, "q", 6, 31, "extend", 1, 2),
+                                           (1, 2, "q", 7, 32, "extend", 1, 2)]))[0]["key"].tolist()
+    straight = row_keys(_TokensOnly(prompt + [(1, 0, "q", 5, 20, "extend", 1, 2), (1, 1, "q", 6, 21, "extend", 1, 2),
+                                              (1, 2, "q", 7, 22, "extend", 1, 2),  # drafts 21, 22: 21 rejected
+                                              (2, 0, "q", 6, 31, "extend", 1, 3), (2, 1, "q", 7, 32, "extend", 1, 3)]))
+    keys = straight[0]["key"].tolist()
+    assert keys[5] == chain[5] and keys[8:] == chain[6:]  # the accepted branch pairs
+    assert keys[6] not in chain and keys[7] not in chain  # the rejected draft's rows pair with nothing
+    tree, notes = row_keys(_TokensOnly(prompt + [(1, 0, "q", 5, 20, "extend", 1, 2), (1, 1, "q", 6, 21, "extend", 1, 2),
+                                                 (1, 2, "q", 6, 31, "extend", 1, 2), (1, 3, "q", 7, 32, "extend", 1, 2)]))
+    assert tree["key"].tolist()[5:7] == chain[5:6] + [keys[6]] and tree["key"].tolist()[7:] == [None, None]
+    assert any("computes position 6 of sequence q twice" in n for n in notes)

@@ -322,3 +322,41 @@ def test_installing_and_dumping_does_not_import_torch_dynamo(tmp_path):
     from helpers import ROOT
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_generic_adapter_reads_flags_input_pos_and_packed_rows_right(tmp_path, caplog):
+    """A flag such as use_cache=False is no cache (it made every row unaligned); gpt-fast's
+    input_pos gives positions; positions that restart within a row (packed sequences) cannot be
+    placed: unaligned, with a warning."""
+    class Flags(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(V, D)
+
+        def forward(self, idx, input_pos=None, use_cache=False, output_hidden_states=True):
+            return self.embed(idx)
+
+    model = Flags()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="flags"))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="dumper"):
+        model(torch.tensor([[1, 2, 3]]), use_cache=False)
+        model(torch.tensor([[4]]), input_pos=torch.tensor([3]))
+        assert "cannot be placed" not in caplog.text
+        model(torch.tensor([[1, 2, 3, 4]]), input_pos=torch.tensor([0, 1, 0, 1]))
+    handle.remove()
+    metas = [read_pass(tmp_path / "flags" / "rank0" / fmt.pass_file_name(i))[0] for i in range(3)]
+    assert metas[0]["mode"] == "prefill" and all(metas[0]["tokens"]["valid"])
+    assert metas[1]["mode"] == "decode" and metas[1]["tokens"]["pos"] == [3] and metas[1]["tokens"]["seq"] == ["s.0"]
+    assert not any(metas[2]["tokens"]["valid"]) and "positions restart" in caplog.text
+
+
+def test_removing_a_handle_twice_leaves_a_newer_install_alone(tmp_path):
+    model = Toy().eval()
+    first = dumper.install(model, DumperConfig(dir=str(tmp_path)))
+    first.remove()
+    second = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="second"))
+    first.remove()  # tore down the second dumper's wrapper before
+    with torch.no_grad():
+        model(torch.tensor([[3, 4]]))
+    second.remove()
+    assert (tmp_path / "second" / "rank0" / fmt.pass_file_name(0)).is_file()

@@ -3,14 +3,16 @@ position argument.
 
 The forward's arguments are matched to its parameter names. Token ids: the argument named
 input_ids, ids, tokens, token_ids or idx, else the first integer tensor ([B, S] or [T]; not a
-bool mask). Positions: position_ids, positions or cache_position (a tensor like the ids), or
-start_pos / start / offset (a number: the first row's position, as in llama's reference code).
-With positions, one dump's passes continue each batch row's sequence (a decode step after its
-prefill), so decode rows pair with a reference prefill. Without them every forward is a fresh
-prefill at positions 0..S-1, right for a plain prefill; a forward that gets a cache or state
-but no positions cannot be placed and is dumped with no alignable rows (with a warning), never
-at wrong positions. Anything else needs an adapter of one's own: dumper.install(model,
-adapter=...) with a pass_info(model, args, kwargs) that returns a PassInfo (see dense_pass).
+bool mask). Positions: position_ids, positions, cache_position or input_pos (a tensor like
+the ids), or start_pos / start / offset (a number: the first row's position, as in llama's
+reference code). With positions, one dump's passes continue each batch row's sequence (a
+decode step after its prefill), so decode rows pair with a reference prefill. Without them
+every forward is a fresh prefill at positions 0..S-1, right for a plain prefill. A forward
+that gets a cache or state (past_key_values, cache, kv_cache, state, ...) but no positions,
+or whose positions restart within a row (packed sequences), cannot be placed: it is dumped
+with no alignable rows (with a warning), never at guessed positions. Anything else needs an
+adapter of one's own: dumper.install(model, adapter=...) with a pass_info(model, args,
+kwargs) that returns a PassInfo (see dense_pass).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 from ..passinfo import PassInfo, UndescribedPass
 
 TOKEN_NAMES = ("input_ids", "ids", "tokens", "token_ids", "idx")
-POSITION_NAMES = ("position_ids", "positions", "cache_position")
+POSITION_NAMES = ("position_ids", "positions", "cache_position", "input_pos")
 START_NAMES = ("start_pos", "start", "offset")
-STATE_WORDS = ("cache", "past", "state")  # an argument carrying earlier tokens' state
+# arguments that carry earlier tokens' state (a flag such as use_cache=False does not)
+STATE_NAMES = ("past_key_values", "past_key_value", "past", "cache", "caches", "kv_cache", "kv_caches", "cache_params",
+               "state", "states", "inference_params")
 
 log = logging.getLogger("dumper")
 
@@ -108,19 +112,26 @@ class GenericAdapter:
                                   "an adapter whose pass_info returns a PassInfo")
         ids = ids.detach().cpu()
         pos = _positions(named, ids)
+        if pos is not None and bool((pos[:, 1:] <= pos[:, :-1]).any()):
+            return self._unplaced(model, ids, "packs several sequences in a row (its positions restart)")
         if pos is not None:  # one dump's passes continue each row's sequence
             mode = "prefill" if int(pos.min()) == 0 else "decode" if ids.shape[-1] == 1 else "extend"
             return dense_pass(ids, "s", mode, pos=pos)
-        state = next((n for n, v in named.items() if v is not None and any(w in n.lower() for w in STATE_WORDS)), None)
+        state = next((n for n in STATE_NAMES if named.get(n) is not None
+                      and not isinstance(named[n], (bool, int, float, str))), None)
         if state is not None:
-            if not self._warned:
-                self._warned = True
-                log.warning("dumper: %s.forward gets %r but no positions: its token rows cannot be placed and are "
-                            "dumped unaligned; pass position_ids= (or start_pos=) to forward, or give "
-                            "dumper.install(model, adapter=...)", type(model).__name__, state)
-            ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
-            return dense_pass(ids, f"p{self._passes}", "unknown", valid=torch.zeros(ids2.shape, dtype=torch.bool))
+            return self._unplaced(model, ids, f"gets {state!r} but no positions")
         return dense_pass(ids, f"p{self._passes}", "prefill")
+
+    def _unplaced(self, model, ids: torch.Tensor, why: str) -> PassInfo:
+        """A pass whose rows cannot be placed: dumped with no alignable row, never at guessed positions."""
+        if not self._warned:
+            self._warned = True
+            log.warning("dumper: %s.forward %s: its token rows cannot be placed and are dumped unaligned; pass "
+                        "position_ids= (or start_pos=) to forward, or give dumper.install(model, adapter=...)",
+                        type(model).__name__, why)
+        ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
+        return dense_pass(ids, f"p{self._passes}", "unknown", valid=torch.zeros(ids2.shape, dtype=torch.bool))
 
     def after_pass(self, model, info, output):
         pass
