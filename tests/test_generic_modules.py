@@ -180,8 +180,11 @@ def test_inference_mode_is_dumped(tmp_path):
 
 
 def test_a_second_threads_forward_runs_undumped_while_a_pass_is_open(tmp_path):
+    entered = threading.Event()
+
     class Slow(torch.nn.Module):
         def forward(self, x):
+            entered.set()  # the first thread's pass is open: the main thread calls now
             time.sleep(0.2)
             return x + 1
 
@@ -200,7 +203,8 @@ def test_a_second_threads_forward_runs_undumped_while_a_pass_is_open(tmp_path):
     first = threading.Thread(target=lambda: model(torch.tensor([[1, 2, 3]])))
     with torch.no_grad():
         first.start()
-        time.sleep(0.05)
+        assert entered.wait(30)
+        entered.clear()
         other["out"] = model(torch.tensor([[7, 8, 9, 10, 11]]))
         first.join()
     handle.remove()
