@@ -52,15 +52,27 @@ def _fail(message: str):
 
 
 def emit(text: str, output: str = None):
-    """Write the whole result at once (to a temp file then rename): never a partial file."""
-    if not output or output == "-":
+    """Write the whole result at once (to a temp file then rename): never a partial file. Only a
+    regular file (or a new one) is replaced: renaming over a device or a named pipe would turn
+    it into a file."""
+    if output is None or output == "-":
         click.echo(text, nl=False)
         return
+    shown = output
+    output = os.path.realpath(output) if output and os.path.islink(output) else output  # a link: its file
+    if not output or (os.path.exists(output) and not os.path.isfile(output)):
+        raise DumpError(f"-o {shown!r}: not a regular file to write; give a file path (or - for stdout)")
     tmp = f"{output}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, output)
-    click.echo(f"dumpdiff: wrote {output}", err=True)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, output)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise DumpError(f"-o {shown}: cannot write it ({exc.strerror or exc}); check the folder exists and is "
+                        "writable") from None
+    click.echo(f"dumpdiff: wrote {shown}", err=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

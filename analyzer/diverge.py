@@ -137,7 +137,8 @@ def summarize(verdict: dict) -> str:
                      "Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
         parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: the divergence is float noise "
-                     "carried along (batch-variance), not a state bug.")
+                     "carried along (batch-variance), not a state bug, unless one changes only a few ulps "
+                     "(bfloat16), which cannot be told from noise.")
     return " ".join(parts)
 
 

@@ -179,7 +179,8 @@ def kinds_text(kinds: Dict[str, int]) -> str:
 
 
 NO_NOISE_CULPRIT = ("No call introduces an error beyond float noise: the divergence is float noise carried along "
-                    "(batch-variance), not a state bug.")
+                    "(batch-variance), not a state bug, unless one changes only a few ulps "
+                    "(bfloat16), which cannot be told from noise.")
 
 
 # ---- MoE routing flips ---------------------------------------------------------------------

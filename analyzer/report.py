@@ -134,4 +134,13 @@ def to_text(result: dict) -> str:
             out += [f"  {n['tensor']}: {n['nonfinite_a']} in A, {n['nonfinite_b']} in B" for n in verdict["nonfinite"][:8]]
     if result["diverged_ranks"] and len(result["ranks"]) > 1:
         out.append(f"\nranks that diverge: {result['diverged_ranks']}")
-    return "\n".join(out) + "\n"
+    return terminal_safe("\n".join(out)) + "\n"
+
+
+# Control characters in names (a module called "esc\x1b]0;title\x07") would drive the terminal
+# the report is printed on: each is written as \xNN; line breaks between report lines stay.
+_UNSAFE = {c: f"\\x{c:02x}" for c in [*range(0, 9), *range(11, 32), 127, *range(0x80, 0xA0)]}
+
+
+def terminal_safe(text: str) -> str:
+    return text.translate(_UNSAFE)

@@ -87,6 +87,11 @@ def split_name(name: str) -> Optional[Tuple[str, str, str]]:
 
 
 def _load(path: str, result: ImportResult):
+    if not os.path.isfile(path):  # a named pipe would block torch.load forever
+        result.refused += 1
+        if result.refused <= 3:
+            result.warnings.append(f"{show(os.path.basename(path))}: not a regular file; skipped")
+        return None
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - weights_only refusal, damaged file: skip and count

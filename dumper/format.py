@@ -40,7 +40,8 @@ def pass_file_name(pass_id: int) -> str:
 # "<module path>#<call index>.<in|out>.<slot>", e.g. "model.layers.0.mlp#0.in.0".
 # The module path of the root module is "" and is written as "<root>".
 ROOT_PATH = "<root>"
-TENSOR_NAME_RE = re.compile(r"^(?P<call>(?P<module>.+)#(?P<index>\d+))\.(?P<io>in|out)(?:\.(?P<slot>.*))?$")
+TENSOR_NAME_RE = re.compile(r"^(?P<call>(?P<module>.+)#(?P<index>\d+))\.(?P<io>in|out)(?:\.(?P<slot>.*))?\Z",
+                            re.S)  # re.S, \Z: a module name may hold a newline
 
 
 def call_name(module_path: str, call_index: int) -> str:

@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 from analyzer.render_html import to_html
@@ -347,3 +348,36 @@ def test_the_summary_says_when_its_row_count_is_of_a_sample(examined, total):
     text = summarize({"culprit": None, "noise": {"culprits": [culprit], "rows_examined": examined, "rows_total": total}})
     sampled = f"on 38 rows of the {examined} sampled (of {total}) (34 decode, 4 extend)"
     assert (sampled in text) == (examined < total) and "on 38 rows" in text
+
+
+def test_text_report_escapes_control_characters_and_keeps_a_newline_name_whole(tmp_path):
+    """A module named with a terminal escape and a newline, around a planted decode-only op: the
+    text report writes the escape as \\x1b (it drove the terminal: title, colours, clear screen),
+    and the call keeps its whole name (with the newline, its tensors were not parsed as that
+    call's: it compared no output, and its parent took the blame)."""
+    name = "e\x1b[2Jx\ny"
+    model = load_model(make_tiny_llama(tmp_path / "tiny-llama"), torch.bfloat16)  # bit-identical but for the plant
+    inner = model.model.layers[1].mlp.down_proj
+    inner.register_forward_hook(lambda module, args, out: out * 1.1 if out.shape[-2] == 1 else None)
+    wrapper = type("Wrap", (torch.nn.Module,), {"forward": lambda self, x: getattr(self, name)(x)})()
+    wrapper.add_module(name, inner)
+    model.model.layers[1].mlp.down_proj = wrapper
+    ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=4)
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
+    assert code == 1 and "\x1b" not in out and "e\\x1b[2Jx" in out, err
+    code, out, _ = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
+    timeline = {c["call"]: c for c in json.loads(out)["ranks"]["0"]["calls_timeline"]}
+    assert timeline[f"model.layers.1.mlp.down_proj.{name}#0"]["rows_out_differ"] > 0  # its outputs are its own
+
+
+@pytest.mark.parametrize("target", ["fifo", "folder", "empty", "missing folder"])
+def test_o_writes_only_regular_files(dumps, tmp_path, target):
+    """-o replaced the target by rename: a named pipe or a device became a plain file."""
+    from dump_surgery import one_line_error
+    path = {"fifo": tmp_path / "pipe", "folder": tmp_path, "empty": "", "missing folder": tmp_path / "no" / "r.md"}[target]
+    if target == "fifo":
+        os.mkfifo(path)
+    one_line_error(dumpdiff("first-divergence", *dumps, "--no-progress", "-o", path),
+                   "cannot write it" if target == "missing folder" else "not a regular file to write")
+    if target == "fifo":
+        assert not os.path.isfile(path)
