@@ -126,7 +126,11 @@ def load(name):
     # Copied into fresh allocations: safetensors hands out tensors at any byte offset, and CPU
     # kernels (the M=1 GEMV among them) can round differently on memory that is not aligned as
     # the engine's own allocations are.
-    return {key: tensor.clone() for key, tensor in load_file(path).items()}
+    try:
+        return {key: tensor.clone() for key, tensor in load_file(path).items()}
+    except Exception as exc:  # a damaged file is trouble (2), never a reproduced mismatch (1)
+        fail(f"{name} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
+             "copy the repro folder again")
 
 
 def flat_rows(tensor, dims):

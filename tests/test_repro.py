@@ -85,6 +85,11 @@ def test_natural_float32_culprit_reproduces_standalone(llama_dir, natural, tmp_p
     assert f"inside the full batch (M={m_a}) vs each alone (M=1): MISMATCH" in stdout
     assert "verdict: MISMATCH" in stdout
 
+    data = (out / "inputs_a.safetensors").read_bytes()  # a copy cut short: trouble (2), not a mismatch (1)
+    (out / "inputs_a.safetensors").write_bytes(data[:len(data) // 2])
+    code, stdout, err = run_script(out / "repro.py")
+    assert code == 2 and "repro: error: inputs_a.safetensors cannot be read" in err and "Traceback" not in err, err
+
 
 def test_planted_class_is_not_replayed_as_something_else(llama_dir, tmp_path):
     """SplitKLinear lives in the test only: without the model repro cannot replay it, and the model
