@@ -209,7 +209,10 @@ def _convert_pass(entries: List[Tuple[dict, str]], rank: int, step: int, pass_id
         if io == "out":
             state["post"] = 2 * index + 1
         tname = fmt.tensor_name(call, io, slot)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and (value.layout != torch.strided
+                                                or str(value.dtype)[6:] not in fmt.STORED_DTYPES):
+            state["skipped"][f"{io}.{slot}"] = f"tensor layout={value.layout} dtype={value.dtype}"  # as our dumper does
+        elif isinstance(value, torch.Tensor):
             tensors[tname] = value.detach().contiguous()
             state["tensors"][tname] = _tensor_meta(value, n_tokens, n_seqs, mode)
         elif value is None or isinstance(value, (bool, int, float, str)):
