@@ -104,9 +104,11 @@ def shell_quote(path: str) -> str:
 
 
 def reproduce_command(result: dict) -> str:
-    """The exact command, with the paths quoted for a POSIX shell (bash for odd paths)."""
+    """The exact command, with its verdict-changing options, quoted for a POSIX shell (bash for
+    odd paths)."""
     paths = (clean(shell_quote(result[side]["path"])) for side in ("a", "b"))
-    return "dumpdiff first-divergence " + " ".join(paths)
+    options = (clean(shell_quote(str(option))) for option in result.get("options", []))
+    return "dumpdiff first-divergence " + " ".join([*paths, *options])
 
 
 def error_items(culprit: dict) -> List[Tuple[str, str]]:

@@ -381,3 +381,12 @@ def test_o_writes_only_regular_files(dumps, tmp_path, target):
                    "cannot write it" if target == "missing folder" else "not a regular file to write")
     if target == "fifo":
         assert not os.path.isfile(path)
+
+
+def test_reproduce_command_carries_the_options_that_change_the_verdict(dumps):
+    """Pasting the report's command gave another verdict: it dropped --atol, --strict-only and
+    the like."""
+    code, md, err = dumpdiff("first-divergence", *dumps, "--format", "md", "--no-progress", "--strict-only",
+                             "--trust-alignment", "--atol", "0.001")
+    assert code == 1, err
+    assert f"dumpdiff first-divergence {dumps[0]} {dumps[1]} --trust-alignment --atol 0.001 --strict-only" in md
