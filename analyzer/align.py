@@ -198,7 +198,7 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     emb_a, emb_b = embedding_call(a), embedding_call(b)
     if emb_b is None or emb_a is None:
         missing = label_b if emb_b is None else label_a
-        if "core" in {(i.dump.run.get("config") or {}).get("non_intrusive_mode") for i in (a, b)}:
+        if metadata_only(a, b):
             raise DumpError(f"cannot prove the alignment: {missing} holds no module tensors (DUMPER_NON_INTRUSIVE_MODE="
                             "core writes pass metadata only); dump with DUMPER_NON_INTRUSIVE_MODE=all")
         raise DumpError(f"cannot prove the alignment: {missing} has no dumped embedding call (a module taking the token "
@@ -229,17 +229,21 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     return alignment
 
 
+def metadata_only(a: Index, b: Index) -> bool:
+    """Whether either dump was made with DUMPER_NON_INTRUSIVE_MODE=core: pass metadata, no tensors."""
+    return "core" in (a.dump.setting("non_intrusive_mode"), b.dump.setting("non_intrusive_mode"))
+
+
 def row_selection_hint(a: Index, b: Index) -> str:
     """For an error that found no paired row dumped on both sides: the row selection each dump
     was made with, and what it must keep ("" when neither selected rows)."""
     kept, last_rows = [], False
     for index in (a, b):
-        config = index.dump.run.get("config") or {}
-        if config.get("last_rows"):
-            kept.append(f"{index.dump.label} kept DUMPER_LAST_ROWS={config['last_rows']}")
+        if index.dump.setting("last_rows"):
+            kept.append(f"{index.dump.label} kept DUMPER_LAST_ROWS={index.dump.setting('last_rows')}")
             last_rows = last_rows or index is a
-        if config.get("positions"):
-            kept.append(f"{index.dump.label} kept DUMPER_POSITIONS={config['positions']!r}")
+        if index.dump.setting("positions"):
+            kept.append(f"{index.dump.label} kept DUMPER_POSITIONS={index.dump.setting('positions')!r}")
     if not kept:
         return ""
     advice = ("the reference prefill of prompt+output holds one row more than the decode run computes (its last "

@@ -454,8 +454,7 @@ def _no_origin_note(per_call: Columns, table: RowTable, a: Index, b: Index) -> s
     parts = call.split("#")[0].split(".")
     hooked = set(calls_b.codes("module")[1].tolist())
     owner = next((".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1) if ".".join(parts[:k]) in hooked), None)
-    filters = sorted({str(f) for f in ((a.dump.run.get("config") or {}).get("filter"),
-                                       (b.dump.run.get("config") or {}).get("filter")) if f})
+    filters = sorted({str(f) for f in (a.dump.setting("filter"), b.dump.setting("filter")) if f})
     if owner is None:
         where = "in code outside every hooked module" + (f" (DUMPER_FILTER={filters[0]!r})" if filters else "")
     elif filters:

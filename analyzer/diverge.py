@@ -7,11 +7,12 @@ import logging
 import os
 from typing import Optional
 
-from .align import align, prove, row_selection_hint
+from .align import align, metadata_only, prove, row_selection_hint
 from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
 from .index import load_indexes
 from .load import Dump, open_dump, show
+from .report import NOISE_ONLY
 from .memtune import keep_freed_memory
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
@@ -94,8 +95,7 @@ def _warn(result: dict, note: str):
 
 def _nothing_compared(n_pairs: int, a, b) -> str:
     """Why no paired token row has a tensor row stored on both sides, and what to dump instead."""
-    modes = {(index.dump.run.get("config") or {}).get("non_intrusive_mode") for index in (a, b)}
-    if "core" in modes:
+    if metadata_only(a, b):
         why = "; a dump made with DUMPER_NON_INTRUSIVE_MODE=core holds pass metadata only: dump with =all"
     else:
         why = row_selection_hint(a, b) or "; dump both runs with the same DUMPER_FILTER and no row selection"
@@ -136,9 +136,7 @@ def summarize(verdict: dict) -> str:
                      f"{top['amplification']:.3g}x amplification, far beyond float noise. "
                      "Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
-        parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: the divergence is float noise "
-                     "carried along (batch-variance), not a state bug, unless one changes only a few ulps "
-                     "(bfloat16), which cannot be told from noise.")
+        parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: {NOISE_ONLY}")
     return " ".join(parts)
 
 

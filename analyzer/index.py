@@ -57,9 +57,8 @@ class Index:
             whole = self._shared.get(("frame", name))
             if whole is None:
                 from .passtables import ENCODED
-                table = self._tables[name]
-                table = table.to_pandas() if isinstance(table, LazyParquet) else table.to_pandas(use_threads=False)
-                whole = self._shared[("frame", name)] = _plain_text(table, ENCODED.get(name, ()))
+                frame = self._tables[name].to_pandas(use_threads=False)  # a LazyParquet or a pyarrow Table
+                whole = self._shared[("frame", name)] = _plain_text(frame, ENCODED.get(name, ()))
             self._frames[name] = whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
         return self._frames[name]
 
@@ -337,7 +336,7 @@ class LazyParquet:
             threads = min(len(names), os.cpu_count() or 1)
             pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="dumpdiff-prefetch")
             for group in (names[k::threads] for k in range(threads)):
-                future = pool.submit(self._read, group, True)
+                future = pool.submit(self._read, group)
                 self._prefetch.update((n, future) for n in group)
             pool.shutdown(wait=False)  # the threads end with the reads
 
@@ -346,12 +345,12 @@ class LazyParquet:
             self._settle()
             if name in self._ready:
                 return self._ready[name]
-        return self._read([name])
+        return self._read([name]).column(0)
 
-    def to_pandas(self):
+    def to_pandas(self, use_threads: bool = False):
         with self._lock:
             self._settle()
-        return self._read(None).to_pandas(use_threads=False)
+        return self._read(None).to_pandas(use_threads=use_threads)
 
     def close(self):
         """Let go of the mapping now (both the bytes and the parser over them hold it)."""
@@ -369,18 +368,16 @@ class LazyParquet:
                 if not quiet:
                     raise
 
-    def _read(self, columns, as_table: bool = False):
-        """The named columns (one, unless ``as_table``: that column; None: the whole table). Each read
-        has a ParquetFile of its own (over the same bytes, footer parsed once): one is not safe
-        on two threads."""
+    def _read(self, columns):
+        """A table of the named columns (None: all). Each read has a ParquetFile of its own (over
+        the same bytes, footer parsed once): one is not safe on two threads."""
         if self._file is None:
             raise DumpError(f"{show(self._path)}: read after the index was closed")
         try:
-            table = _parquet(self._data, self._file.metadata).read(columns=columns, use_threads=False)
+            return _parquet(self._data, self._file.metadata).read(columns=columns, use_threads=False)
         except _unreadable_errors() as exc:
             raise DumpError(f"{show(self._path)}: cannot be read ({exc}); the index is damaged: "
                             "rerun with --rebuild-index") from None
-        return table.column(0) if columns is not None and len(columns) == 1 and not as_table else table
 
 
 # Stored as differences (rows of a tensor count up; offsets step by a row's width): the offsets

@@ -56,6 +56,10 @@ class Dump:
     def label(self) -> str:
         return os.path.basename(os.path.normpath(self.path)) or self.path
 
+    def setting(self, key: str):
+        """A DUMPER_* setting the dump was made with (run.json's config), or None."""
+        return (self.run.get("config") or {}).get(key)
+
     def warnings(self) -> List[str]:
         notes = []
         if self.incomplete:

@@ -11,7 +11,7 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .report import fmt_num, unstored_text
+from .report import NOISE_ONLY, fmt_num, unstored_text
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -180,9 +180,7 @@ def kinds_text(kinds: Dict[str, int]) -> str:
     return ", ".join(f"{n} {k}" for k, n in kinds.items())
 
 
-NO_NOISE_CULPRIT = ("No call introduces an error beyond float noise: the divergence is float noise carried along "
-                    "(batch-variance), not a state bug, unless one changes only a few ulps "
-                    "(bfloat16), which cannot be told from noise.")
+NO_NOISE_CULPRIT = f"No call introduces an error beyond float noise: {NOISE_ONLY}"
 
 
 # ---- MoE routing flips ---------------------------------------------------------------------

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from typing import List
 
+# What a divergence with no call beyond float noise is (the summary and every report say it alike).
+NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one changes "
+              "only a few ulps (bfloat16), which cannot be told from noise.")
+
 
 def to_json(result: dict) -> str:
     return json.dumps(result, indent=2, default=str, ensure_ascii=True)

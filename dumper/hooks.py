@@ -104,6 +104,11 @@ class Dumper:
             self._endpoint = start_endpoint(self, port, self.rank, world_size)
 
     # --- public API -----------------------------------------------------------------------
+    def _warn_once(self, what: str, message: str):
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
+
     def _check_installed(self):
         if self._removed:
             raise RuntimeError("dumper: this handle was removed; install the dumper again to dump")
@@ -198,8 +203,8 @@ class Dumper:
             return output
 
         def undumped(args, kwargs):
-            _warn_once(self, "threads", "dumper: a forward from a second thread while another thread's pass is "
-                                        "dumped runs undumped (one pass at a time)")
+            self._warn_once("threads", "dumper: a forward from a second thread while another thread's pass is "
+                                       "dumped runs undumped (one pass at a time)")
             return original(*args, **kwargs)
 
         @functools.wraps(original)
@@ -229,7 +234,7 @@ class Dumper:
         try:
             info = self.adapter.pass_info(self.model, args, kwargs)
         except UndescribedPass as exc:
-            _warn_once(self, "undescribed", f"dumper: forward not dumped: {exc}")
+            self._warn_once("undescribed", f"dumper: forward not dumped: {exc}")
             return False
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)
@@ -368,7 +373,7 @@ class Dumper:
         if dims is None:
             meta["why"] = why
         key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
-        alias, ref = current.seen.get(key, (None, None)) if key is not None else (None, None)
+        alias, ref = current.seen.get(key, (None, None))  # None is never stored: no alias then
         if alias is not None and ref() is not None:
             meta["alias"] = alias
             call.tensors[name] = meta
@@ -439,12 +444,6 @@ def _outside_compile(func):
 def _compiling() -> bool:
     check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     return bool(check and check())
-
-
-def _warn_once(dumper: Dumper, what: str, message: str):
-    if what not in dumper._warned:
-        dumper._warned.add(what)
-        log.warning(message)
 
 
 def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapter=None) -> Dumper:
