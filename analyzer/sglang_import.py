@@ -237,6 +237,14 @@ def _write_pass(rank_dir: str, meta: dict, tensors: Dict[str, torch.Tensor]) -> 
             "mode": meta["mode"], "rows": len(meta["tokens"]["ids"]), "step": meta["step"]}
 
 
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.listdir's surrogate escapes of bytes that are not UTF-8
+        return False
+    return True
+
+
 def import_sglang(src: str, dst: str, progress=None) -> ImportResult:
     if not os.path.isdir(src):
         raise DumpError(f"{show(src)}: no such directory; give the folder of .pt files (<DUMPER_DIR>/<exp_name>)")
@@ -244,8 +252,11 @@ def import_sglang(src: str, dst: str, progress=None) -> ImportResult:
         raise DumpError(f"{show(dst)}: already exists; give a new folder for the converted dump")
     groups: Dict[Tuple[int, int], List[Tuple[dict, str]]] = defaultdict(list)
     result = ImportResult(dst=dst)
-    unnamed = 0
+    unnamed = undecodable = 0
     for entry in sorted(os.listdir(src)):
+        if not _utf8(entry):  # a tensor name must be UTF-8 in safetensors: skip it, say so below
+            undecodable += entry.endswith(".pt")
+            continue
         tags = parse_tags(entry)
         if tags is None:
             unnamed += entry.endswith(".pt")
@@ -258,6 +269,8 @@ def import_sglang(src: str, dst: str, progress=None) -> ImportResult:
         raise DumpError(f"{show(src)}: no sglang dump files (step=..___rank=..___dump_index=..___name=...pt){hint}")
     if unnamed:
         result.warnings.append(f"{unnamed} .pt file(s) whose name has no step/rank/dump_index tags ignored")
+    if undecodable:
+        result.warnings.append(f"{undecodable} .pt file(s) whose name is not valid UTF-8 ignored; rename them to import them")
 
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)

@@ -83,9 +83,14 @@ def test_weights_only_refusal_is_skipped_and_counted(tmp_path):
     # tensors the format does not hold: skipped as the dumper skips them (import or index failed on them)
     torch.save({"value": torch.ones(3, 4, dtype=torch.complex64), "meta": {}}, src / tag.format(9, "non_intrusive__embed.output.3"))
     torch.save({"value": torch.eye(3).to_sparse(), "meta": {}}, src / tag.format(10, "non_intrusive__embed.output.4"))
+    # a name that is not UTF-8 cannot name a safetensors tensor: the import said "internal error"
+    latin1 = os.fsencode(src) + b"/" + tag.format(11, "non_intrusive__emb\xe9d.output").encode("latin-1")
+    with open(latin1, "wb") as handle:
+        torch.save({"value": torch.ones(3, 4), "meta": {}}, handle)
     code, out, err = dumpdiff("import-sglang", src, tmp_path / "dst", timeout=120)
     assert code == 0, err
     assert "2 file(s) refused by torch.load(weights_only=True)" in out and "not a regular file; skipped" in out + err
+    assert "1 .pt file(s) whose name is not valid UTF-8 ignored" in out
     code, out, err = dumpdiff("index", tmp_path / "dst", "--no-progress")
     assert code == 0, err
 
