@@ -131,10 +131,15 @@ def summarize(verdict: dict) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in top["kinds"].items())
         examined, total = noise.get("rows_examined"), noise.get("rows_total")
         sampled = f" of the {examined} sampled (of {total})" if examined is not None and total and examined < total else ""
+        rule = noise.get("rule", {})
+        if "atol" in rule:  # the user's tolerance decided, not an amplification line
+            why = (f"inputs within atol={rule['atol']}, rtol={rule['rtol']}, output not "
+                   f"(output error {top['out_err']:.3g}, input error {top['in_err']:.3g})")
+        else:
+            why = (f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}, "
+                   f"{top['amplification']:.3g}x amplification, far beyond float noise")
         parts.append(f"A real error is introduced at {top['call']} ({top['cls']}) on {top['rows']} rows{sampled} ({kinds}): "
-                     f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}, "
-                     f"{top['amplification']:.3g}x amplification, far beyond float noise. "
-                     "Look there for a state or cache bug, or a kernel wrong at this batch shape.")
+                     f"{why}. Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
         parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: {NOISE_ONLY}")
     return " ".join(parts)

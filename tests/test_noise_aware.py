@@ -77,6 +77,8 @@ def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
     code, result = first_divergence_json(ref, dec, "--atol", "1e-5", "--rtol", "1e-4")
     noise = result["ranks"]["0"]["noise"]
     assert noise["rule"]["atol"] == 1e-5 and [c["call"] for c in noise["culprits"]] == ["model.layers.1.self_attn#0"]
+    summary = result["ranks"]["0"]["summary"]  # says the rule applied, not an amplification it did not use
+    assert "inputs within atol=1e-05, rtol=0.0001, output not" in summary and "amplification" not in summary
     code, result = first_divergence_json(ref, dec, "--noise", tmp_path / "ref2")
     noise = result["ranks"]["0"]["noise"]
     assert noise["rule"]["floor_from_repeat"] and [c["call"] for c in noise["culprits"]] == ["model.layers.1.self_attn#0"]
