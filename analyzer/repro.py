@@ -355,7 +355,9 @@ def _check_formula(kind: str, attrs: dict, sub, params: dict, inputs: dict, meta
         return "module state not available"
     try:
         sub.to_empty(device="cpu")
-        sub.load_state_dict(params, strict=True)
+        # assign: the module runs on the very tensors the formula gets (a copy into the meta-built
+        # module's float32 storage ran a bf16 dump's check in float32 and failed on the dtypes)
+        sub.load_state_dict(params, strict=True, assign=True)
         sub.eval()
         with torch.no_grad():
             values = meta["sides"]["a"]["values"]

@@ -107,6 +107,20 @@ def test_planted_class_is_not_replayed_as_something_else(llama_dir, tmp_path):
     assert not (tmp_path / "r" / "repro.py").exists()
 
 
+def test_bfloat16_dump_of_a_float32_checkpoint_replays_by_its_formula(llama_dir, tmp_path):
+    """The checkpoint is float32, the run bfloat16: the formula check ran the module in float32 on
+    bf16 inputs, failed on the dtypes and fell back to rebuilding the module through the model."""
+    model = load_model(llama_dir, torch.bfloat16)
+    plant_batch_variant(model, layer=2)
+    ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(20), new_tokens=4)
+    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r", "--model", llama_dir,
+                              "--call", "model.layers.1.mlp.down_proj#0", "--no-progress")
+    assert code == 0, err
+    assert "[Linear], replayed as linear" in out and "checked bit for bit against Linear" in out, out
+    code, out, err = run_script(tmp_path / "r" / "repro.py")
+    assert "replay of A reproduces the dumped output: yes (bit-identical)" in out, out + err
+
+
 def test_unknown_class_is_rebuilt_through_the_model(llama_dir, tmp_path):
     """Only MLPs hooked: the culprit is LlamaMLP, replayed by calling the model's own module. The
     planted kernel is not in the model, and the script says so honestly: its replay of B does not
