@@ -170,6 +170,7 @@ class Dumper:
             self._endpoint.server_close()
             self._endpoint = None
         self._detach_hooks()
+        getattr(self.adapter, "detach", lambda model: None)(self.model)
         self.model.__dict__.pop("_dumpdiff_dumper", None)
         if self._own_forward is not None:
             self.model.forward = self._own_forward
@@ -465,6 +466,7 @@ def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapt
         adapter = pick_adapter(model)
     dumper = Dumper(model, config, adapter)
     model._dumpdiff_dumper = dumper
+    getattr(adapter, "attach", lambda model: None)(model)
     dumper.start_endpoint(_world_size())
     return dumper
 

@@ -250,6 +250,42 @@ def test_speculative_decoding_aligns_and_finds_the_planted_bug(llama_dir, tmp_pa
     assert noise == (["model.layers.1.self_attn#0"] if planted else [])
 
 
+@pytest.mark.parametrize("planted", [False, True])
+def test_beam_search_rows_follow_their_beams(llama_dir, tmp_path, planted):
+    """Beam search reorders the cache after every step: batch row i goes on with the beam row
+    beam_idx[i] held. Keyed by batch row, a decode row carried another beam's history; it paired
+    with nothing, or with a reference row of a context it never computed. Each decode row that
+    computed a prefix of a returned sequence must pair, and no other; a left-padded batch of two
+    prompts, three beams each. A stale cached key is still named."""
+    model = load_model(llama_dir, torch.float32)  # float noise too: the verdict must tell the bug from it
+    if planted:
+        plant_stale_kv(model, layer=1, position=3)
+    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (6, 9)]
+    ids = torch.tensor([[0] * (9 - len(p)) + p for p in prompts])
+    mask = (ids != 0).long()
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    try:
+        with torch.no_grad():
+            handle.configure(enable=True, exp_name="dec")
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=3,
+                                 num_return_sequences=3, length_penalty=0.0, early_stopping=False, pad_token_id=0)
+            handle.configure(exp_name="ref")
+            finished = [prompts[i // 3] + row[9:].tolist() for i, row in enumerate(out)]
+            for sequence in finished:
+                model(torch.tensor([sequence]))
+    finally:
+        handle.remove()
+    assert "_reorder_cache" not in model.__dict__  # remove() takes the stand-in away
+    decode_keys = {tuple(seq[:at + 1]) for i, seq in enumerate(finished)
+                   for at in range(len(prompts[i // 3]), len(seq) - 1)}
+    code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
+    verdict = result["ranks"]["0"]
+    assert verdict["rows_compared"] == 3 * (6 + 9) + len(decode_keys)  # every beam's prompt rows, each prefix once
+    assert verdict["alignment"]["unaligned_b"] > 0  # beams dropped on the way pair with nothing
+    noise = [c["call"] for c in verdict["noise"]["culprits"]] if "noise" in verdict else []
+    assert noise == (["model.layers.1.self_attn#0"] if planted else [])
+
+
 class SplitKLinear(torch.nn.Linear):
     """A batch-variant GEMM, as real kernels are: over one token row it sums K in two halves."""
 

@@ -48,15 +48,15 @@ def first_token_tensor(args, kwargs):
     return None
 
 
-def dense_pass(ids: torch.Tensor, group: str, mode: str, pos=None, valid=None, prefix_ids=None) -> PassInfo:
-    """PassInfo for a [B, S] (or [S]) batch: row b*S+s is sequence f'{group}.{b}'."""
+def dense_pass(ids: torch.Tensor, group: str, mode: str, pos=None, valid=None, prefix_ids=None, keys=None) -> PassInfo:
+    """PassInfo for a [B, S] (or [S]) batch: row b*S+s is sequence ``keys[b]``, by default f'{group}.{b}'."""
     ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
     batch, seq_len = ids2.shape
     if pos is None:
         pos = torch.arange(seq_len).expand(batch, seq_len)
     if valid is None:
         valid = torch.ones(batch, seq_len, dtype=torch.bool)
-    keys = [f"{group}.{b}" for b in range(batch)]
+    keys = keys or [f"{group}.{b}" for b in range(batch)]
     valid_list = valid.reshape(-1).tolist()
     seq = [keys[row // seq_len] if ok else "" for row, ok in enumerate(valid_list)]
     return PassInfo(

@@ -10,6 +10,13 @@ layers) reports a length of 0 forever; its length is then the tokens this adapte
 through it, so decode steps are decode steps, not new one-token prompts. Such models also get no
 attention mask or positions in decode steps: each row's next position is remembered from the
 pass before (left padding excluded), so a padded batch's decode rows keep their positions.
+
+Beam search moves rows between sequences: after each step ``generate`` reorders the cache so
+batch row i continues the beam that row ``beam_idx[i]`` held. Keyed by batch row alone, such a
+row would carry another beam's history and pair with a reference row of a context it never
+computed. The adapter stands in for the model's ``_reorder_cache`` (the hook ``generate`` asks
+for first) and gives a row that took another row's beam a new sequence key, with that beam's
+token ids as its prefix.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import dataclasses
 import inspect
 import itertools
 import weakref
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,6 +45,47 @@ class _CacheState:
     fed: int = 0  # tokens that went through it
     next_pos: Optional[torch.Tensor] = None  # each batch row's next position
     reports: bool = False  # it has reported a length (it keeps keys)
+    names: Optional[List[str]] = None  # each batch row's sequence key
+    history: Optional[List[Optional[List[int]]]] = None  # each row's token ids from position 0 (None: unknown)
+    moved: Optional[List[int]] = None  # a reorder since the last pass: row i now holds row moved[i]'s beam
+    forks: int = 0
+
+    def rows(self, batch: int) -> Tuple[List[str], dict]:
+        """Each batch row's sequence key for the next pass, and the prefix ids of rows that took
+        over another row's beam (a new sequence whose history is that beam's)."""
+        if self.names is None or len(self.names) != batch:
+            self.names = [f"{self.group}.{b}" for b in range(batch)]
+            self.history = [[] for _ in range(batch)]  # a row's first pass past position 0 makes it unknown
+            self.moved = None
+        prefixes = {}
+        if self.moved is not None and len(self.moved) == batch:
+            names, history = list(self.names), list(self.history)
+            for row, parent in enumerate(self.moved):
+                if parent != row:
+                    self.forks += 1
+                    names[row] = f"{self.group}.{row}~{self.forks}"
+                    history[row] = None if self.history[parent] is None else list(self.history[parent])
+                    if history[row] is not None:
+                        prefixes[names[row]] = list(history[row])
+            self.names, self.history = names, history
+        self.moved = None
+        return self.names, prefixes
+
+    def extend(self, ids: torch.Tensor, pos: torch.Tensor, valid: Optional[torch.Tensor]):
+        """Add a pass's token ids to each row's history, which stays known only while each pass
+        continues it at the next position."""
+        for row, known in enumerate(self.history):
+            keep = valid[row] if valid is not None else slice(None)
+            row_ids, row_pos = ids[row][keep].tolist(), pos[row][keep].tolist()
+            if known is not None and row_pos and row_pos[0] == len(known) and row_pos == list(
+                    range(row_pos[0], row_pos[0] + len(row_pos))):
+                known.extend(row_ids)
+            elif row_pos:
+                self.history[row] = None
+
+    def reorder(self, beam_idx):
+        order = [int(i) for i in beam_idx.tolist()]
+        self.moved = order if self.moved is None else [self.moved[i] for i in order]
 
 
 class HFAdapter:
@@ -47,6 +95,26 @@ class HFAdapter:
         self._signature = inspect.signature(model.forward)
         self._caches = weakref.WeakKeyDictionary()  # cache object -> _CacheState
         self._counter = itertools.count(1)
+        self._last: Optional[_CacheState] = None  # the state of the pass being dumped
+
+    def attach(self, model):
+        """Stand in for ``_reorder_cache``, which ``generate``'s beam search calls when a model has
+        one (the few that define their own keep it, and their beams are not followed)."""
+        if not hasattr(model, "_reorder_cache"):
+            model._reorder_cache = self._reorder_cache
+
+    def detach(self, model):
+        if model.__dict__.get("_reorder_cache") == self._reorder_cache:
+            del model._reorder_cache
+
+    def _reorder_cache(self, cache, beam_idx):
+        if not callable(getattr(cache, "reorder_cache", None)):  # as generate says without the stand-in
+            raise ValueError(f"{type(cache).__name__} cannot be reordered, so beam search cannot use it")
+        state = self._known(cache)
+        if state is not None:
+            state.reorder(beam_idx)
+        cache.reorder_cache(beam_idx)
+        return cache
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
@@ -66,7 +134,11 @@ class HFAdapter:
         pos, valid = self._positions(bound, mask, past, batch, seq_len, state.next_pos)
         if seq_len:
             state.next_pos = pos[:, -1] + 1
-        info = dense_pass(ids, state.group, mode_of(past, past, seq_len), pos=pos, valid=valid)
+        keys, prefixes = state.rows(batch)
+        state.extend(ids, pos, valid)
+        self._last = state
+        info = dense_pass(ids, state.group, mode_of(past, past, seq_len), pos=pos, valid=valid, prefix_ids=prefixes,
+                          keys=keys)
         info.extra = {"past_len": past, "new_len": seq_len}
         return info
 
@@ -116,10 +188,9 @@ class HFAdapter:
     def after_pass(self, model, info: PassInfo, output):
         # A forward called without a cache creates one; the next call may pass it back in.
         cache = None if isinstance(output, tuple) else _first(output, CACHE_NAMES, getattr)
-        if cache is not None and info.seq and self._known(cache) is None:
-            group = next((s.split(".")[0] for s in info.seq if s), None)
-            if group:
-                self._register(cache, _CacheState(group, fed=info.extra["past_len"] + info.extra["new_len"]))
+        last, self._last = self._last, None
+        if cache is not None and info.seq and self._known(cache) is None and last is not None:
+            self._register(cache, dataclasses.replace(last))  # its sequences go on in the returned cache
 
     def run_info(self, model) -> dict:
         config = getattr(model, "config", None)
