@@ -51,17 +51,46 @@ def _fail(message: str):
     sys.exit(EXIT_TROUBLE)
 
 
-def emit(text: str, output: str = None):
+EXTENSION_FORMATS = {".md": "md", ".markdown": "md", ".json": "json", ".html": "html", ".htm": "html", ".txt": "text"}
+
+
+def output_format(fmt: str, output: str = None) -> str:
+    """The --format to write, after checking -o before any work (a long `kl` run must not end in
+    "cannot write"): the one given, else the one -o's extension names (r.html is html)."""
+    if output is None or output == "-":
+        return fmt
+    _writable_target(output)
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("fmt") == click.core.ParameterSource.DEFAULT:
+        choices = next((p.type.choices for p in ctx.command.params if p.name == "fmt"), ())
+        named = EXTENSION_FORMATS.get(os.path.splitext(output)[1].lower())
+        return named if named in choices else fmt
+    return fmt
+
+
+def _writable_target(output: str) -> str:
+    """The file -o writes (a link: its file); DumpError when it is not a regular file or its
+    folder cannot take it."""
+    target = os.path.realpath(output) if os.path.islink(output) else output
+    if not target or (os.path.exists(target) and not os.path.isfile(target)):
+        raise DumpError(f"-o {output!r}: not a regular file to write; give a file path (or - for stdout)")
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        raise DumpError(f"-o {output}: no folder {folder}; create it first or give another path")
+    if not os.access(folder, os.W_OK):
+        raise DumpError(f"-o {output}: the folder {folder} is not writable; give another path")
+    return target
+
+
+def emit(text: str, output: str = None, headline: str = None):
     """Write the whole result at once (to a temp file then rename): never a partial file. Only a
     regular file (or a new one) is replaced: renaming over a device or a named pipe would turn
-    it into a file."""
+    it into a file. ``headline``: the verdict in a line, said on stderr when the result goes to a file."""
     if output is None or output == "-":
         click.echo(text, nl=False)
         return
     shown = output
-    output = os.path.realpath(output) if output and os.path.islink(output) else output  # a link: its file
-    if not output or (os.path.exists(output) and not os.path.isfile(output)):
-        raise DumpError(f"-o {shown!r}: not a regular file to write; give a file path (or - for stdout)")
+    output = _writable_target(output)
     tmp = f"{output}.tmp.{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
@@ -72,12 +101,15 @@ def emit(text: str, output: str = None):
             os.unlink(tmp)
         raise DumpError(f"-o {shown}: cannot write it ({exc.strerror or exc}); check the folder exists and is "
                         "writable") from None
-    click.echo(f"dumpdiff: wrote {shown}", err=True)
+    click.echo(f"dumpdiff: wrote {shown}" + (f" ({headline})" if headline else ""), err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
-def main(verbose):
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             invoke_without_command=True)
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr (give it before the command).")
+@click.version_option(package_name="dumpdiff", message="%(prog)s %(version)s")
+@click.pass_context
+def main(ctx, verbose):
     """dumpdiff - find the operator that makes prefill and decode disagree.
 
     \b
@@ -100,6 +132,8 @@ def main(verbose):
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="dumpdiff: %(message)s")
+    if ctx.invoked_subcommand is None:  # a bare `dumpdiff`: the help, on stdout, as asked for
+        click.echo(ctx.get_help())
 
 
 def render(result: dict, fmt: str) -> str:
@@ -119,13 +153,15 @@ def render(result: dict, fmt: str) -> str:
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("test", type=click.Path(path_type=str))
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format.")
-@click.option("-o", "--output", default=None, help="Write the report to this file instead of stdout.")
+@click.option("-o", "--output", default=None, metavar="FILE",
+              help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
+                   "(.md, .json, .html, .txt) picks the format unless --format is given.")
 @click.option("--rank", type=int, default=None, help="Compare only this rank (default: every rank).")
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
 @click.option("--rebuild-index", is_flag=True, help="Rebuild the parquet indexes even when they are fresh.")
-@click.option("--atol", type=float, default=None, help="Noise-aware rule: absolute tolerance instead of the derived threshold.")
-@click.option("--rtol", type=float, default=None, help="Noise-aware rule: relative tolerance instead of the derived threshold.")
+@click.option("--atol", type=click.FloatRange(min=0), default=None, help="Noise-aware rule: absolute tolerance instead of the derived threshold.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Noise-aware rule: relative tolerance instead of the derived threshold.")
 @click.option("--noise", "noise_repeat", default=None, metavar="REFERENCE2",
               help="A second dump of the reference run: its differences are the noise floor.")
 @click.option("--strict-only", is_flag=True, help="Only the bit-level verdict; read no tensor bytes but the culprit's.")
@@ -154,6 +190,7 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
                    (amplification over a threshold derived from the run, or --atol/--rtol,
                    or the differences of a repeat run given with --noise): the state bug
     """
+    fmt = output_format(fmt, output)
     from .indexfiles import saved_index_files
     from .readahead import will_need
     will_need(saved_index_files([reference, test]))  # fetched from storage while numpy and pyarrow import
@@ -166,8 +203,18 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
                          *(["--trust-alignment"] if trust_alignment else []), *(["--allow-mismatch"] if allow_mismatch else []),
                          *(["--atol", repr(atol)] if atol is not None else []), *(["--rtol", repr(rtol)] if rtol is not None else []),
                          *(["--noise", noise_repeat] if noise_repeat else []), *(["--strict-only"] if strict_only else [])]
-    emit(render(result, fmt), output)
+    emit(render(result, fmt), output, headline=headline(result))
     sys.exit(EXIT_DIFFERENT if result["divergence"] else EXIT_SAME)
+
+
+def headline(result: dict) -> str:
+    """The verdict in a few words: what `-o` says on stderr next to the file it wrote."""
+    if not result["divergence"]:
+        return "no divergence"
+    strict = result.get("culprit") or {}
+    found = [c for v in result["ranks"].values() for c in (v.get("noise") or {}).get("culprits", [])]
+    words = "divergence" + (f", first at {strict['call']}" if strict.get("call") else "")
+    return words + (f", error introduced at {found[0]['call']}" if found else "")
 
 
 def _report_command() -> click.Command:
@@ -315,9 +362,20 @@ def entry():
     code never starts them (an unguarded script would be re-run by each worker)."""
     from . import memtune
     from .index import allow_index_processes
-    allow_index_processes()
     memtune.allow()
-    main()
+    try:
+        allow_index_processes()
+        code = main(standalone_mode=False, prog_name="dumpdiff")
+    except DumpError as exc:  # a bad DUMPDIFF_* setting
+        _fail(str(exc))
+    except click.UsageError as exc:  # click's own is four lines: usage, try, blank, error
+        where = exc.ctx.command_path if exc.ctx is not None else "dumpdiff"
+        _fail(f"{exc.format_message().rstrip('.')} (see {where} --help)")
+    except click.ClickException as exc:
+        _fail(exc.format_message())
+    except click.Abort:
+        _fail("interrupted")
+    sys.exit(code if isinstance(code, int) else EXIT_SAME)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,14 @@ def guarded(func):
     return wrapper
 
 
-def _emit(text: str, output):
+def _emit(text: str, output, headline: str = None):
     from .cli import emit
-    emit(text, output)
+    emit(text, output, headline)
+
+
+def _output_format(fmt: str, output) -> str:
+    from .cli import output_format
+    return output_format(fmt, output)
 
 
 def _progress(quiet: bool):
@@ -94,7 +99,9 @@ def _check_kwargs(kw: dict) -> dict:
               help="Thresholds per (model, tp) [default: ./dumpdiff-kl-thresholds.json].")
 @click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
               help="Output format.")
-@click.option("-o", "--output", default=None, help="Write the result to this file instead of stdout.")
+@click.option("-o", "--output", default=None, metavar="FILE",
+              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt) picks the format "
+                   "unless --format is given.")
 @click.pass_context
 @guarded
 def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
@@ -136,9 +143,10 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
     from .kl import exit_status
     from .kl_helpers import check_server
     from .kl_render import render
+    fmt = _output_format(fmt, output)
     result = check_server(kw.pop("url"), threshold=threshold, thresholds_file=thresholds_file,
                           log=_progress(quiet), **_check_kwargs(kw))
-    _emit(render(result, fmt), output)
+    _emit(render(result, fmt), output, headline=f"verdict {result['verdict']['kind']}")
     code = exit_status(result["verdict"])
     if code == 2:
         _fail(f"inconclusive: {result['verdict']['text']}")
@@ -255,7 +263,9 @@ def _calibration_text(result: dict, md: bool) -> str:
 @click.option("--strict-only", is_flag=True, help="Only the bit-level verdict of first-divergence.")
 @click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
               help="Output format.")
-@click.option("-o", "--output", default=None, help="Write the result to this file instead of stdout.")
+@click.option("-o", "--output", default=None, metavar="FILE",
+              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt) picks the format "
+                   "unless --format is given.")
 @click.pass_context
 @guarded
 def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, strict_only, fmt, output,
@@ -281,6 +291,7 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     """
     from .localize import localize, to_markdown, to_text
     from .kl_render import to_json
+    fmt = _output_format(fmt, output)
     url = kw.pop("url")
     options = _check_kwargs(kw)
     prompt = None
@@ -307,7 +318,7 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
                       seed=kw["seed"], check_options=check_options, noise_aware=not strict_only,
                       log=_progress(quiet))
     text = {"json": to_json, "md": to_markdown}.get(fmt, to_text)(result)
-    _emit(text, output)
+    _emit(text, output, headline="culprit found" if result.get("divergence") else "no divergence")
     sys.exit(1 if result.get("divergence") else 0)
 
 

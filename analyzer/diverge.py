@@ -7,6 +7,8 @@ import logging
 import os
 from typing import Optional
 
+import numpy as np
+
 from .align import align, metadata_only, prove, row_selection_hint
 from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
@@ -112,9 +114,21 @@ def _repeat_floors(dump_a: Dump, repeat_path: str, progress: bool) -> dict:
     for r in sorted(set(dump_a.ranks) & set(repeat.ranks)):
         ia, ir = index_a.rank(r), index_r.rank(r)
         alignment = prove(align(ia, ir), ia, ir, dump_a.label, repeat.label)
+        _check_repeat(alignment, ia, repeat_path)
         table = row_table(alignment, ia, ir)
         floors[r] = noise_floor_by_call(row_errors(table, ia, ir, alignment.cols["pair"]), table.calls)
     return floors
+
+
+def _check_repeat(alignment, index_a, repeat_path: str):
+    """A noise floor from anything but a repeat of the reference run would absorb real errors
+    (the decode run given by mistake makes every difference "noise")."""
+    rows_a = int(np.count_nonzero(index_a.cols("tokens")["valid"]))
+    if alignment.decode_b or alignment.unaligned_b or len(alignment.cols) < rows_a:
+        what = (f"holds {alignment.decode_b} decode rows" if alignment.decode_b else
+                f"pairs {len(alignment.cols)} of the reference's {rows_a} token rows")
+        raise DumpError(f"--noise {show(repeat_path)}: {what}; give a second dump of the reference run itself "
+                        "(the same prefill, run again)")
 
 
 def summarize(verdict: dict) -> str:

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .columns import Columns
+from .envsettings import env_count
 from .errors import DumpError
 from .indexfiles import STAMP_FILE, TABLES, index_folder, table_path
 from .load import Dump, show
@@ -425,5 +426,5 @@ def allow_index_processes():
     """Let the index build (analyzer/indexbuild.py) index many small passes in worker processes
     (the CPU count less one, at most 8; DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
     global INDEX_PROCESSES
-    setting = os.environ.get("DUMPDIFF_INDEX_PROCESSES", "")
-    INDEX_PROCESSES = int(setting) if setting.isdigit() else min(max((os.cpu_count() or 1) - 1, 0), 8)
+    setting = env_count("DUMPDIFF_INDEX_PROCESSES")
+    INDEX_PROCESSES = setting if setting is not None else min(max((os.cpu_count() or 1) - 1, 0), 8)

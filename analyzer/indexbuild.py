@@ -21,6 +21,7 @@ import numpy as np
 
 from . import arrowbuild, index
 from .batchread import chunks
+from .envsettings import env_count
 from .errors import DumpError
 from .filelayout import usable_layout
 from .fingerprint import row_stats
@@ -390,7 +391,7 @@ READ_AHEAD_BYTES = 256 << 20  # tensor bytes read ahead of the hashing (one tens
 POOLED_BYTES = READ_AHEAD_BYTES // 4  # larger read buffers are not kept for reuse
 INLINE_PASS_BYTES = 32 << 20  # smaller pass files are hashed by the calling thread alone
 # Tensors hashed at once (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8).
-HASH_THREADS = max(1, int(os.environ.get("DUMPDIFF_HASH_THREADS", "0") or 0) or min(os.cpu_count() or 1, 8))
+HASH_THREADS = max(1, env_count("DUMPDIFF_HASH_THREADS") or min(os.cpu_count() or 1, 8))
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 

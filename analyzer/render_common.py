@@ -7,6 +7,7 @@ renderer that writes them out escapes them.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from typing import Dict, List, Optional, Tuple
@@ -106,7 +107,8 @@ def shell_quote(path: str) -> str:
 def reproduce_command(result: dict) -> str:
     """The exact command, with its verdict-changing options, quoted for a POSIX shell (bash for
     odd paths)."""
-    paths = (clean(shell_quote(result[side]["path"])) for side in ("a", "b"))
+    # absolute: the command is pasted into a ticket and run from anywhere on that machine
+    paths = (clean(shell_quote(os.path.abspath(result[side]["path"]))) for side in ("a", "b"))
     options = (clean(shell_quote(str(option))) for option in result.get("options", []))
     return "dumpdiff first-divergence " + " ".join([*paths, *options])
 

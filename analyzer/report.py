@@ -109,7 +109,8 @@ def to_text(result: dict) -> str:
         if len(result["ranks"]) > 1:
             out.append(f"== rank {rank}: {'diverges' if verdict['rows_differing'] else 'identical'}")
         align = verdict["alignment"]
-        out.append("alignment proof: OK")
+        trusted = any("--trust-alignment" in line for line in align["proof"])
+        out.append("alignment proof: ids and positions only (trusted)" if trusted else "alignment proof: OK")
         out += [f"  - {line}" for line in align["proof"]]
         if align["unaligned_b"] or align["unkeyed_b"]:
             out.append(f"  - {align['unaligned_b']} rows of {labels[1]} have no partner in {labels[0]}, "

@@ -54,8 +54,11 @@ def make_repro(path_a: str, path_b: str, out_dir: str, model: Optional[str] = No
                progress: bool = True) -> dict:
     """Write DIR/{inputs,outputs}_{a,b}.safetensors, call.json and (when it can run) DIR/repro.py
     (+ weights.safetensors). Returns what was written; raises DumpError when no replay is possible."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # checked before the analysis, not after
+        raise DumpError(f"--out {show(out_dir)}: is a file; give a folder (created if missing)")
+    source = ModelSource(model) if model else None
     target = locate(path_a, path_b, call, rank, trust_alignment, allow_mismatch, progress)
-    return write_bundle(out_dir, collect(target), ModelSource(model) if model else None)
+    return write_bundle(out_dir, collect(target), source)
 
 
 def write_bundle(out_dir: str, captured: dict, source=None) -> dict:
@@ -291,7 +294,7 @@ def plan_replay(captured: dict, source, where: str) -> dict:
             params = source.params(path, sub, _param_dtype(meta, inputs["a"]))
         if kind is not None:
             attrs = _module_attrs(kind, attrs, sub)
-            checked = _check_formula(kind, attrs, sub, params, inputs["a"], meta)
+            checked = _check_formula(kind, attrs, sub, params, inputs["a"], meta, captured["outputs"]["a"], source)
             if checked is not None:
                 notes.append(f"the standalone {kind} formula differs from {cls}'s own code ({checked}); replayed "
                              "through the model instead")
@@ -346,8 +349,10 @@ def _module_attrs(kind: str, attrs: dict, sub) -> dict:
     return attrs
 
 
-def _check_formula(kind: str, attrs: dict, sub, params: dict, inputs: dict, meta: dict) -> Optional[str]:
-    """Run the formula and the real module on A's inputs (CPU); None when bit-identical."""
+def _check_formula(kind: str, attrs: dict, sub, params: dict, inputs: dict, meta: dict, dumped=None,
+                   source=None) -> Optional[str]:
+    """Run the formula and the real module on A's inputs (CPU); None when bit-identical. The
+    module must also compute about what the dump holds: else --model is another model."""
     import torch
     env = runtime()
     state = sub.state_dict()
@@ -363,6 +368,14 @@ def _check_formula(kind: str, attrs: dict, sub, params: dict, inputs: dict, meta
             values = meta["sides"]["a"]["values"]
             args, kwargs = env["rebuild_call"](inputs, values)
             real = dict(env["flatten"](sub(*args, **kwargs))).get(meta["out_slot"])
+    except Exception as exc:  # noqa: BLE001 - the model's own module cannot take the dumped inputs
+        raise DumpError(f"--model {show(source.path)}: its {meta['module']} cannot run on the dumped inputs "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); give the model the "
+                        "dump was made from") from None
+    if real is not None and dumped is not None:
+        _same_model(real, dumped, meta, source)
+    try:
+        with torch.no_grad():
             mine = env["OPS"][kind](inputs, params, attrs, values)
     except Exception as exc:  # noqa: BLE001 - any failure means: do not trust the formula
         return f"{type(exc).__name__}: {exc}"
@@ -370,6 +383,26 @@ def _check_formula(kind: str, attrs: dict, sub, params: dict, inputs: dict, meta
         return f"the module returns no output {meta['out_slot']}"
     found = env["compare"](real, mine)
     return None if found is None else env["say"](found)
+
+
+# A replay on another machine or kernel differs from the dump by float noise (bf16: about 1e-2
+# of the output's scale at worst); other weights differ by the whole scale.
+OTHER_WEIGHTS_REL = 0.1
+
+
+def _same_model(real, dumped, meta: dict, source):
+    """DumpError when the model's module computes something else than the dump holds: another
+    shape, or an output off by far more than kernel noise (other weights of the same shapes)."""
+    if tuple(real.shape) != tuple(dumped.shape):
+        raise DumpError(f"--model {show(source.path)}: its {meta['module']} gives shape {list(real.shape)}, the dump "
+                        f"holds {list(dumped.shape)}; give the model the dump was made from")
+    if real.is_floating_point() and dumped.is_floating_point() and dumped.numel():
+        scale = float(dumped.double().abs().max()) or 1.0
+        off = float((real.double() - dumped.double()).abs().max()) / scale
+        if off > OTHER_WEIGHTS_REL:
+            raise DumpError(f"--model {show(source.path)}: its {meta['module']} computes the dumped inputs into outputs "
+                            f"{off:.2g} of their scale away from the dumped ones (other weights?); give the model the "
+                            "dump was made from")
 
 
 class ModelSource:

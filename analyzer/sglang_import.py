@@ -247,7 +247,8 @@ def _utf8(name: str) -> bool:
 
 def import_sglang(src: str, dst: str, progress=None) -> ImportResult:
     if not os.path.isdir(src):
-        raise DumpError(f"{show(src)}: no such directory; give the folder of .pt files (<DUMPER_DIR>/<exp_name>)")
+        what = "not a directory" if os.path.exists(src) else "no such directory"
+        raise DumpError(f"{show(src)}: {what}; give the folder of .pt files (<DUMPER_DIR>/<exp_name>)")
     if os.path.lexists(dst):
         raise DumpError(f"{show(dst)}: already exists; give a new folder for the converted dump")
     groups: Dict[Tuple[int, int], List[Tuple[dict, str]]] = defaultdict(list)

@@ -84,3 +84,6 @@ def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
     assert noise["rule"]["floor_from_repeat"] and [c["call"] for c in noise["culprits"]] == ["model.layers.1.self_attn#0"]
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
     assert "noise-aware verdict" in out and "introduced at model.layers.1.self_attn#0" in out
+    # the decode run given as the repeat made every difference its own floor: the bug became noise
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", dec, "--no-progress")
+    assert code == 2 and err.count("\n") == 1 and "decode rows; give a second dump of the reference run" in err, err

@@ -378,7 +378,7 @@ def test_o_writes_only_regular_files(dumps, tmp_path, target):
     if target == "fifo":
         os.mkfifo(path)
     one_line_error(dumpdiff("first-divergence", *dumps, "--no-progress", "-o", path),
-                   "cannot write it" if target == "missing folder" else "not a regular file to write")
+                   "no folder" if target == "missing folder" else "not a regular file to write")
     if target == "fifo":
         assert not os.path.isfile(path)
 

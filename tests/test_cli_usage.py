@@ -1,0 +1,104 @@
+"""Command-line mistakes a user makes: each is one line on stderr, exit 2, caught before the work.
+
+And the conveniences around them: a bare `dumpdiff` prints its help on stdout, -o's extension
+picks the format, and a report written to a file still says its verdict in a line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
+
+
+@pytest.fixture(scope="module")
+def dumps(model_dir, tmp_path_factory):
+    model = load_model(model_dir, torch.float32)
+    ref, dec, _ = dump_pair(model, tmp_path_factory.mktemp("dumps"), prompt_ids(12), new_tokens=4)
+    return ref, dec
+
+
+def one_line(result, *needles):
+    code, out, err = result
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("dumpdiff: error: "), (code, out, err)
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_usage_errors_are_one_line():
+    """click's own usage error was four lines (usage, try, blank line, error)."""
+    one_line(dumpdiff("first-divergence", "--bogus", "a", "b"), "No such option '--bogus'",
+             "see dumpdiff first-divergence --help")
+    one_line(dumpdiff("first-divergence", "a"), "Missing argument 'TEST'")
+    one_line(dumpdiff("nope"), "No such command 'nope'", "see dumpdiff --help")
+    one_line(dumpdiff("first-divergence", "a", "b", "--atol", "-1"), "--atol", "x>=0")
+
+
+def test_bare_dumpdiff_prints_its_help_on_stdout():
+    code, out, err = dumpdiff()
+    assert code == 0 and "Usage: dumpdiff" in out and "first-divergence" in out and err == ""
+    code, out, err = dumpdiff("--version")
+    assert code == 0 and out.startswith("dumpdiff ")
+
+
+@pytest.mark.parametrize("command", [("ctl", "get_state"), ("kl",), ("localize",)], ids=["ctl", "kl", "localize"])
+@pytest.mark.parametrize("url", ["notaurl", "localhost:30000", "http://127.0.0.1:abc"])
+def test_a_server_address_without_a_scheme_or_port_is_named(command, url):
+    """It was "internal error ValueError: unknown url type"."""
+    one_line(dumpdiff(*command, "--url", url, timeout=60), "not a server address", "http://HOST:PORT")
+
+
+@pytest.mark.parametrize("name", ["DUMPDIFF_HASH_THREADS", "DUMPDIFF_INDEX_PROCESSES"])
+@pytest.mark.parametrize("value", ["abc", "-1"])
+def test_a_bad_analyzer_setting_is_named(dumps, name, value):
+    """HASH_THREADS=abc was an internal error; INDEX_PROCESSES=abc or -1 was silently ignored."""
+    one_line(dumpdiff("index", "--rebuild", dumps[0], env={name: value}), name, "whole number")
+
+
+def test_output_path_is_checked_before_the_work(dumps, tmp_path):
+    """`kl -o` into a missing folder ran the whole check (minutes) and then lost the result."""
+    one_line(dumpdiff("first-divergence", *dumps, "-o", tmp_path / "nope" / "r.md"), "no folder")
+    one_line(dumpdiff("kl", "--url", "http://127.0.0.1:9", "-o", tmp_path / "nope" / "kl.json", timeout=60),
+             "no folder")  # before any connection: the error is the folder, not the server
+
+
+def test_output_extension_picks_the_format_and_the_verdict_is_said(dumps, tmp_path):
+    code, out, err = dumpdiff("first-divergence", *dumps, "-o", tmp_path / "r.json", "--no-progress")
+    assert code == 1 and out == ""
+    assert json.loads((tmp_path / "r.json").read_text())["divergence"] is True
+    assert f"wrote {tmp_path / 'r.json'} (divergence, first at model.layers." in err
+    code, out, err = dumpdiff("first-divergence", *dumps, "-o", tmp_path / "r.html", "--no-progress")
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+    code, out, err = dumpdiff("first-divergence", *dumps, "-o", tmp_path / "r2.json", "--format", "md", "--no-progress")
+    assert (tmp_path / "r2.json").read_text().startswith("## dumpdiff")  # an explicit --format wins
+
+
+def test_repro_refuses_another_model_and_a_file_for_a_folder(dumps, model_dir, tmp_path):
+    """Another model's weights replayed "bit for bit" and blamed the machine's kernels; another
+    shape wrote a bundle whose script failed; --out onto a file said "File exists"."""
+    ref, dec = dumps
+    call = "model.layers.0.mlp.down_proj#0"
+    (tmp_path / "afile").write_text("")
+    one_line(dumpdiff("repro", ref, dec, "--out", tmp_path / "afile", "--no-progress"), "is a file; give a folder")
+    other_weights = make_tiny_llama(tmp_path / "seed1", seed=1)
+    one_line(dumpdiff("repro", ref, dec, "--out", tmp_path / "r1", "--model", other_weights, "--call", call,
+                      "--no-progress"), "of their scale away from the dumped ones", "give the model the dump was made")
+    other_shape = make_tiny_llama(tmp_path / "wide", hidden_size=128)
+    one_line(dumpdiff("repro", ref, dec, "--out", tmp_path / "r2", "--model", other_shape, "--call", call,
+                      "--no-progress"), "give the model the dump was made")
+    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r3", "--model", model_dir, "--call", call,
+                              "--no-progress")
+    assert code == 0 and "checked bit for bit" in out, err
+
+
+def test_import_sglang_of_a_file_says_it_is_not_a_folder(tmp_path):
+    (tmp_path / "afile").write_text("")
+    one_line(dumpdiff("import-sglang", tmp_path / "afile", tmp_path / "out"), "not a directory")
