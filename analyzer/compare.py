@@ -375,6 +375,12 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
         if len(first_dirty):
             verdict["note"] = _no_origin_note(per_call, table, a, b)
         return verdict
+    orphans = np.setdiff1d(first_dirty["pair"], row_culprit["pair"])
+    if len(orphans):  # differing rows no culprit accounts for: say so, never drop them silently
+        decode = int(np.count_nonzero(pairs["mode_b"][orphans] == "decode"))
+        verdict["unattributed"] = (f"{len(orphans)} of the {len(first_dirty)} differing rows ({decode} decode) meet no "
+                                   "culprit: " + _no_origin_note(per_call.take(np.isin(per_call["pair"], orphans)),
+                                                                 table, a, b))
     at = row_culprit["pair"]  # pair numbers are positions in pairs
     rows = Columns({"pair": at, "call": calls[row_culprit["ccode"]], "order": row_culprit["order"],
                     **{k: pairs[k][at] for k in ("seq", "pos", "mode_a", "mode_b", "pass_a", "row_a", "pass_b", "row_b")}})

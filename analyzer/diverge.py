@@ -50,6 +50,10 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             raise DumpError(f"rank {rank} is not in both dumps (ranks {ranks})")
         ranks = [rank]
     result = {"a": describe(dump_a), "b": describe(dump_b), "ranks": {}, "warnings": dump_a.warnings() + dump_b.warnings()}
+    filters = [d.setting("filter") or "" for d in (dump_a, dump_b)]
+    if filters[0] != filters[1]:
+        _warn(result, f"the dumps were made with different DUMPER_FILTERs ({filters[0]!r} and {filters[1]!r}): only calls "
+              "hooked in both are compared; dump both with the same filter")
     if os.path.realpath(dump_a.path) == os.path.realpath(dump_b.path):
         _warn(result, f"both arguments are the same dump ({show(dump_a.label)}): it is compared with itself")
     for r in ranks:
@@ -57,10 +61,14 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
         if alignment.decode_a and not alignment.decode_b and r == ranks[0]:
             _warn_swapped(result, dump_a, dump_b, alignment.decode_a)
+        _check_cut_off_reference(dump_a, dump_b, alignment, r)
+        _warn_cached_reference(result, dump_a, alignment, r)
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean
             raise DumpError(_nothing_compared(len(alignment.cols), ia, ib))
+        if verdict.get("unattributed"):
+            _warn(result, verdict["unattributed"])
         if noise_aware and verdict["rows_differing"]:
             from .moe import routing_flips  # these read tensor values: not under --strict-only
             from .noise import noise_verdict
@@ -87,6 +95,34 @@ def _warn_swapped(result: dict, a: Dump, b: Dump, decode_a: int):
     Extend rows in a reference are no sign of it: chunked prefills and cache hits make them."""
     _warn(result, f"{show(a.label)} (the reference, first argument) has {decode_a} decode rows and {show(b.label)} has "
           "none: are the arguments swapped? give the reference prefill first: first-divergence REF DEC")
+
+
+def _check_cut_off_reference(a: Dump, b: Dump, alignment, rank: int):
+    """A reference whose writer died mid-dump lacks the rows it never wrote: a verdict over the
+    rows left would pass a partial comparison off as the whole one."""
+    part = a.ranks.get(rank)
+    cut = a.incomplete or (part is not None and (part.unclosed or part.torn_lines))
+    if cut and alignment.cached_unpaired_b:
+        raise DumpError(f"{show(a.label)} (the reference) was cut off (its writer never closed it: killed mid-dump?) and "
+                        f"{alignment.cached_unpaired_b} decode or extend rows of {show(b.label)} have no partner in it: "
+                        "dump the reference again")
+
+
+def _warn_cached_reference(result: dict, a: Dump, alignment, rank: int):
+    """Paired reference rows computed on a cache: a chunked prefill, a prefix-cache hit or decode
+    steps. A cache or restore bug then runs in the reference too, and a decode row paired with a
+    decode row compares decode with decode."""
+    modes = alignment.cols["mode_a"]
+    decode = int(np.count_nonzero(modes == "decode"))
+    cached = int(np.count_nonzero(modes == "extend")) + decode  # (a mixed pass also holds fresh prompts: not counted)
+    if not cached:
+        return
+    where = f" (rank {rank})" if len(a.ranks) > 1 else ""
+    also = f", {decode} of them in decode steps" if decode else ""
+    _warn(result, f"{cached} paired rows of {show(a.label)}{where} were computed on a cache{also} (a chunked prefill, a "
+          "prefix-cache hit or decode steps): a cache or restore bug would run in the reference too; for a cache-free "
+          "reference flush the cache and prefill prompt+output in one chunk (sglang: --chunked-prefill-size larger "
+          "than it)")
 
 
 def _warn(result: dict, note: str):

@@ -75,6 +75,41 @@ def test_row_selected_dumps_give_the_full_dumps_verdict(llama_dir, tmp_path, dty
     assert code == 1 and "24 paired rows have no dumped tensor row on both sides" in out, err
 
 
+def test_differing_rows_no_culprit_accounts_for_are_said(llama_dir, tmp_path):
+    """DUMPER_FILTER keeps the last MLP only. The first decode step's error is made there (its
+    culprit); the next steps' errors are made in layer 0, not hooked, and reach every later row
+    through the cache. The report named the one culprit row and dropped the others without a
+    word. Two dumps made with different filters are said too."""
+    model = load_model(llama_dir, torch.bfloat16)  # bit-identical here but for the planted errors
+    steps = []
+
+    def perturb(layer):
+        def hook(module, args, output):
+            if output.shape[1] != 1:
+                return None
+            if layer == 0:
+                steps.append(1)
+            wanted = 3 if len(steps) == 1 else 0  # the first decode step in layer 3, later ones in layer 0
+            return output * 1.05 if layer == wanted else None
+        return hook
+
+    for layer in (0, 3):
+        model.model.layers[layer].mlp.register_forward_hook(perturb(layer))
+    ref, dec, _ = dump_pair(model, tmp_path / "d", prompt_ids(16), new_tokens=5, filter=r"embed|layers\.3\.mlp$")
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert code == 1 and [g["call"] for g in verdict["groups"]] == ["model.layers.3.mlp#0"]
+    attributed = verdict["groups"][0]["rows"]
+    said = [w for w in result["warnings"] if "meet no culprit" in w]
+    assert said and said[0].startswith(f"{verdict['rows_differing'] - attributed} of the {verdict['rows_differing']} "
+                                       "differing rows"), result["warnings"]
+    assert "widen DUMPER_FILTER" in said[0]
+    steps.clear()
+    _, everything, _ = dump_pair(model, tmp_path / "e", prompt_ids(16), new_tokens=5)
+    code, out, err = dumpdiff("first-divergence", ref, everything, "--no-progress")
+    assert "different DUMPER_FILTERs" in err, err
+
+
 @pytest.mark.parametrize("trust", [False, True], ids=["proved", "trusted"])
 def test_row_selection_that_keeps_no_paired_row_is_an_error_not_a_clean_run(llama_dir, tmp_path, trust):
     """DUMPER_LAST_ROWS=1 keeps the reference's last row, which the decode run never computes
@@ -220,6 +255,32 @@ def test_a_chunked_reference_is_not_taken_for_swapped_arguments(llama_dir, tmp_p
     code, out, err = dumpdiff("first-divergence", tmp_path / "chunked", tmp_path / "whole", "--no-progress")
     assert code in (0, 1) and "alignment proof: OK" in out, err
     assert "swapped" not in err
+    # but a cache bug would run in such a reference too: said (sglang chunks long prefills by default)
+    assert "16 paired rows of chunked were computed on a cache (a chunked prefill" in err, err
+
+
+def test_a_reference_with_decode_steps_or_cut_off_is_said(llama_dir, tmp_path):
+    """A reference made by generate pairs decode rows with decode rows: nothing differs, and
+    that is no sign of health. A reference whose writer died before its last chunk lacks rows:
+    a verdict over the rest would pass a partial comparison off as whole (exit 2)."""
+    from transformers import DynamicCache
+    model = load_model(llama_dir, torch.float32)
+    ref, dec, out = dump_pair(model, tmp_path / "d", prompt_ids(16), new_tokens=4)
+    _, generated, _ = dump_pair(model, tmp_path / "e", prompt_ids(16), new_tokens=4)  # the same run, again
+    code, _, err = dumpdiff("first-divergence", generated, dec, "--no-progress")
+    assert "3 of them in decode steps" in err, err
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    with torch.no_grad():
+        handle.configure(enable=True, exp_name="cut")
+        cache = DynamicCache()
+        model(out[:, :17], past_key_values=cache, use_cache=True)  # the prompt and the first generated token
+        model(out[:, 17:], past_key_values=cache, use_cache=True)  # the rest: never committed below
+    handle.remove()
+    manifest = tmp_path / "cut" / "rank0" / "manifest.jsonl"
+    manifest.write_text(manifest.read_text().splitlines(keepends=True)[0])
+    (tmp_path / "cut" / "rank0" / ".lock").write_text("writing pid=1")
+    code, out, err = dumpdiff("first-divergence", tmp_path / "cut", dec, "--no-progress")
+    assert code == 2 and "cut (the reference) was cut off" in err and "dump the reference again" in err, err
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["clean", "stale-kv"])
