@@ -9,10 +9,14 @@ every variable; ``VARIABLES`` below is the single source of that list.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 import re
 import time
 from typing import Mapping, Optional
+
+log = logging.getLogger("dumper")
 
 MODES = ("off", "core", "all")
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -34,6 +38,16 @@ VARIABLES = {
     "DUMPER_LAST_ROWS": ("0", "keep only the last k token rows of each sequence in a pass (0 = all rows); "
                          "for a reference prefill of prompt+output, at least the number of new tokens"),
 }
+
+# Variables of sglang's built-in dumper (sglang 0.5.23 DumperConfig) that ours does not read: set
+# for that dumper, not misspelt, so never warned about.
+SGLANG_ONLY_VARIABLES = frozenset("DUMPER_" + name.upper() for name in (
+    "enable_output_file", "enable_output_console", "enable_value", "enable_grad", "enable_model_value",
+    "enable_model_grad", "collective_timeout", "source_patcher_config", "include_parallel_rank_in_filename",
+    "grafter_enable", "grafter_role", "grafter_b2t_filter", "grafter_t2b_filter", "grafter_master_address",
+    "grafter_master_port", "grafter_baseline_world_size", "grafter_target_world_size", "grafter_backend",
+    "grafter_group_name", "grafter_timeout", "grafter_transform_path"))
+_warned_unknown: set = set()  # unknown variables already warned about in this process
 
 
 class ConfigError(ValueError):
@@ -100,6 +114,7 @@ class DumperConfig:
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "DumperConfig":
         environ = os.environ if environ is None else environ
+        warn_unknown_variables(environ)
         values = {}
         for field in dataclasses.fields(cls):
             raw = environ.get(env_name(field.name))
@@ -115,7 +130,18 @@ def env_name(field_name: str) -> str:
 
 def any_dumper_variable(environ: Optional[Mapping[str, str]] = None) -> bool:
     environ = os.environ if environ is None else environ
+    warn_unknown_variables(environ)  # DUMPER_ENABLED=1 alone would otherwise leave the plugin silent
     return any(name in environ for name in VARIABLES)
+
+
+def warn_unknown_variables(environ: Mapping[str, str]):
+    """One warning line per misspelt DUMPER_* variable (once per process): it would be ignored."""
+    for name in sorted(environ):
+        if name.startswith("DUMPER_") and name not in VARIABLES and name not in SGLANG_ONLY_VARIABLES \
+                and name not in _warned_unknown:
+            _warned_unknown.add(name)
+            closest = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0)
+            log.warning("dumper: %s is not a dumper variable and is ignored; did you mean %s?", name, closest[0])
 
 
 def parse_value(variable: str, raw: str, default):
@@ -162,6 +188,9 @@ def compile_filter(text: str):
     if not text:
         return lambda path, cls: True
     key, sep, pattern = text.partition("=")
+    if sep and re.fullmatch(r"\w+", key) and key not in FILTER_KEYS:
+        # a regex never needs "word=" (module paths hold no '='): this is a misspelt key
+        raise ConfigError(_bad("DUMPER_FILTER", text, f"a regex, or key=regex with key one of {'|'.join(FILTER_KEYS)}"))
     if not sep or key not in FILTER_KEYS:
         key, pattern = "name", text
     try:

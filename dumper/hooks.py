@@ -84,7 +84,6 @@ class Dumper:
         self._cleaned: set = set()
         self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
-        self._core_warned: set = set()  # experiments already told that core mode has no tensors
         self._seq_next: Dict[tuple, int] = {}  # (exp dir, seq) -> next position the dump lacks
         self._endpoint = None
         self._original_forward = model.forward
@@ -281,10 +280,9 @@ class Dumper:
         self._cleanup_pending.discard(exp_dir)
         if self._writer.submit(PassRecord(exp_dir, self.rank, meta, current.tensors, ready, cleanup=cleanup)):
             self.passes_dumped += 1
-        if self.config.non_intrusive_mode == "core" and exp_dir not in self._core_warned:
-            self._core_warned.add(exp_dir)
-            log.warning("dumper: DUMPER_NON_INTRUSIVE_MODE=core writes pass metadata only (token ids, positions, "
-                        "sequences), no module tensors; set it to 'all' to localize a divergence")
+        if self.config.non_intrusive_mode == "core":
+            self._warn_once("core", "dumper: DUMPER_NON_INTRUSIVE_MODE=core writes pass metadata only (token ids, "
+                                    "positions, sequences), no module tensors; set it to 'all' to localize a divergence")
 
     def _exp_dir(self) -> str:
         cfg = self.config
@@ -415,10 +413,44 @@ class Dumper:
         where = os.path.join(cfg.dir, cfg.exp_name or "<dump_date_time>")
         log.info("dumper: %s, mode=%s, filter=%r -> %s", "ENABLED" if cfg.enable else "installed, idle",
                  cfg.non_intrusive_mode, cfg.filter or "(all modules)", where)
+        if cfg.filter and cfg.non_intrusive_mode == "all":
+            self._check_filter(cfg.filter)
+
+    def _check_filter(self, filter_text: str):
+        """Warn, at install or when the filter changes (before any hook runs), about a filter whose
+        dump cannot be localized: one selecting no module, or one leaving out the embedding."""
+        if ("filter", filter_text) in self._warned:
+            return
+        self._warned.add(("filter", filter_text))
+        selected = compile_filter(filter_text)
+        chosen = {module for module, path in self._paths.items()
+                  if selected(path if module is not self.model else fmt.ROOT_PATH, type(module).__name__)}
+        model_class = type(self.model).__name__
+        if not chosen:
+            log.warning("dumper: DUMPER_FILTER=%r matches no module of %s; nothing but pass metadata will be dumped",
+                        filter_text, model_class)
+            return
+        embeddings = _embedding_modules(self.model)
+        if embeddings and not chosen & embeddings:
+            names = ", ".join(sorted(self._paths[module] for module in embeddings))
+            log.warning("dumper: DUMPER_FILTER=%r leaves out the embedding (%s) of %s; the analyzer needs its output "
+                        "to prove the alignment", filter_text, names, model_class)
 
     def _report_sizes(self):
         if self._writer.passes_written:
             log.info("dumper: wrote %d passes, %.1f MB", self._writer.passes_written, self._writer.bytes_written / 1e6)
+
+
+def _embedding_modules(model: torch.nn.Module) -> set:
+    """The modules that turn token ids into vectors: the model's input embedding where it names
+    one (HF and sglang models do), else every nn.Embedding."""
+    try:
+        named = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except Exception:  # noqa: BLE001 - HF raises NotImplementedError where a model names none
+        named = None
+    if isinstance(named, torch.nn.Module) and any(named is module for module in model.modules()):
+        return {named}
+    return {module for module in model.modules() if isinstance(module, torch.nn.Embedding)}
 
 
 def _kept_index_on(current: _Pass, device: torch.device) -> torch.Tensor:

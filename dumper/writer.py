@@ -31,6 +31,26 @@ from . import format as fmt
 log = logging.getLogger("dumper")
 
 
+def _process_umask() -> int:
+    """The umask, read without changing it where /proc says (another thread could create a file
+    while it is changed); else set and put back, once, at import."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+# The mode a plain open() gives: safetensors writes through a 0600 temp file, and a dump written by
+# a server's user must be readable by the analyst that the umask would let read it.
+FILE_MODE = 0o666 & ~_process_umask()
+
+
 @dataclasses.dataclass
 class PassRecord:
     exp_dir: str
@@ -73,8 +93,8 @@ class _RankJournal:
                     if name != LOCK_FILE:
                         os.unlink(os.path.join(rank_dir, name))
             self.manifest_path = os.path.join(rank_dir, fmt.MANIFEST_FILE)
-            self.next_pass = _recover(rank_dir, self.manifest_path)
-            self.manifest = os.open(self.manifest_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.next_pass, self.passes_found = _recover(rank_dir, self.manifest_path)
+            self.manifest = os.open(self.manifest_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # & ~umask
             self.dir_fd = os.open(rank_dir, os.O_RDONLY)
         except BaseException:
             self.lock_file.close()  # e.g. a full disk: release the folder for a later try
@@ -108,11 +128,12 @@ class _RankJournal:
         self.lock_file.close()
 
 
-def _recover(rank_dir: str, manifest_path: str) -> int:
+def _recover(rank_dir: str, manifest_path: str):
     """Continue after passes an earlier process committed to the same folder, cleaning up after
     one that was killed (we hold the lock, so whatever it left uncommitted is garbage): a torn last
     manifest line (no newline) is cut, else the next line would be glued onto it and the manifest
-    would become unreadable; temp files and pass files the manifest does not name are removed."""
+    would become unreadable; temp files and pass files the manifest does not name are removed.
+    Returns (next pass id, passes the manifest names)."""
     data = b""
     if os.path.exists(manifest_path):
         with open(manifest_path, "rb") as handle:
@@ -136,7 +157,7 @@ def _recover(rank_dir: str, manifest_path: str) -> int:
             name.startswith("pass-") and name.endswith(".safetensors") and name not in named)
         if uncommitted:
             os.unlink(os.path.join(rank_dir, name))
-    return last + 1
+    return last + 1, len(named)
 
 
 class PassWriter:
@@ -156,6 +177,7 @@ class PassWriter:
         self._cond = threading.Condition()
         self._queue: "queue.Queue[Optional[PassRecord]]" = queue.Queue()
         self._journals: Dict[str, _RankJournal] = {}
+        self._folders_seen: set = set()  # rank folders this writer has opened
         self._run_written: set = set()
         self._run_pending: Dict[str, dict] = {}  # exp_dir -> run.json content, written under the rank lock
         self._closed = False
@@ -306,6 +328,7 @@ class PassWriter:
             journal = None
         if journal is None:
             journal = self._journals[rank_dir] = _RankJournal(rank_dir, cleanup=record.cleanup)
+            self._note_earlier_passes(rank_dir, journal.passes_found)
         pass_id = journal.next_pass
         meta = dict(record.meta, **{"pass": pass_id})
         meta_json = json.dumps(meta, separators=(",", ":"))
@@ -323,6 +346,7 @@ class PassWriter:
         try:
             save_file(tensors, tmp, metadata={fmt.PASS_META_KEY: meta_json})
             with open(tmp, "rb") as handle:
+                os.fchmod(handle.fileno(), FILE_MODE)
                 os.fsync(handle.fileno())
             size = os.path.getsize(tmp)
             self._check_limit(size)  # exact now: DUMPER_MAX_BYTES counts real file sizes, headers included
@@ -342,6 +366,16 @@ class PassWriter:
         journal.next_pass += 1
         self.bytes_written += size
         self.passes_written += 1
+
+    def _note_earlier_passes(self, rank_dir: str, passes_found: int):
+        """Warn once per folder when it holds passes this writer did not commit: the new ones would
+        join an earlier run's dump (two prefills of one prompt in one dump) without a word. A folder
+        this writer wrote to and reopens (exp_name switched away and back) holds only its own."""
+        if passes_found and rank_dir not in self._folders_seen:
+            log.warning("dumper: %s already holds %d pass%s from an earlier run; new passes are appended "
+                        "(DUMPER_CLEANUP_PREVIOUS=1 or a new exp_name starts afresh)",
+                        rank_dir, passes_found, "" if passes_found == 1 else "es")
+        self._folders_seen.add(rank_dir)
 
     def _check_limit(self, nbytes: int):
         if self.max_bytes and self.bytes_written + nbytes > self.max_bytes:

@@ -259,16 +259,12 @@ def test_a_chunked_reference_is_not_taken_for_swapped_arguments(llama_dir, tmp_p
     assert "16 paired rows of chunked were computed on a cache (a chunked prefill" in err, err
 
 
-def test_a_reference_with_decode_steps_or_cut_off_is_said(llama_dir, tmp_path):
-    """A reference made by generate pairs decode rows with decode rows: nothing differs, and
-    that is no sign of health. A reference whose writer died before its last chunk lacks rows:
-    a verdict over the rest would pass a partial comparison off as whole (exit 2)."""
+def test_a_reference_cut_off_is_refused(llama_dir, tmp_path):
+    """A reference whose writer died before its last chunk lacks rows: a verdict over the rest
+    would pass a partial comparison off as whole (exit 2)."""
     from transformers import DynamicCache
     model = load_model(llama_dir, torch.float32)
     ref, dec, out = dump_pair(model, tmp_path / "d", prompt_ids(16), new_tokens=4)
-    _, generated, _ = dump_pair(model, tmp_path / "e", prompt_ids(16), new_tokens=4)  # the same run, again
-    code, _, err = dumpdiff("first-divergence", generated, dec, "--no-progress")
-    assert "3 of them in decode steps" in err, err
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
     with torch.no_grad():
         handle.configure(enable=True, exp_name="cut")

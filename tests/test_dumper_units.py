@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -212,3 +214,114 @@ def test_switching_experiment_closes_the_previous_dump(tmp_path):
         assert code == 0 and "warning" not in err + out
     finally:
         handle.remove()
+
+
+def run_python(code: str, env: dict):
+    """(exit code, stderr) of ``code`` in a fresh interpreter: umask and environment are read there."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("DUMPER_")}, **env})
+    return proc.returncode, proc.stderr
+
+
+def test_every_dump_file_gets_the_mode_a_plain_open_gives(tmp_path):
+    """Pass files were 0600 (safetensors writes through a temp file): an analyst could not read a
+    server's dump. Under umask 007 every file must be 0660, as open() would make it."""
+    code, err = run_python(f"""
+import os, sys
+os.umask(0o007)
+sys.path.insert(0, "tests")
+import torch, dumper
+from test_dumper_units import Toy
+model = Toy().eval()
+handle = dumper.install(model, dumper.DumperConfig(dir={str(tmp_path)!r}, enable=True, exp_name="m"))
+with torch.no_grad():
+    model(torch.tensor([[1, 2, 3]]))
+handle.remove()
+""", {})
+    assert code == 0, err
+    modes = {os.path.relpath(os.path.join(d, f), tmp_path): oct(os.stat(os.path.join(d, f)).st_mode & 0o777)
+             for d, _, files in os.walk(tmp_path) for f in files}
+    assert "m/rank0/pass-000000.safetensors" in modes
+    assert set(modes.values()) == {"0o660"}, modes
+
+
+def test_misspelt_dumper_variables_warn_once_naming_the_closest():
+    code, err = run_python("""
+import sys
+from dumper.config import DumperConfig, any_dumper_variable
+assert not any_dumper_variable()  # sglang's plugin asks this first: DUMPER_ENABLED=1 alone must still warn
+print("-- from_env", file=sys.stderr)
+cfg = DumperConfig.from_env()
+DumperConfig.from_env()  # read again (sglang's plugin does): no second warning
+assert cfg.dir == "/tmp/dumper" and not cfg.enable
+""", {"DUMPER_ENABLED": "1", "DUMPER_FILTR": "mlp", "DUMPER_ENABLE_VALUE": "1", "DUMPER_GRAFTER_ROLE": "target"})
+    assert code == 0, err
+    lines = err.splitlines()
+    assert lines == ["dumper: DUMPER_ENABLED is not a dumper variable and is ignored; did you mean DUMPER_ENABLE?",
+                     "dumper: DUMPER_FILTR is not a dumper variable and is ignored; did you mean DUMPER_FILTER?",
+                     "-- from_env"]
+    # sglang's own dumper reads DUMPER_ENABLE_VALUE, DUMPER_GRAFTER_*...: set for it, not misspelt
+    code, err = run_python("import dumper; dumper.DumperConfig.from_env()", {"DUMPER_EXPNAME": "x"})  # dumper.install()'s way
+    assert code == 0 and err.splitlines() == [
+        "dumper: DUMPER_EXPNAME is not a dumper variable and is ignored; did you mean DUMPER_EXP_NAME?"], err
+
+
+def test_filter_with_an_unknown_key_is_an_error_naming_the_keys():
+    with pytest.raises(ConfigError) as err:
+        DumperConfig.from_env({"DUMPER_FILTER": "layer=3"})
+    assert "DUMPER_FILTER='layer=3' is not valid" in str(err.value) and "name|layer_id|cls" in str(err.value)
+    for regex in ("layers\\.(0|1)\\.", "(?=mlp)mlp", "layer_id=[0-3]", "cls=Linear"):  # still filters
+        DumperConfig.from_env({"DUMPER_FILTER": regex})
+
+
+@pytest.mark.parametrize("filter_text,needle", [
+    ("nothing_here", "DUMPER_FILTER='nothing_here' matches no module of Toy; nothing but pass metadata will be dumped"),
+    ("^proj$", "DUMPER_FILTER='^proj$' leaves out the embedding (embed) of Toy; the analyzer needs its output"),
+    ("^(embed|proj)$", None),
+], ids=["matches-nothing", "no-embedding", "fine"])
+def test_filter_that_cannot_localize_warns_once_at_install(tmp_path, caplog, filter_text, needle):
+    model = Toy().eval()
+    with caplog.at_level("WARNING", logger="dumper"):
+        handle = dumper.install(model, DumperConfig(dir=str(tmp_path), exp_name="f", filter=filter_text))
+        assert (needle in caplog.text) if needle else "DUMPER_FILTER" not in caplog.text  # before any pass
+        handle.configure(enable=True)
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+            model(torch.tensor([[1, 2]]))
+        handle.remove()
+    assert caplog.text.count("DUMPER_FILTER") == (1 if needle else 0)
+
+
+def test_an_earlier_runs_passes_in_the_folder_are_named_once(tmp_path, caplog):
+    def run(model, passes, **config):
+        handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="ref", **config))
+        with torch.no_grad():
+            for _ in range(passes):
+                model(torch.tensor([[1, 2, 3]]))
+            handle.configure(exp_name="other")
+            handle.configure(exp_name="ref")  # back to a folder this dumper wrote: no warning
+            model(torch.tensor([[1, 2, 3]]))
+        handle.remove()
+
+    model = Toy().eval()
+    run(model, 1)
+    with caplog.at_level("WARNING", logger="dumper"):
+        run(model, 2)  # a second run of the same workflow
+    rank_dir = tmp_path / "ref" / "rank0"
+    assert caplog.messages == [f"dumper: {rank_dir} already holds 2 passes from an earlier run; new passes are appended "
+                               "(DUMPER_CLEANUP_PREVIOUS=1 or a new exp_name starts afresh)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dumper"):
+        run(model, 1, cleanup_previous=True)  # starts afresh: nothing to say
+    assert caplog.messages == []
+
+
+def test_core_mode_warns_once_per_dumper(tmp_path, caplog):
+    model = Toy().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="c1", non_intrusive_mode="core"))
+    with caplog.at_level("WARNING", logger="dumper"), torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+        handle.configure(exp_name="c2")
+        model(torch.tensor([[1, 2, 3]]))
+    handle.remove()
+    assert caplog.text.count("metadata only") == 1
