@@ -72,12 +72,12 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         if noise_aware and verdict["rows_differing"]:
             from .moe import routing_flips  # these read tensor values: not under --strict-only
             from .noise import noise_verdict
-            verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r))
-            verdict["summary"] = summarize(verdict)
-        if noise_aware and verdict["rows_differing"]:  # reads router rows: not under --strict-only
-            flips = routing_flips(alignment, ia, ib, table, dump_a.run)
+            flipped_rows = []  # a flip that input noise caused is no introduced error
+            flips = routing_flips(alignment, ia, ib, table, dump_a.run, flipped_rows)
             if flips:
                 verdict["routing_flips"] = flips
+            verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r), flipped_rows)
+            verdict["summary"] = summarize(verdict)
         verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
                                 "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,
                                 "embedding": alignment.embedding}
@@ -181,6 +181,9 @@ def summarize(verdict: dict) -> str:
         if "atol" in rule:  # the user's tolerance decided, not an amplification line
             why = (f"inputs within atol={rule['atol']}, rtol={rule['rtol']}, output not "
                    f"(output error {top['out_err']:.3g}, input error {top['in_err']:.3g})")
+        elif top["in_err"] == 0:  # judged in epsilons: no reordering of a float32 sum moves a 16-bit output that far
+            why = (f"output error {top['out_err']:.3g} from bit-identical inputs, {top['amplification']:.3g} epsilons of "
+                   "its precision, beyond what another summation order makes")
         else:
             why = (f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}, "
                    f"{top['amplification']:.3g}x amplification, far beyond float noise")
@@ -188,6 +191,10 @@ def summarize(verdict: dict) -> str:
                      f"{why}. Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
         parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: {NOISE_ONLY}")
+    flipped = noise.get("rule", {}).get("rows_flipped_by_noise")
+    if flipped:
+        parts.append(f"On {flipped} rows the MoE experts flipped because input noise reached the router: their O(1) "
+                     "error around the MoE block is counted as noise (see routing flips).")
     return " ".join(parts)
 
 

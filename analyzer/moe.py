@@ -33,8 +33,11 @@ CONFIG_K = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k", 
 _LAYER = re.compile(r"\.(\d+)(?=[.#]|$)")
 
 
-def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run: Optional[dict] = None) -> List[dict]:
-    """One entry per router call whose output differs on some paired rows, in execution order."""
+def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run: Optional[dict] = None,
+                  flipped_rows: Optional[list] = None) -> List[dict]:
+    """One entry per router call whose output differs on some paired rows, in execution order.
+    ``flipped_rows``, when given, receives (router call, its MoE block's module, pair numbers of
+    the rows whose experts flipped) for the noise-aware verdict."""
     routers = find_routers(b)
     if not routers:
         return []
@@ -72,6 +75,8 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
                 flipped.append((int(pair), row_a.tolist(), row_b.tolist()))
         flipped.sort()
         entry["rows_flipped"] = len(flipped)
+        if flipped_rows is not None and flipped:
+            flipped_rows.append((router["call"], router["parent"], [p for p, _, _ in flipped]))
         info = pairs.loc[[p for p, _, _ in flipped]] if flipped else pairs.iloc[:0]
         entry["kinds"] = {str(kind): int(n) for kind, n in info["mode_b"].value_counts().items()}
         entry["examples"] = [{"seq": str(pairs.loc[p, "seq"]), "pos": int(pairs.loc[p, "pos"]),

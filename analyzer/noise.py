@@ -39,6 +39,16 @@ from .index import Index
 MIN_AMPLIFICATION = 30.0  # never call a 30x jump or less an introduced error
 MAD_FACTOR = 8.0
 MIN_ULPS = 8.0  # an introduced error must be at least this many epsilons of its row's magnitude
+EPS_ACCUMULATE = eps(BY_NAME["float32"])  # kernels accumulate in float32 whatever they output
+
+
+def clean_input_line(line, out_eps):
+    """The line for a call whose inputs are bit-identical. Another reduction order (the batch
+    variance of a kernel) moves a float32 sum by a few float32 epsilons, which rounding to a
+    16-bit output turns into an ulp or two: an error of MIN_ULPS 16-bit epsilons from identical
+    inputs is no reordering. (Against the line for carried noise, 30 x eps(bfloat16) ~ 23%, a
+    13% state bug passed for noise.) For float32 outputs the line stays."""
+    return np.maximum(MIN_ULPS, line * EPS_ACCUMULATE / out_eps)
 MAX_PAIRS = 512  # rows whose bytes are read for the noise-aware walk (sampled evenly beyond this)
 
 
@@ -209,8 +219,11 @@ def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, traits: tu
     np.fmax.at(out_eps, cell_of[is_out], errors["eps"][is_out])  # NaN (not read) never wins
     pair, ccode = np.divmod(cells, n_calls)
     seq, pos = pairs["seq"][pair], pairs["pos"][pair]
+    # A call taking token ids only (the model itself) gets earlier rows' errors through the state
+    # it keeps, made by its submodules: the largest error of any call on an earlier row (its own
+    # outputs may cover the last row only, as generate's logits do).
     in_err = np.where(float_inputs[ccode], _running_max(in_err, ccode, seq, pos),
-                      np.maximum(in_err, _running_max(out_err, ccode, seq, pos, exclusive=True)))
+                      np.maximum(in_err, _earlier_rows_max(out_err, seq, pos)))
     out_eps = np.fmax(np.where(np.isnan(out_eps), eps(BY_NAME["float32"]), out_eps), precision[ccode])
     floors = np.array([floor_by_call.get(c, 0.0) for c in table.calls.tolist()] or [0.0])
     floor = np.maximum(out_eps, floors[ccode])
@@ -227,6 +240,19 @@ def _ratio(out_err: np.ndarray, scale: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = out_err / scale
     return np.where(scale > 0, ratio, np.where(out_err > 0, np.inf, 0.0))
+
+
+def _earlier_rows_max(values: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Per cell, the largest value over every cell of its sequence at an earlier position."""
+    if not len(values):
+        return values
+    _, seq_code = np.unique(seq.astype(str), return_inverse=True)
+    width = int(pos.max()) + 1
+    rows, row_of = np.unique(seq_code.reshape(-1).astype(np.int64) * width + pos, return_inverse=True)
+    row_max = np.zeros(len(rows))
+    np.maximum.at(row_max, row_of.reshape(-1), values)
+    before = _running_max(row_max, np.zeros(len(rows), np.int64), rows // width, rows % width, exclusive=True)
+    return before[row_of.reshape(-1)]
 
 
 def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray,
@@ -312,7 +338,9 @@ def derive_threshold(calls: Columns) -> dict:
 
 
 def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
-                  floor_by_call: Optional[Dict[str, float]] = None) -> dict:
+                  floor_by_call: Optional[Dict[str, float]] = None, flips=()) -> dict:
+    """``flips``: (router call, MoE block module, paired rows whose experts flipped), from
+    analyzer/moe.py."""
     pair_ids = sample_pairs(alignment.cols)
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
@@ -329,8 +357,15 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     else:
         rule = derive_threshold(calls)
         rule["min_ulps"] = MIN_ULPS
-        introduced = (calls["amplification"] > rule["amplification"]) & (calls["out_err"] > MIN_ULPS * calls["eps"])
+        rule["clean_input_16bit"] = float(clean_input_line(rule["amplification"], eps(BY_NAME["bfloat16"])))
+        line = np.where(calls["in_err"] > 0, rule["amplification"],
+                        np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])))
+        introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
     rule["floor_from_repeat"] = bool(floor_by_call)
+    explained = _flipped_by_noise(calls, table, calls_b["module"][at_calls], flips)
+    introduced &= ~explained
+    if explained.any():
+        rule["rows_flipped_by_noise"] = int(len(distinct(calls["pair"][explained])))
     # The earliest completed introducing call of each row.
     chosen = np.nonzero(introduced)[0]
     chosen = chosen[np.lexsort((post[chosen], calls["pair"][chosen]))]
@@ -359,8 +394,27 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
                            "amplification": float(calls["amplification"][f])}
                           for p, f in zip(rows[by_place].tolist(), firsts[by_place].tolist())]
     verdict["bytes_read"] = int(a.reader().bytes_read + b.reader().bytes_read - read_before)
-    verdict["top_jumps"] = top_jumps(calls, names)
+    verdict["top_jumps"] = top_jumps(calls.take(~explained), names[~explained])  # a noise flip's O(1) jump is no margin
     return verdict
+
+
+def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flips) -> np.ndarray:
+    """Cells whose error a routing flip explains: on a row where noise reached the router's
+    input and its experts flipped, the router, its MoE block and the calls around the block
+    change by O(1) with no bug (the routing-flips section shows the flip)."""
+    explained = np.zeros(len(calls), bool)
+    names = table.calls[calls["ccode"]]
+    modules = modules.astype(str)
+    for router, block, flipped in flips:
+        reached = calls["pair"][(names == router) & (calls["in_err"] > 0)]
+        rows = np.isin(calls["pair"], np.intersect1d(reached, np.asarray(flipped, np.int64)))
+        if not rows.any():
+            continue
+        known, module_of = np.unique(modules, return_inverse=True)
+        near = np.array([m == block or m.startswith(block + ".") or not m or block.startswith(m + ".")
+                         for m in known.tolist()], dtype=bool)  # the block, inside it, or around it
+        explained |= rows & near[module_of.reshape(-1)]
+    return explained
 
 
 def top_jumps(calls: Columns, names: np.ndarray, limit: int = 8) -> list:

@@ -109,3 +109,28 @@ def test_float_noise_alone_flips_no_expert_here(moe_dir, tmp_path, seed):
     if flips:
         assert all(f["rows_differing"] > 0 and f["k"] == 2 for f in flips)
         assert "but no row's selected experts changed" in to_markdown(result)
+
+
+def test_a_flip_that_input_noise_causes_is_not_an_introduced_error(moe_dir, tmp_path):
+    """A router near a tie: which experts it picks turns on the last bit of its input. Float32
+    prefill/decode noise reaches it, some decode rows go to other experts, and the block's output
+    differs by O(1). That is noise amplified by a discrete choice, not a bug: the noise-aware
+    verdict named the router (an integer error of 1 over a float epsilon) and its MoE block."""
+    model = load_model(moe_dir, torch.float32)
+
+    def near_tie(module, args, output):
+        logits, weights, _ = output
+        hidden = args[0].reshape(-1, args[0].shape[-1])
+        side = torch.sin(hidden.double().sum(-1) * 1e9) > 0  # one ulp of the input decides
+        picked = torch.where(side[:, None], torch.tensor([0, 1]), torch.tensor([0, 2]))
+        return logits, torch.full_like(weights, 0.5), picked
+
+    model.model.layers[1].mlp.gate.register_forward_hook(near_tie)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(PROMPT), new_tokens=NEW)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    flipped = sum(f["rows_flipped"] or 0 for f in verdict["routing_flips"])
+    assert code == 1 and flipped > 0  # the near tie did flip rows
+    assert verdict["noise"]["culprits"] == [], verdict["noise"]["culprits"]
+    assert verdict["noise"]["rule"]["rows_flipped_by_noise"] == flipped
+    assert "experts flipped because input noise reached the router" in verdict["summary"]

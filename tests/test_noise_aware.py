@@ -87,3 +87,51 @@ def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
     # the decode run given as the repeat made every difference its own floor: the bug became noise
     code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", dec, "--no-progress")
     assert code == 2 and err.count("\n") == 1 and "decode rows; give a second dump of the reference run" in err, err
+
+
+def _scale_output(module, factor, when):
+    """Multiply the module's output by ``factor`` on the passes ``when(output)`` picks."""
+    def hook(mod, args, output):
+        return output * factor if when(output) else None
+    module.register_forward_hook(hook)
+
+
+def test_a_decode_only_error_from_identical_inputs_is_named_in_bfloat16(llama_dir, tmp_path):
+    """A 20% decode-only error in bfloat16 (26 epsilons) from bit-identical inputs passed for float
+    noise: the line for carried noise, 30 epsilons, was applied to it. From identical inputs a
+    kernel's other summation order moves a 16-bit output an ulp or two."""
+    model = load_model(llama_dir, torch.bfloat16)
+    _scale_output(model.model.layers[1].mlp, 1.2, lambda out: out.shape[1] == 1)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=5)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert [c["call"] for c in verdict["noise"]["culprits"]] == ["model.layers.1.mlp#0"]
+    assert verdict["noise"]["culprits"][0]["kinds"] == {"decode": 4}
+    assert "from bit-identical inputs" in verdict["summary"]
+
+
+def test_the_model_is_not_named_for_an_error_its_submodule_made_on_an_earlier_row(llama_dir, tmp_path):
+    """A bug on one prompt row of generate's prefill reaches later rows through the cache. The
+    model's own call outputs logits for the last prompt row only, so it had no earlier row to take
+    that error from and was named as a second culprit, 'input error 0'."""
+    model = load_model(llama_dir, torch.float32)
+    planted = {"on": True}
+
+    def one_row(module, args, output):
+        if planted["on"] and output.shape[1] > 1:
+            output = output.clone()
+            output[:, 8] *= 1.1
+            return output
+        return None
+
+    model.model.layers[1].mlp.register_forward_hook(one_row)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    with torch.no_grad():
+        handle.configure(enable=True, exp_name="dec")
+        out = model.generate(prompt_ids(20), max_new_tokens=4, do_sample=False)
+        planted["on"] = False
+        handle.configure(exp_name="ref")
+        model(out)
+    handle.remove()
+    code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
+    assert [c["call"] for c in result["ranks"]["0"]["noise"]["culprits"]] == ["model.layers.1.mlp#0"]
