@@ -189,6 +189,10 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
       noise-aware  where a real error is introduced: output error far beyond the input error
                    (amplification over a threshold derived from the run, or --atol/--rtol,
                    or the differences of a repeat run given with --noise): the state bug
+
+    \b
+    Exit status: 0 no divergence, 1 divergence found, 2 trouble (one line on stderr).
+    Example: dumpdiff first-divergence /tmp/dumper/ref /tmp/dumper/dec -o culprit.md
     """
     fmt = output_format(fmt, output)
     from .indexfiles import saved_index_files
@@ -255,6 +259,10 @@ def index_cmd(dumps, rebuild, no_progress):
     other (or a single row over 32 MB) whole. On a host with
     spare cores, worker processes index the decode steps and hash the large passes in pieces
     (DUMPDIFF_INDEX_PROCESSES sets how many; 0 or 2 if the system is short of memory).
+
+    \b
+    Exit status: 0 indexed, 2 trouble (a damaged dump: one line on stderr).
+    Example: dumpdiff index /tmp/dumper/ref /tmp/dumper/dec
     """
     from .index import load_indexes
     from .load import open_dump, show
@@ -290,7 +298,7 @@ def ctl_cmd(method, settings, url):
       dumpdiff ctl get_state
       dumpdiff ctl reset
     Values are JSON when they parse as JSON (true, 3, "x"), else strings. Prints the JSON reply,
-    one entry per rank.
+    one entry per rank. Exit status: 0 done, 2 trouble (server unreachable, a setting refused).
     """
     from .http import post_json
     body = dict(_parse_setting(s) for s in settings)
@@ -318,6 +326,7 @@ def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment,
     OUT/inputs_a.safetensors   the call's inputs in REFERENCE's pass (the full batch, M=N)
     OUT/inputs_b.safetensors   its inputs in TEST's pass (e.g. a decode step, M=1)
     OUT/outputs_*.safetensors  the outputs the engine dumped, to check the replay against
+    OUT/call.json              the call, its rows, shapes and scalar arguments on each side
     OUT/weights.safetensors    the module's parameters, copied from --model
     OUT/repro.py               python OUT/repro.py: replays the op at both shapes (and each
                                reference row alone, M=1), prints max abs / ulp differences,
@@ -326,6 +335,9 @@ def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment,
     Known leaf ops (nn.Linear, nn.Embedding, RMSNorm, LayerNorm, activations, torch SDPA) replay
     standalone; any other class is rebuilt through --model and called. Exit 0 when the bundle is
     complete, 2 when no replay can be written (the error says what is missing; inputs are kept).
+
+    \b
+    Example: dumpdiff repro ref/ dec/ --out /tmp/culprit --model /models/llama && python /tmp/culprit/repro.py
     """
     from .repro import describe, make_repro
     result = make_repro(reference, test, out_dir, model=model_path, call=call, rank=rank,
@@ -349,6 +361,9 @@ def import_sglang_cmd(src, dst):
     DST  a new folder: one pass per (rank, step), engine "sglang-builtin"
     Files are read with torch.load(weights_only=True) only; a file it refuses is skipped and
     counted. Then: dumpdiff first-divergence DST_REF DST_DEC. Exit 0 when written, 2 on trouble.
+
+    \b
+    Example: dumpdiff import-sglang /tmp/sglang_dump/ref ref && dumpdiff import-sglang /tmp/sglang_dump/dec dec
     """
     from .sglang_import import import_sglang
     result = import_sglang(src, dst)
