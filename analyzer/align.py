@@ -95,13 +95,14 @@ def row_keys(index: Index) -> Tuple[Columns, List[str]]:
 
 class _Branch:
     """One sequence's token ids from position 0 as last computed, with the key of each prefix."""
-    __slots__ = ("ids", "keys", "step", "gap")
+    __slots__ = ("ids", "keys", "step", "gap", "late")
 
     def __init__(self):
         self.ids: List[int] = []
         self.keys: List[bytes] = []
         self.step = None  # the engine step of the pass that last extended it
         self.gap: Optional[tuple] = None  # (first unknown position, the row found past it, step before, step of it)
+        self.late: Optional[int] = None  # the first position seen, when nothing before it is known
 
     def place(self, pos: int, tok: int, step=None) -> Optional[bytes]:
         """The key of token ``tok`` computed at ``pos`` (in engine step ``step``): on the branch
@@ -120,6 +121,8 @@ class _Branch:
             return self.keys[-1]
         if self.ids and self.gap is None:
             self.gap = (len(self.ids), pos, self.step, step)
+        elif not self.ids and self.late is None:
+            self.late = pos
         return None
 
 
@@ -143,6 +146,12 @@ def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str
             notes.append(f"sequence {seq} has no row at position {missing} but has rows at {found} and after: {why}; "
                          "rows after the gap cannot be paired")
             break
+    late = next(((seq, branch.late) for seq, branch in branches.items() if branch.late is not None and not branch.ids),
+                None)
+    if late is not None and not notes:
+        notes.append(f"sequence {late[0]} starts at position {late[1]} with the token ids before it unknown: its first "
+                     "dumped pass ran on a cache filled while dumping was off; enable dumping before the prompt's "
+                     "prefill (an engine that records the ids of a cache hit, as sglang's adapter does, needs no more)")
     if unknown_ids:
         notes.append(f"{unknown_ids} token rows hold no token id (-1: a forward given inputs_embeds instead of input_ids "
                      "records none); dump the run from token ids")
@@ -179,6 +188,9 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     if alignment.cached_a and alignment.unkeyed_a:  # rows after a cached prefix it does not hold: unpairable
         why += (f"; {label_a} holds {alignment.cached_a} rows computed on a cache (extend or decode passes), not one "
                 "prefill: flush the engine's cache before dumping the reference (sglang: POST /flush_cache)")
+    if not len(pairs) and alignment.history_notes_b and alignment.unkeyed_b == alignment.rows_b:
+        raise DumpError(f"no token row of {label_b} can be paired (the ids before its rows are unknown): "
+                        + "; ".join(alignment.history_notes_b))  # not another prompt: say what is missing
     if not len(pairs):
         raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0); "
                         "were both dumps made from the same prompt? dump the reference prefill of prompt+output" + why)

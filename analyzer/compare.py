@@ -403,7 +403,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
                "rows": [{"seq": s, "pos": int(p), "kind": k} for s, p, k in
                         zip(*(mine[n][:MAX_LISTED].tolist() for n in ("seq", "pos", "mode_b")))],
                "n_rows": int(len(mine))}
-    culprit["note"] = _own_code_note(first, int(mine["pair"][0]), first_dirty, calls)
+    culprit["note"] = _own_code_note(first, int(mine["pair"][0]), first_dirty, calls, verdict["not_comparable"])
     later = (per_call["order"] > group_order[first]) & (in_d | out_d)
     culprit["victims"] = int(len(distinct(per_call["ccode"][later])))
     culprit.update(_error_figures(first, mine, table, a, b))
@@ -434,14 +434,21 @@ def calls_timeline(per_call: Columns, calls: np.ndarray, b: Index) -> dict:
     return {"calls_timeline": timeline, "calls_timeline_total": int(len(present))}
 
 
-def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray):
-    """Say so when the first difference appeared at a child's input, i.e. in the culprit's own code."""
+def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray, skipped=()):
+    """Say so when the first difference appeared at a child's input, i.e. in the culprit's own code,
+    or in a hooked child that could not be compared (``skipped``: not_comparable's entries)."""
     at = int(np.searchsorted(first_dirty["pair"], pair))
     first_call = calls[int(first_dirty["ccode"][at])]
     if first_call == call or not first_dirty["in_differ"][at]:
         return None
+    module = call.split("#")[0]
+    unseen = [s for s in skipped if s["call"].startswith(module + ".")]
+    if unseen:  # a child walked past may be the origin: do not blame the parent's own code
+        return (f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
+                f"arises in {module}'s own code or in a child that could not be compared ({unseen[0]['call']}: "
+                f"{unseen[0]['why']})")
     return (f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
-            f"arises in {call.split('#')[0]}'s own code (not a hooked submodule) before that call")
+            f"arises in {module}'s own code (not a hooked submodule) before that call")
 
 
 def _no_origin_note(per_call: Columns, table: RowTable, a: Index, b: Index) -> str:

@@ -259,6 +259,52 @@ def test_a_chunked_reference_is_not_taken_for_swapped_arguments(llama_dir, tmp_p
     assert "16 paired rows of chunked were computed on a cache (a chunked prefill" in err, err
 
 
+class _FlatNormMLP(torch.nn.Module):
+    """An MLP whose hooked child sees its input flattened to [tokens x 2, hidden / 2] (as a
+    gated-deltanet norm sees [tokens x heads, head_dim]): no dim matches the token layout."""
+
+    def __init__(self, mlp, hidden):
+        super().__init__()
+        self.mlp, self.norm = mlp, torch.nn.LayerNorm(hidden // 2, elementwise_affine=False)
+
+    def forward(self, x):
+        return self.mlp(self.norm(x.reshape(-1, x.shape[-1] // 2)).reshape(x.shape))
+
+
+def test_a_child_that_cannot_be_compared_is_not_ruled_out(llama_dir, tmp_path):
+    """The bug is in a hooked child whose tensors cannot be compared row by row: the note said
+    the difference arises in the parent's own code, ruling the child out."""
+    model = load_model(llama_dir, torch.bfloat16)  # bit-identical here but for the planted bug
+    layer = model.model.layers[1]
+    layer.mlp = _FlatNormMLP(layer.mlp, model.config.hidden_size)
+    layer.mlp.norm.register_forward_hook(lambda m, a, out: out * 1.1 if out.shape[0] == 2 else None)  # decode only
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(16), new_tokens=4, filter=r"embed|layers\.1\.mlp")
+    code, result = first_divergence_json(ref, dec)
+    culprit = result["culprit"]
+    assert culprit["call"] == "model.layers.1.mlp#0", culprit["call"]
+    assert "or in a child that could not be compared (model.layers.1.mlp.norm#0" in culprit["note"], culprit["note"]
+
+
+def test_a_run_on_a_cache_filled_while_dumping_was_off_says_so(llama_dir, tmp_path):
+    """Turn 2 dumped on turn 1's cache, which was filled with dumping off: the ids before its rows
+    are unknown. It was asked "were both dumps made from the same prompt?"."""
+    from transformers import DynamicCache
+    model = load_model(llama_dir, torch.float32)
+    ids = prompt_ids(24)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(ids[:, :16], past_key_values=cache, use_cache=True)  # not dumped
+        handle.configure(enable=True, exp_name="turn2")
+        model(ids[:, 16:], past_key_values=cache, use_cache=True)
+        handle.configure(exp_name="ref")
+        model(ids)
+    handle.remove()
+    code, out, err = dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "turn2", "--no-progress")
+    assert code == 2 and "starts at position 16 with the token ids before it unknown" in err, err
+    assert "same prompt" not in err
+
+
 def test_a_reference_cut_off_is_refused(llama_dir, tmp_path):
     """A reference whose writer died before its last chunk lacks rows: a verdict over the rest
     would pass a partial comparison off as whole (exit 2)."""
