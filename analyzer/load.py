@@ -58,7 +58,8 @@ class Dump:
 
     def setting(self, key: str):
         """A DUMPER_* setting the dump was made with (run.json's config), or None."""
-        return (self.run.get("config") or {}).get(key)
+        config = self.run.get("config")
+        return config.get(key) if isinstance(config, dict) else None  # a hand-edited run.json may hold anything
 
     def warnings(self) -> List[str]:
         notes = []
