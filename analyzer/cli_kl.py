@@ -122,11 +122,22 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
     only checked: it reports id vocab_size-1 as 0).
 
     \b
-    Verdict (two conditions):
-      every helper dirty            batch-invariance problem: localize it with the dumper
-      only cache-hit helpers dirty  state bug in that cache-restore path
-      none dirty                    pass
-      a cache-hit helper that got no cache hits did not test its path: it cannot pass.
+    Prefills from scratch (references, match's decode run, warm-up, turn 1) go in groups that
+    fit one chunk of the server's --chunked-prefill-size (from /server_info): a chunked
+    prefill reads its earlier chunks back from the KV cache, so it is not cache-free. A
+    reference longer than a chunk is chunked anyway; the verdict takes that into account.
+
+    \b
+    Verdict (two conditions; match is the no-cache path):
+      match dirty, no cache-hit helper clean  batch_invariance: localize it with the dumper
+      match clean, a cache-hit helper dirty   state_bug in that cache-restore path
+      match dirty, a cache-hit helper clean   no_cache_only: batch-variance near the threshold
+      dirty, but match did not run, or        over_threshold: the two cannot be told apart
+        match's references were chunked
+      none dirty                              pass
+      A cache-hit helper that got no cache hits did not test its path, and chunked
+      references may hide a cache bug on both sides: either way the check cannot pass
+      (inconclusive).
 
     \b
     Thresholds: --threshold, else the entry for the server's model and tp (from
@@ -135,7 +146,8 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
 
     \b
     Exit status: 0 pass, 1 a helper is over its threshold, 2 trouble (server unreachable,
-    misaligned logprobs) or inconclusive (cache hits did not happen; the table is printed).
+    misaligned logprobs) or inconclusive (cache hits did not happen, or references were
+    chunked and nothing is over the threshold; the table is printed).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -285,7 +297,9 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     reference prefill into DUMPER_DIR/<prefix>-ref. DUMPER_DIR comes from /dumper/get_state
     and must be readable here. first-divergence then names the strict culprit (first bit
     flip: where batch-variance starts) and the noise-aware culprit (where a real error is
-    introduced: the state bug).
+    introduced: the state bug). The reading of them follows the dumps' pass modes: extend
+    passes read a cached prefix, so a reference with any (prompt+output longer than
+    --chunked-prefill-size) is not cache-free, and the reading says so.
 
     Exit status: 0 no divergence (or nothing to localize), 1 culprit found, 2 trouble.
     """

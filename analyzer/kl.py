@@ -12,12 +12,24 @@ A helper's avg_kl_div is the mean over prompts of the per-prompt mean k3, exactl
 
 The verdict compares the helpers (two conditions):
 
-    every helper dirty              -> batch_invariance: prefill and decode kernels disagree
+    match dirty, no cache-hit helper clean
+                                    -> batch_invariance: prefill and decode kernels disagree
                                        everywhere; localize the first flipping op with the dumper
-    only cache-hit helpers dirty    -> state_bug: the no-cache path agrees, so the cache-restore
+    match dirty, a cache-hit helper clean
+                                    -> no_cache_only: not a cache bug; batch-variance near the threshold
+    match clean, a cache-hit helper dirty
+                                    -> state_bug: the no-cache path agrees, so the cache-restore
                                        path (radix prefix restore, decode-cache restore) corrupts state
+    a helper dirty, match not run   -> over_threshold: the two conditions cannot be told apart
+      (or its references chunked)
     nothing dirty                   -> pass
     a cache-hit helper without hits -> inconclusive (it tested nothing), unless another helper is dirty
+
+A reference prefill longer than the server's chunked-prefill size is chunked: its later chunks
+read the earlier ones back from the KV cache, so it is not cache-free and a cache bug runs in it
+too. A dirty `match` with such references is then over_threshold (cannot tell) unless its
+prompts with unchunked references are dirty on their own, and a clean check with them anywhere
+is inconclusive (a cache bug on both sides can cancel out), not pass.
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ DESCRIPTIONS = {
 
 # Verdict kinds, and the exit status each maps to (diff(1) style).
 PASS, BATCH, STATE, MIXED, INCONCLUSIVE = "pass", "batch_invariance", "state_bug", "no_cache_only", "inconclusive"
-UNCLASSIFIED = "over_threshold"  # dirty, but match did not run: the two conditions cannot be told apart
+UNCLASSIFIED = "over_threshold"  # dirty, but match cannot decide (not run, or its references chunked)
 
 # A cache-hit helper this many times dirtier than `match` is reported as a likely state bug
 # on top of batch-variance (a clean engine's helpers stay within a small factor of each other).
@@ -67,13 +79,16 @@ def score_prompt(prefill_lp: Sequence[float], decode_lp: Sequence[float], thresh
 
 
 def summarize_helper(name: str, prompts: list, threshold: float, *, cache_applicable: bool = True,
-                     min_hit_rate: float = 0.5, notes: Optional[list] = None) -> dict:
+                     min_hit_rate: float = 0.5, notes: Optional[list] = None,
+                     chunk_size: Optional[int] = None) -> dict:
     """Aggregate one helper over its prompts.
 
     prompts: one dict per prompt with at least ``prefill_lp``, ``decode_lp`` (equal length
     lists) and ``hit`` (bool: the cache state this helper tests was really restored; always
     True for `match`); anything else (index, ids, cached_tokens) is kept. Prompts without a hit
-    are not scored, as in sglang's helpers: they did not exercise the cache path.
+    are not scored, as in sglang's helpers: they did not exercise the cache path. A scored
+    prompt with ``ref_chunked`` True had its reference prefill chunked (``chunk_size``: the
+    server's chunked-prefill size): counted in ``chunked_references``, which the verdict reads.
     """
     rows, scored = [], []
     for p in prompts:
@@ -95,7 +110,12 @@ def summarize_helper(name: str, prompts: list, threshold: float, *, cache_applic
         "frac_over": (sum(r["over"] for r in scored) / tokens) if tokens else None,
         "bit_identical": sum(r["bit_identical"] for r in scored),
         "max_abs_logr": max((r["max_abs_logr"] for r in scored), default=None),
+        "chunked_references": sum(1 for r in scored if r.get("ref_chunked")),
+        "chunked_prefill_size": chunk_size,
     })
+    free = [r["mean_kl"] for r in scored if not r.get("ref_chunked")]
+    if result["chunked_references"]:  # the prompts whose references were cache-free, on their own
+        result["avg_kl_div_unchunked"] = float(np.mean(free)) if free else None
     if name in CACHE_HELPERS and not cache_applicable:
         result["status"] = "n/a"
         result["notes"].append("the server runs without a radix cache (disable_radix_cache): this path does not exist there")
@@ -119,6 +139,8 @@ def classify(helpers: dict) -> dict:
     dirty = [n for n in HELPERS if status.get(n) == "dirty"]
     clean = [n for n in HELPERS if status.get(n) == "clean"]
     lacking = [n for n in HELPERS if status.get(n) in ("no_cache_hit", "empty")]
+    chunked = {n: helpers[n]["chunked_references"] for n in HELPERS
+               if status.get(n) in ("clean", "dirty") and helpers[n].get("chunked_references")}
     notes = []
     if not dirty:
         if lacking:
@@ -127,19 +149,27 @@ def classify(helpers: dict) -> dict:
                     "no tokens): the check is incomplete")
         elif not clean:
             kind, text = INCONCLUSIVE, "no helper ran"
+        elif chunked:  # both sides of those prompts ran on the cache: a cache bug there can cancel out
+            kind = INCONCLUSIVE
+            text = "every helper that ran is within its threshold, but " + _chunked_text(
+                helpers, chunked, "a cache bug runs in the reference as in the decode run, and the two can cancel out")
         else:
             kind, text = PASS, f"every helper that ran is within its threshold ({', '.join(clean)})"
     elif status.get("match") not in ("clean", "dirty"):
         kind = UNCLASSIFIED
         text = (f"{', '.join(dirty)} over the threshold, but match (no cache) did not run, so batch-variance cannot "
                 "be told from a state bug: run match too")
+    elif "match" in dirty and "match" in chunked and not _dirty_unchunked(helpers["match"]):
+        kind = UNCLASSIFIED  # match is not the cache-free path here
+        text = (f"{', '.join(dirty)} over the threshold, but batch-variance cannot be told from a state bug: "
+                + _chunked_text(helpers, chunked, "a cache bug dirties match too"))
     elif "match" in dirty:
         if not any(n in clean for n in CACHE_HELPERS):
             kind = BATCH
-            text = ("every helper is dirty, with and without the cache: prefill and decode compute the same token "
-                    "differently (batch-variance, e.g. a kernel chosen by the number of token rows). Localize it "
-                    "with `dumpdiff localize`: an op that adds an error beyond float noise (noise-aware culprit) "
-                    "first, else the first op whose bits flip (strict culprit).")
+            text = ("match (no cache) is dirty and no cache-hit helper is clean: prefill and decode compute the "
+                    "same token differently (batch-variance, e.g. a kernel chosen by the number of token rows). "
+                    "Localize it with `dumpdiff localize`: an op that adds an error beyond float noise (noise-aware "
+                    "culprit) first, else the first op whose bits flip (strict culprit).")
             if not all(n in dirty for n in CACHE_HELPERS):
                 notes.append("the cache-hit helpers did not all run (" + ", ".join(
                     f"{n} {status.get(n) or 'not run'}" for n in CACHE_HELPERS if n not in dirty) + ")")
@@ -154,8 +184,25 @@ def classify(helpers: dict) -> dict:
         text = (f"only the cache-hit helper(s) {', '.join(dirty)} are dirty; the no-cache path (match) is clean: "
                 "a state bug in the cache-restore path ("
                 + "; ".join(_path_of(n) for n in dirty) + "). Localize it with `dumpdiff localize` (noise-aware culprit).")
+    if chunked and kind not in (INCONCLUSIVE, UNCLASSIFIED):
+        notes.append(_chunked_text(helpers, chunked, "a cache bug runs in those references too"))
     return {"kind": kind, "text": text, "dirty": dirty, "clean": clean, "lacking": lacking, "notes": notes,
-            "localize": _localize_choice(kind, helpers, dirty)}
+            "chunked_references": chunked, "localize": _localize_choice(kind, helpers, dirty)}
+
+
+def _dirty_unchunked(helper: dict) -> bool:
+    """The prompts whose references were not chunked are dirty on their own: cache-free evidence."""
+    value = helper.get("avg_kl_div_unchunked")
+    return value is not None and value > helper["threshold"]
+
+
+def _chunked_text(helpers: dict, chunked: dict, consequence: str) -> str:
+    size = next((helpers[n].get("chunked_prefill_size") for n in chunked if helpers[n].get("chunked_prefill_size")),
+                None)
+    counts = ", ".join(f"{n} {c} of {helpers[n].get('scored_prompts')}" for n, c in chunked.items())
+    return (f"reference prefills longer than --chunked-prefill-size {size or '?'} were chunked ({counts}): they read "
+            f"the KV cache, so {consequence}; restart the server with --chunked-prefill-size larger "
+            "than prompt+output (or -1), or use shorter --prompt-len/--max-new-tokens")
 
 
 def _path_of(name: str) -> str:

@@ -11,6 +11,13 @@ decode_cache_hit   flush; turn 1 generates; turn 2 = prompt + output + one more 
                    warm cache (cached_tokens must reach into turn 1's output); flush; reference
                    prefill of turn 2 + its output.
 
+Every prefill from scratch (the reference prefills, match's decode run, the warm-up, turn 1) is
+sent in groups whose prompts fit one chunk together (sglang's --chunked-prefill-size, from
+/server_info): sglang packs the requests waiting at a step into one prefill batch and cuts the
+one that overflows the chunk, whose later chunks then read the earlier ones back from the KV
+cache as a prefix restore does, so a cache bug would dirty `match` too. A single request longer
+than a chunk is chunked anyway: its reference is marked (ref_chunked) and the verdict reads it.
+
 Tokens are aligned by position: output logprob k belongs to output_ids[k], and the reference
 prefill's last len(output) input logprobs to the same tokens. The token ids the server reports
 next to the logprobs are only checked, never trusted: sglang 0.5.23 reports the id
@@ -70,6 +77,12 @@ class Server:
         return not self.info().get("disable_radix_cache", False)
 
     @property
+    def chunk_size(self) -> Optional[int]:
+        """--chunked-prefill-size; None when chunked prefill is off (None, -1 or 0)."""
+        value = self.info().get("chunked_prefill_size")
+        return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+    @property
     def kv_tokens(self) -> Optional[int]:
         value = self.info().get("max_total_num_tokens")
         return int(value) if isinstance(value, (int, float)) and value > 0 else None
@@ -83,6 +96,7 @@ class Server:
         return {"url": self.url, "engine": "sglang", "version": info.get("version"), "model": self.model,
                 "served_model_name": info.get("served_model_name"), "tp": self.tp, "dtype": info.get("dtype"),
                 "device": info.get("device"), "radix_cache": self.radix_cache, "page_size": self.page_size,
+                "chunked_prefill_size": self.chunk_size,
                 "attention_backend": info.get("attention_backend"),
                 "deterministic_inference": bool(info.get("enable_deterministic_inference"))}
 
@@ -190,6 +204,23 @@ def prefill_logprobs(result: dict, full: List[int], n: int, where: str, vocab_si
 
 # -- the helpers -------------------------------------------------------------------------------
 
+def prefill_groups(lengths: List[int], chunk: Optional[int], page_size: int = 1) -> List[List[int]]:
+    """Request indices in order, grouped so that each group's prefills fit one chunk together
+    (page-aligned, as sglang charges them); a request longer than the chunk goes alone (it is
+    chunked anyway, but cuts no other). One group when chunked prefill is off."""
+    if not chunk:
+        return [list(range(len(lengths)))] if lengths else []
+    groups, used = [], chunk + 1
+    for i, n in enumerate(lengths):
+        size = -(-n // page_size) * page_size
+        if used + size > chunk:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += size
+    return groups
+
+
 class Context:
     """What every helper needs: the server, sampling, sizes, logging."""
 
@@ -202,20 +233,42 @@ class Context:
         self.log = log
         self.turn_token = turn_token
         self.quirks = 0
+        self.decode_batches = {}  # helper -> batch sizes its scored decode run went in, when split
+
+    def chunked(self, length: int) -> bool:
+        """A prefill from scratch of this many tokens is chunked (read back from the KV cache)."""
+        chunk = self.server.chunk_size
+        return chunk is not None and length > chunk
+
+    def generate_unchunked(self, prompts: List[List[int]], max_new_tokens: int, *, flush_between: bool,
+                           **kwargs) -> tuple:
+        """generate, one group of prefill_groups at a time: (results in prompt order, group sizes).
+        flush_between: flush before every later group, so that none restores a prefix an earlier
+        group left behind (the no-cache runs); the warm-up and turn 1 keep theirs."""
+        groups = prefill_groups([len(p) for p in prompts], self.server.chunk_size, self.server.page_size)
+        results = [None] * len(prompts)
+        for k, group in enumerate(groups):
+            if k and flush_between:
+                self.server.flush()
+            for i, r in zip(group, self.server.generate([prompts[i] for i in group], max_new_tokens, **kwargs)):
+                results[i] = r
+        return results, [len(g) for g in groups]
 
     def reference(self, fulls: List[List[int]], outputs: List[int], helper: str):
-        """Flush, then one prefill of each prompt+output: the last len(output) input logprobs."""
+        """Flush, then one prefill of each prompt+output: the last len(output) input logprobs,
+        the cached tokens, and whether each reference was chunked (longer than a chunk)."""
         if not fulls:  # no prompt hit the cache: nothing to score
-            return [], []
+            return [], [], []
         self.server.flush()
-        results = self.server.generate(fulls, 0, sampling=self.sampling, logprob_start_len=0)
+        results, _ = self.generate_unchunked(fulls, 0, flush_between=True, sampling=self.sampling,
+                                             logprob_start_len=0)
         lps, cached = [], []
         for i, (full, n, r) in enumerate(zip(fulls, outputs, results)):
             values, quirks = prefill_logprobs(r, full, n, f"{helper} reference prefill, prompt {i}", self.vocab_size)
             self.quirks += quirks
             lps.append(values)
             cached.append(int(r["meta_info"].get("cached_tokens") or 0))
-        return lps, cached
+        return lps, cached, [self.chunked(len(f)) for f in fulls]
 
     def decoded(self, results: list, helper: str):
         lps, outs = [], []
@@ -231,28 +284,46 @@ def _cached(result: dict) -> int:
     return int(result["meta_info"].get("cached_tokens") or 0)
 
 
-def _ref_notes(ref_cached: list, notes: list):
+def _ref_notes(ref_cached: list, notes: list, ctx: Context, fulls: list):
     hit = [c for c in ref_cached if c]
     if hit:
         notes.append(f"the reference prefill restored tokens from the cache on {len(hit)} prompts (up to {max(hit)}; "
                      "prompts sharing first tokens): that reference is not cache-free")
+    long = [len(f) for f in fulls if ctx.chunked(len(f))]
+    if long:
+        notes.append(f"{len(long)} of {len(fulls)} reference prefills (prompt+output, up to {max(long)} tokens) are "
+                     f"longer than --chunked-prefill-size {ctx.server.chunk_size}: sglang chunked them, and their "
+                     "later chunks read the earlier ones back from the KV cache: those references are not cache-free")
 
 
 def run_match(ctx: Context, prompts: List[List[int]]) -> tuple:
     s = ctx.server
     s.flush()
-    results = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)
+    # The decode run's prompt prefills must not be chunked either: a chunk past the first reads
+    # the cache, and this is the no-cache run.
+    results, batches = ctx.generate_unchunked(prompts, ctx.max_new_tokens, flush_between=True, sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "match")
     cached = [_cached(r) for r in results]
-    ref_lp, ref_cached = ctx.reference([p + o for p, o in zip(prompts, outs)], [len(o) for o in outs], "match")
+    fulls = [p + o for p, o in zip(prompts, outs)]
+    ref_lp, ref_cached, ref_chunked = ctx.reference(fulls, [len(o) for o in outs], "match")
     notes = []
+    if len(batches) > 1:
+        ctx.decode_batches["match"] = batches
+        notes.append(f"the decode run went in {len(batches)} groups of {', '.join(map(str, batches))} prompts, the "
+                     f"cache flushed in between, so that no prompt prefill was cut at --chunked-prefill-size "
+                     f"{s.chunk_size} by another's: its decode steps ran at those batch sizes")
+    long = [len(p) for p in prompts if ctx.chunked(len(p))]
+    if long:
+        notes.append(f"{len(long)} prompts are longer than --chunked-prefill-size {s.chunk_size} (up to {max(long)} "
+                     "tokens): the decode run's prefill of those was chunked too")
     if any(cached):
         notes.append(f"{sum(1 for c in cached if c)} prompts restored up to {max(cached)} tokens from the cache in the "
                      "no-cache run (prompts sharing first tokens, e.g. a BOS, batched together)")
-    _ref_notes(ref_cached, notes)
+    _ref_notes(ref_cached, notes, ctx, fulls)
     rows = [{"index": i, "prompt_len": len(p), "output_len": len(o), "cached_tokens": c, "ref_cached_tokens": rc,
-             "hit": True, "prefill_lp": rl, "decode_lp": dl}
-            for i, (p, o, c, rc, rl, dl) in enumerate(zip(prompts, outs, cached, ref_cached, ref_lp, decode_lp))]
+             "ref_chunked": rk, "hit": True, "prefill_lp": rl, "decode_lp": dl}
+            for i, (p, o, c, rc, rk, rl, dl) in enumerate(zip(prompts, outs, cached, ref_cached, ref_chunked, ref_lp,
+                                                              decode_lp))]
     return rows, notes
 
 
@@ -273,24 +344,25 @@ def expected_prefill_hit(prompt_len: int, page_size: int) -> int:
 def run_prefill_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     s = ctx.server
     s.flush()
-    s.generate(prompts, 0, sampling=ctx.sampling, return_logprob=False)  # warm the radix cache
+    # warm the radix cache, each prompt in one prefill (as localize's replay warms it)
+    ctx.generate_unchunked(prompts, 0, flush_between=False, sampling=ctx.sampling, return_logprob=False)
     results = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "prefill_cache_hit")
     cached = [_cached(r) for r in results]
     hits = [c > 0 and c >= expected_prefill_hit(len(p), s.page_size) for p, c in zip(prompts, cached)]
     keep = [i for i, h in enumerate(hits) if h]
-    ref_lp, ref_cached = ctx.reference([prompts[i] + outs[i] for i in keep], [len(outs[i]) for i in keep],
-                                       "prefill_cache_hit")
-    by_index = dict(zip(keep, zip(ref_lp, ref_cached)))
+    fulls = [prompts[i] + outs[i] for i in keep]
+    ref_lp, ref_cached, ref_chunked = ctx.reference(fulls, [len(outs[i]) for i in keep], "prefill_cache_hit")
+    by_index = dict(zip(keep, zip(ref_lp, ref_cached, ref_chunked)))
     notes = []
     _eviction_note(s, hits, sum(len(p) + ctx.max_new_tokens for p in prompts), notes)
-    _ref_notes(ref_cached, notes)
+    _ref_notes(ref_cached, notes, ctx, fulls)
     rows = []
     for i, (p, o, c, h, dl) in enumerate(zip(prompts, outs, cached, hits, decode_lp)):
-        rl, rc = by_index.get(i, (None, None))
+        rl, rc, rk = by_index.get(i, (None, None, None))
         rows.append({"index": i, "prompt_len": len(p), "output_len": len(o), "cached_tokens": c,
                      "expected_cached": expected_prefill_hit(len(p), s.page_size), "ref_cached_tokens": rc,
-                     "hit": h, "prefill_lp": rl, "decode_lp": dl})
+                     "ref_chunked": rk, "hit": h, "prefill_lp": rl, "decode_lp": dl})
     return rows, notes
 
 
@@ -312,7 +384,8 @@ def turn_tokens(ctx: Context, prompts: List[List[int]]) -> List[int]:
 def run_decode_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     s = ctx.server
     s.flush()
-    first = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)  # turn 1: fills the cache
+    # turn 1 fills the cache, each prompt in one prefill (as localize's replay runs it)
+    first, _ = ctx.generate_unchunked(prompts, ctx.max_new_tokens, flush_between=False, sampling=ctx.sampling)
     extra = turn_tokens(ctx, prompts)
     second = [p + list(r.get("output_ids") or []) + [t] for p, r, t in zip(prompts, first, extra)]
     results = s.generate(second, ctx.max_new_tokens, sampling=ctx.sampling)
@@ -320,18 +393,18 @@ def run_decode_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     cached = [_cached(r) for r in results]
     hits = [c > len(p) + 1 for p, c in zip(prompts, cached)]  # restored into turn 1's output (sglang's rule)
     keep = [i for i, h in enumerate(hits) if h]
-    ref_lp, ref_cached = ctx.reference([second[i] + outs[i] for i in keep], [len(outs[i]) for i in keep],
-                                       "decode_cache_hit")
-    by_index = dict(zip(keep, zip(ref_lp, ref_cached)))
+    fulls = [second[i] + outs[i] for i in keep]
+    ref_lp, ref_cached, ref_chunked = ctx.reference(fulls, [len(outs[i]) for i in keep], "decode_cache_hit")
+    by_index = dict(zip(keep, zip(ref_lp, ref_cached, ref_chunked)))
     notes = []
     _eviction_note(s, hits, sum(len(p) + 2 * ctx.max_new_tokens + 1 for p in prompts), notes)
-    _ref_notes(ref_cached, notes)
+    _ref_notes(ref_cached, notes, ctx, fulls)
     rows = []
     for i, (p, sec, o, c, h, dl) in enumerate(zip(prompts, second, outs, cached, hits, decode_lp)):
-        rl, rc = by_index.get(i, (None, None))
+        rl, rc, rk = by_index.get(i, (None, None, None))
         rows.append({"index": i, "prompt_len": len(p), "turn2_len": len(sec), "output_len": len(o),
-                     "turn_token": extra[i], "cached_tokens": c, "ref_cached_tokens": rc, "hit": h,
-                     "prefill_lp": rl, "decode_lp": dl})
+                     "turn_token": extra[i], "cached_tokens": c, "ref_cached_tokens": rc, "ref_chunked": rk,
+                     "hit": h, "prefill_lp": rl, "decode_lp": dl})
     return rows, notes
 
 
@@ -381,10 +454,7 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
     sampling = sampling_params(server, temperature, seed, notes)
     ctx = Context(server, max_new_tokens=max_new_tokens, sampling=sampling, vocab_size=vocab, log=log,
                   turn_token=turn_token)
-    if len(ids) > 1:  # say what the batch left out: bugs of one kernel shape hide there
-        notes.append(f"the {len(ids)} prompts of a helper decode together: every decode step ran at batch size "
-                     f"{len(ids)}, not 1 (one request alone), nor at the sizes in between; a kernel path taken only "
-                     "at those (a GEMV for one token row) was not exercised: rerun with --max-samples 1 to test one")
+    batch_note_at = len(notes)  # said after the helpers ran: match may have decoded in groups
     result = {"kind": "dumpdiff-kl", "target": target, "prompts": prompt_info,
               "settings": {"max_samples": max_samples, "max_new_tokens": max_new_tokens, "temperature": temperature,
                            "seed": seed, "min_hit_rate": min_hit_rate, "helpers": list(helpers)},
@@ -400,7 +470,8 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
         else:
             log(f"kl: {name}: {len(ids)} prompts x {max_new_tokens} new tokens ...")
             rows, helper_notes = RUNNERS[name](ctx, ids)
-            summary = kl.summarize_helper(name, rows, limit, min_hit_rate=min_hit_rate, notes=helper_notes)
+            summary = kl.summarize_helper(name, rows, limit, min_hit_rate=min_hit_rate, notes=helper_notes,
+                                          chunk_size=server.chunk_size)
             worst = summary.get("worst")
             if worst is not None:
                 summary["worst_prompt_ids"] = ids[worst]
@@ -409,6 +480,13 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
         result["timings"][name] = round(time.monotonic() - t0, 3)
         result["helpers"][name] = summary
         log(f"kl: {name}: {summary['status']} avg_kl_div={summary['avg_kl_div']} ({result['timings'][name]:.1f} s)")
+    if len(ids) > 1:  # say what the batch left out: bugs of one kernel shape hide there
+        split = ctx.decode_batches.get("match")
+        notes.insert(batch_note_at, f"the {len(ids)} prompts of a helper decode together"
+                     + (f" (match's in groups of {', '.join(map(str, split))}, see its note)" if split else "")
+                     + f": every decode step ran at batch size {len(ids)}, not 1 (one request alone), nor at the "
+                     "sizes in between; a kernel path taken only at those (a GEMV for one token row) was not "
+                     "exercised: rerun with --max-samples 1 to test one")
     if ctx.quirks:
         notes.append(f"{ctx.quirks} logprob entries reported token id 0 for the last vocabulary id (a known sglang "
                      "off-by-one in its logprob ids; tokens were aligned by position, values are right)")

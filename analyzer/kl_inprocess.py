@@ -19,7 +19,8 @@ prefill_cache_hit  forward prompt[:-1] to build a cache, then generate(prompt,
 decode_cache_hit   turn 1 generates; turn 2 = prompt + output + one token is generated on turn
                    1's returned cache (it holds everything but the last generated token).
 
-A model whose generate does not take a cache (or returns none) gets those two helpers marked
+A model whose generate does not take a cache (or returns none), or whose cache reports no
+length (a state-space model's recurrent state: Mamba, Mamba-2), gets those two helpers marked
 n/a with the reason; the verdict then rests on `match`.
 """
 
@@ -49,8 +50,8 @@ def _logits(output):
 
 
 # transformers 5.2x renamed past_key_values to cache: outputs are read under both names, and
-# the keyword passed is the one the model's forward takes.
-CACHE_NAMES = ("past_key_values", "cache")
+# the keyword passed is the one the model's forward takes. Mamba's forward returns cache_params.
+CACHE_NAMES = ("past_key_values", "cache", "cache_params")
 
 
 def _returned_cache(output):
@@ -65,11 +66,21 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
 
 
+class _NotApplicable(Exception):
+    pass
+
+
 def _cache_len(cache) -> Optional[int]:
     if cache is None:
         return None
     if hasattr(cache, "get_seq_length"):
-        return int(cache.get_seq_length())
+        try:
+            return int(cache.get_seq_length())
+        except Exception as exc:  # noqa: BLE001 - a state-only cache (Mamba's) raises ValueError
+            # generate resumes a passed cache from its length: without one it recomputes the prompt
+            raise _NotApplicable(f"its cache ({type(cache).__name__}) reports no length (get_seq_length raised "
+                                 f"{type(exc).__name__}): a recurrent state, not a cache of tokens, so no prompt "
+                                 "prefix can be restored from it") from None
     try:  # legacy tuple of (key, value) per layer: [batch, heads, seq, dim]
         return int(cache[0][0].shape[-2])
     except (TypeError, IndexError, AttributeError):
@@ -148,10 +159,6 @@ def _decode_cache_hit(run: _Runner, i: int, prompt: list, turn: int):
     return {"index": i, "prompt_len": len(prompt), "turn2_len": len(second), "output_len": len(new),
             "cached_tokens": cached, "hit": hit, "decode_lp": dec,
             "prefill_lp": run.prefill(second + new, len(new)) if hit else None}
-
-
-class _NotApplicable(Exception):
-    pass
 
 
 RUNNERS = {"match": _match, "prefill_cache_hit": _prefill_cache_hit, "decode_cache_hit": _decode_cache_hit}

@@ -10,7 +10,7 @@ from . import kl
 
 TITLES = {kl.PASS: "PASS", kl.BATCH: "BATCH-INVARIANCE PROBLEM", kl.STATE: "STATE BUG (cache-restore path)",
           kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)", kl.INCONCLUSIVE: "INCONCLUSIVE",
-          kl.UNCLASSIFIED: "OVER THRESHOLD (run match to classify)"}
+          kl.UNCLASSIFIED: "OVER THRESHOLD (cannot tell batch-variance from a state bug)"}
 COLUMNS = ("helper", "status", "avg_kl_div", "max_kl", "tokens>thr", "bit-identical", "cache hits", "time")
 
 
@@ -42,7 +42,8 @@ def _header_lines(result: dict) -> list:
     t, p, s, th = result["target"], result["prompts"], result["settings"], result["threshold"]
     if t.get("engine") == "sglang":
         server = (f"server: {t['url']}  sglang {t.get('version')}  model {t['model']}  tp={t['tp']}  {t.get('dtype')}  "
-                  f"radix cache {'on' if t.get('radix_cache') else 'off'}")
+                  f"radix cache {'on' if t.get('radix_cache') else 'off'}  "
+                  f"chunked prefill {t.get('chunked_prefill_size') or 'off'}")
     else:
         server = f"model: {t.get('model')} ({t.get('model_class')}, in-process)  {t.get('dtype')}  {t.get('device')}"
     lines = [server,

@@ -10,7 +10,10 @@ dumped request, and nothing else is dumped:
     decode_cache_hit   flush, turn 1 | dump DEC: turn 2 (turn 1 restored) | flush | dump REF: turn 2+output
 
 The dumps go to DUMPER_DIR/<prefix>-dec and DUMPER_DIR/<prefix>-ref (DUMPER_DIR as the
-server's /dumper/get_state reports it; it must be readable here).
+server's /dumper/get_state reports it; it must be readable here). What the reading says about
+the path comes from the dumps' pass modes, not from the helper's name: an extend pass read a
+prefix back from the KV cache (a prefix-cache hit, or a chunk after the first of a chunked
+prefill), so extend passes in the reference mean it was not cache-free.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .errors import DumpError
 from .http import post_json
 from .kl_helpers import Server, decode_logprobs, expected_prefill_hit, prefill_logprobs, sampling_params
 from .kl_prompts import vocab_size_of
+from .load import open_dump
 
 Log = Callable[[str], None]
 
@@ -177,37 +181,64 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
     log(f"localize: first-divergence {path_ref} {path_dec} ...")
     t1 = time.monotonic()
     diverge = first_divergence(path_ref, path_dec, progress=False, noise_aware=noise_aware)
+    modes = {"dec": pass_modes(path_dec), "ref": pass_modes(path_ref)}
     ranks = [v for v in diverge["ranks"].values()]
     noise = next((v["noise"]["culprits"] for v in ranks if v.get("noise", {}).get("culprits")), [])
     return {"localized": True, "url": url, "helper": helper, "prompt_index": prompt_index, "prompt_len": len(prompt),
             "dumps": {"dir": folder, "dec": path_dec, "ref": path_ref},
-            "replay": figures, "threshold": threshold, "notes": notes,
+            "replay": figures, "threshold": threshold, "notes": notes, "pass_modes": modes,
             "divergence": diverge["divergence"], "strict_culprit": diverge.get("culprit"),
             "noise_culprits": noise, "summary": next((v.get("summary") for v in ranks if v.get("summary")), None),
-            "reading": reading(helper, diverge.get("culprit"), noise, figures["hit"]),
+            "reading": reading(helper, diverge.get("culprit"), noise, figures["hit"], modes),
             "timings": {"replay": round(replay_seconds, 3), "first_divergence": round(time.monotonic() - t1, 3)},
             "kl": _kl_brief(check) if check else None, "first_divergence": diverge}
 
 
-def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True) -> Optional[str]:
-    """Which culprit to look at first, given the path the replay took (``hit``: the cache state
-    the helper needs was restored)."""
+def pass_modes(path: str) -> dict:
+    """How many passes of each mode (prefill, extend, decode, mixed) a dump holds, all ranks."""
+    counts = {}
+    for rank in open_dump(path).ranks.values():
+        for p in rank.passes:
+            counts[p.mode or "unknown"] = counts.get(p.mode or "unknown", 0) + 1
+    return counts
+
+
+def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True,
+            modes: Optional[dict] = None) -> Optional[str]:
+    """Which culprit to look at first, and what the dumped path says about it. ``modes``: the
+    pass modes of each dump ({"dec": {...}, "ref": {...}}, see pass_modes); an extend pass read a
+    cached prefix. Without them the replay stands in (``hit``: the helper's cache state was
+    restored; match restores none)."""
+    if modes is None:
+        dec_extend, ref_extend = (0 if helper == "match" or not hit else None), 0
+    else:
+        dec_extend, ref_extend = modes["dec"].get("extend", 0), modes["ref"].get("extend", 0)
+    caveat = ""
+    if ref_extend:
+        caveat = (f"; but the reference is not cache-free: {ref_extend} of its {sum(modes['ref'].values())} passes "
+                  "read a cached prefix (extend passes: a chunked prefill, or a prefix-cache hit), so a cache-restore "
+                  "bug runs in it too and these dumps cannot tell one from batch-variance: dump a reference that fits "
+                  "one chunk (--chunked-prefill-size larger than prompt+output, or -1)")
     if noise:
         top = noise[0]["call"]
-        if helper == "match" or not hit:
-            where = ("with no prefix restored from the cache (" + ("the match replay" if helper == "match" else
-                     f"the {helper} replay missed the cache") + "): in the decode path itself, a kernel wrong at "
-                     "this batch shape (e.g. taken only for one token row) or the decode steps' KV-cache state, not "
-                     "a prefix-cache restore")
-        else:
-            where = (f"on the {helper} replay's cache-hit path: a cache-restore (state) bug, or a kernel wrong at "
+        if dec_extend == 0 and not ref_extend:
+            missed = "" if helper == "match" or hit else f"; the {helper} replay missed the cache"
+            where = ("with no prefix restored from the cache in either dump (the decode run's prompt and the "
+                     f"reference were each one prefill{missed}): in the decode path itself, a kernel wrong at this "
+                     "batch shape (e.g. taken only for one token row) or the decode steps' KV-cache state, not a "
+                     "prefix-cache restore")
+        elif dec_extend != 0:
+            passes = f" ({dec_extend} of its passes read a prefix from the KV cache)" if dec_extend else ""
+            where = (f"on the decode run's cache path{passes}: a cache-restore (state) bug, or a kernel wrong at "
                      "this batch shape")
-        text = f"look at {top} first: it adds an error far beyond float noise, {where}"
+        else:  # only the reference read a cached prefix: the caveat says it
+            where = ""
+        text = f"look at {top} first: it adds an error far beyond float noise{', ' + where if where else ''}{caveat}"
         if strict and strict["call"] != top:
             text += f"; {strict['call']} (strict) is only where bits first flip, within float noise"
         return text
     if strict:
-        return f"no op adds an error beyond float noise: {strict['call']} is where batch-variance starts"
+        return f"no op adds an error beyond float noise: {strict['call']} is where batch-variance starts{caveat}"
     return None
 
 

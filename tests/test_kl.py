@@ -1,6 +1,8 @@
 """The KL consistency check without a server: scoring, verdict, thresholds, prompts, the HF
 in-process check on a real tiny model (clean, a planted batch-variant op, a planted
-cache-restore bug), the CLI's trouble path, and the pytest integration's failure message."""
+cache-restore bug; a state-space model without a KV cache), the sglang helpers' grouping of
+prefills under chunked prefill (on a stand-in server), localize's reading of the dumped path,
+the CLI's trouble path, and the pytest integration's failure message."""
 
 from __future__ import annotations
 
@@ -10,13 +12,15 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 
 from helpers import dumpdiff, load_model, make_tiny_llama
 from analyzer import kl, kl_prompts, kl_thresholds
 from analyzer.errors import DumpError
-from analyzer.kl_helpers import _check_ids, prefill_logprobs
+from analyzer.kl_helpers import Context, _check_ids, prefill_groups, prefill_logprobs, run_match
 from analyzer.kl_inprocess import check_model
+from analyzer.localize import reading
 from analyzer.kl_render import render
 from analyzer.pytest_plugin import KLCheckFailed, assert_kl_pass
 
@@ -76,6 +80,101 @@ def test_verdict(m, p, d, kind):
         assert verdict["localize"]["helper"] in kl.CACHE_HELPERS and "state bug" in verdict["text"]
     if kind == kl.BATCH:
         assert verdict["localize"]["helper"] == "match"
+
+
+def _chunked(status, chunked):
+    return {**_helper(status), "chunked_references": chunked, "chunked_prefill_size": 32, "scored_prompts": 4}
+
+
+def test_verdict_with_chunked_references():
+    """A reference longer than the chunk read the KV cache: a dirty match then proves nothing
+    about batch-variance, and a clean check may hide a cache bug that ran on both sides."""
+    message = ("reference prefills longer than --chunked-prefill-size 32 were chunked (match 2 of 4): they read the "
+               "KV cache, so a cache bug dirties match too; restart the server with --chunked-prefill-size larger "
+               "than prompt+output (or -1), or use shorter --prompt-len/--max-new-tokens")
+    dirty = kl.classify({"match": _chunked("dirty", 2), "prefill_cache_hit": _chunked("dirty", 0),
+                         "decode_cache_hit": _chunked("dirty", 0)})
+    assert dirty["kind"] == kl.UNCLASSIFIED and dirty["text"].endswith(message) and kl.exit_status(dirty) == 1
+    mixed = kl.classify({"match": _chunked("dirty", 2), "prefill_cache_hit": _chunked("clean", 0),
+                         "decode_cache_hit": _chunked("clean", 0)})
+    assert mixed["kind"] == kl.UNCLASSIFIED  # not "no_cache_only": match is not the no-cache path here
+    clean = kl.classify({"match": _chunked("clean", 0), "prefill_cache_hit": _chunked("clean", 0),
+                         "decode_cache_hit": _chunked("clean", 3)})
+    assert clean["kind"] == kl.INCONCLUSIVE and "decode_cache_hit 3 of 4" in clean["text"]
+    assert kl.exit_status(clean) == 2
+    state = kl.classify({"match": _chunked("clean", 2), "prefill_cache_hit": _chunked("dirty", 2),
+                         "decode_cache_hit": _chunked("dirty", 4)})
+    assert state["kind"] == kl.STATE and any("were chunked" in n for n in state["notes"])
+    rows = [{"index": i, "hit": True, "ref_chunked": i < 2, "prefill_lp": [0.0], "decode_lp": [-0.1 * i]}
+            for i in range(4)]
+    summary = kl.summarize_helper("match", rows, 1e-3, chunk_size=32)
+    assert summary["chunked_references"] == 2 and summary["chunked_prefill_size"] == 32
+    assert summary["avg_kl_div_unchunked"] == pytest.approx(np.mean(kl.token_kl([0.0, 0.0], [-0.2, -0.3])))
+    # match is dirty on its cache-free references alone: that still decides
+    both = kl.classify({"match": summary, "prefill_cache_hit": _chunked("dirty", 0),
+                        "decode_cache_hit": _chunked("dirty", 0)})
+    assert both["kind"] == kl.BATCH and any("were chunked" in n for n in both["notes"])
+
+
+def test_prefill_groups_fit_one_chunk():
+    assert prefill_groups([10, 20, 5], None) == [[0, 1, 2]]  # chunked prefill off: all at once
+    assert prefill_groups([10, 20, 5, 30, 40, 8], 32) == [[0, 1], [2], [3], [4], [5]]
+    assert prefill_groups([16, 16, 16], 32) == [[0, 1], [2]]  # exactly a chunk is not cut
+    assert prefill_groups([3, 3, 3], 8, page_size=4) == [[0, 1], [2]]  # charged page-aligned
+    assert prefill_groups([], 32) == []
+
+
+class StandInServer:
+    """The Server calls run_match makes, recorded: each generate batch and each flush."""
+    chunk_size, page_size = 32, 1
+
+    def __init__(self):
+        self.calls = []
+
+    def flush(self):
+        self.calls.append("flush")
+
+    def generate(self, input_ids, max_new_tokens, *, sampling, return_logprob=True, logprob_start_len=-1):
+        self.calls.append([len(ids) for ids in input_ids])
+        out = []
+        for ids in input_ids:
+            new = [7] * max_new_tokens
+            out.append({"output_ids": new, "meta_info": {
+                "cached_tokens": 0, "output_token_logprobs": [[-1.0, t, None] for t in new],
+                "input_token_logprobs": [[None if k == 0 else -1.0, t, None] for k, t in enumerate(ids)]}})
+        return out
+
+
+def test_match_never_packs_prefills_past_a_chunk():
+    """sglang packs the requests waiting at a step into one prefill batch and cuts the one that
+    overflows the chunk; its later chunk reads the cache, so match's prefills go in groups."""
+    server = StandInServer()
+    ctx = Context(server, max_new_tokens=8, sampling={}, vocab_size=None)
+    prompts = [[5] * n for n in (10, 12, 20, 40)]
+    rows, notes = run_match(ctx, prompts)
+    batches = [c for c in server.calls if c != "flush"]
+    assert batches == [[10, 12], [20], [40], [18], [20], [28], [48]]  # decode run, then references
+    assert all(sum(b) <= 32 or len(b) == 1 for b in batches)
+    assert all(server.calls[i - 1] == "flush" for i, c in enumerate(server.calls) if c != "flush")  # none restores
+    assert [r["ref_chunked"] for r in rows] == [False, False, False, True]
+    assert any("groups of 2, 1, 1 prompts" in n for n in notes) and ctx.decode_batches == {"match": [2, 1, 1]}
+    assert any("1 of 4 reference prefills" in n and "--chunked-prefill-size 32" in n for n in notes)
+
+
+def test_localize_reading_follows_the_dumped_passes():
+    """The match replay restores no prefix, but a reference longer than a chunk does: the
+    reading says so from the reference dump's extend passes, not from the helper name."""
+    noise = [{"call": "model.layers.1.self_attn.attn#0"}]
+    strict = {"call": "model.layers.0.self_attn.qkv_proj#0"}
+    plain = {"dec": {"prefill": 1, "decode": 15}, "ref": {"prefill": 1}}
+    text = reading("match", strict, noise, True, plain)
+    assert "no prefix restored from the cache in either dump" in text and "not a prefix-cache restore" in text
+    chunked = {"dec": {"prefill": 1, "decode": 15}, "ref": {"prefill": 1, "extend": 1}}
+    text = reading("match", strict, noise, True, chunked)
+    assert "no prefix restored" not in text and "the reference is not cache-free: 1 of its 2 passes" in text
+    hit = {"dec": {"extend": 1, "decode": 15}, "ref": {"prefill": 1}}
+    assert "on the decode run's cache path (1 of its passes" in reading("prefill_cache_hit", strict, noise, True, hit)
+    assert "not cache-free" in reading("match", strict, [], True, chunked)  # strict-only reading too
 
 
 def test_batch_variance_with_a_state_bug_on_top_is_noted():
@@ -222,6 +321,27 @@ def test_inprocess_clean_calibrated_and_planted(tiny, prompts):
         assert_kl_pass(variant)
     md, js = render(variant, "md"), json.loads(render(variant, "json"))
     assert "| match | DIRTY |" in md and js["verdict"]["kind"] == "batch_invariance"
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("mamba", dict(state_size=8, expand=2, conv_kernel=4)),
+    ("mamba2", dict(state_size=8, expand=2, conv_kernel=4, head_dim=16, n_groups=1, num_heads=8, chunk_size=16)),
+])
+def test_inprocess_state_space_model_has_no_cache_hit_path(arch, extra):
+    """Mamba's cache is a recurrent state with no length (get_seq_length raises): generate cannot
+    resume a prompt from it, so the cache-hit helpers are n/a with the reason; match still runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, vocab_size=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  hidden_size=64, num_hidden_layers=2, **extra)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    result = check_model(model, kl_prompts.synthetic(2, 12, 1024, seed=0), max_new_tokens=4, threshold=1e-6)
+    for name in kl.CACHE_HELPERS:
+        h = result["helpers"][name]
+        assert h["status"] == "n/a" and "reports no length" in h["notes"][0], h["notes"]
+    assert result["helpers"]["match"]["status"] == "clean" and result["helpers"]["match"]["tokens"] == 8
+    assert result["verdict"]["kind"] == kl.PASS
 
 
 def test_inprocess_text_prompts_need_a_tokenizer(tiny):

@@ -1,6 +1,6 @@
 """`dumpdiff kl`, `kl calibrate` and `localize` against the real sglang server on CPU.
 
-Three servers of one tiny float32 Llama, started once each for this module:
+Four servers of one tiny float32 Llama, started once each for this module:
 
   clean          the engine as it is. On CPU float32, prefill and decode differ by 1-2 ulps
                  on some tokens (a GEMM over 1 row vs many), so avg_kl_div is ~1e-14, not 0.
@@ -14,6 +14,13 @@ Three servers of one tiny float32 Llama, started once each for this module:
                  row. With one prompt every decode step has one row, so every helper is dirty
                  -> batch-invariance. (With several prompts batched, decode passes have
                  several rows and this planted op never bites.)
+
+  prefix_kv:1 with --chunked-prefill-size 64
+                 the references of 4 prompts (~130 tokens) no longer fit one chunk: sent
+                 together, sglang cut one and its later chunk read the KV cache, so the planted
+                 bug dirtied match too (batch_invariance). Sent in groups that fit a chunk they
+                 are cache-free again: state bug. References longer than a chunk are chunked
+                 anyway: the check then cannot tell (over_threshold), never pass.
 
 The thresholds file calibrate writes for the clean engine is the one the planted engines are
 checked against: the same model path, so the same entry.
@@ -59,12 +66,12 @@ def calibrated(clean, tmp_path_factory):
     return path, json.loads(out)
 
 
-def localize_json(server, kl_result: dict, tmp_path, prefix: str):
+def localize_json(server, kl_result: dict, tmp_path, prefix: str, *extra):
     """`dumpdiff localize` on a saved `kl` result; (its JSON result, stderr). A culprit: exit 1."""
     saved = tmp_path / "kl.json"
     saved.write_text(json.dumps(kl_result))
     code, out, err = dumpdiff("localize", "--url", server.url, "--kl-result", saved, "--exp-prefix", prefix,
-                              "--format", "json", "-q")
+                              "--format", "json", "-q", *extra)
     assert code == 1, err
     return json.loads(out), err
 
@@ -179,4 +186,40 @@ def test_planted_batch_variant_op_dirties_every_helper(sglang, model_dir, calibr
     planted = "model.layers.1.mlp.down_proj#0"
     assert found["noise_culprits"][0]["call"] == planted
     assert found["reading"].startswith(f"look at {planted} first") and "not a prefix-cache restore" in found["reading"]
+    server.stop()
+
+
+def test_chunked_prefill_keeps_match_cache_free_or_says_it_cannot(sglang, model_dir, calibrated, tmp_path):
+    """Chunked prefill reads earlier chunks back from the KV cache, as a prefix restore does:
+    a reference (or match's decode-run prefill) cut into chunks is not cache-free, and the
+    planted cache-restore bug then dirties match too."""
+    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "prefix_kv:1", "DUMPER_ENABLE": "0",
+                                    "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(tmp_path / "dumps")},
+                    extra_args=IDLE + ["--chunked-prefill-size", "64"])
+    # every prompt+output fits one chunk (<= 40 tokens), all of them together do not
+    code, result = kl_json(server.url, *SIZES, "--thresholds", calibrated[0])
+    assert result["target"]["chunked_prefill_size"] == 64
+    status = {n: h["status"] for n, h in result["helpers"].items()}
+    assert status == {"match": "clean", "prefill_cache_hit": "dirty", "decode_cache_hit": "dirty"}, result["verdict"]
+    assert result["verdict"]["kind"] == "state_bug"
+    assert all(h["chunked_references"] == 0 for h in result["helpers"].values())
+
+    # prompt+output longer than a chunk: chunked whatever the grouping; the verdict cannot tell
+    longer = ("--max-samples", "4", "--max-new-tokens", "16", "--prompt-len", "48")
+    code, result = kl_json(server.url, *longer, "--thresholds", calibrated[0])
+    assert code == 1 and result["verdict"]["kind"] == "over_threshold", result["verdict"]
+    assert "reference prefills longer than --chunked-prefill-size 64 were chunked" in result["verdict"]["text"]
+    assert "restart the server with --chunked-prefill-size larger than prompt+output" in result["verdict"]["text"]
+    assert result["helpers"]["match"]["chunked_references"] > 0
+    assert any("longer than --chunked-prefill-size 64" in n for n in result["helpers"]["match"]["notes"])
+
+    # localize's reading comes from the dumps: the match replay's reference has an extend pass
+    found, _ = localize_json(server, result, tmp_path, "kl-chunked", "--helper", "match")
+    assert found["helper"] == "match" and found["pass_modes"]["ref"].get("extend")
+    assert "the reference is not cache-free" in found["reading"] and "no prefix restored" not in found["reading"]
+
+    # one prompt longer than a chunk: both sides run the planted bug alike and agree; not a pass
+    code, out, err = dumpdiff("kl", "--url", server.url, "--max-samples", "1", "--max-new-tokens", "16",
+                              "--prompt-len", "96", "--threshold", "1e-10", "-q")
+    assert code == 2 and "dumpdiff kl: INCONCLUSIVE" in out and "were chunked" in out, out
     server.stop()
