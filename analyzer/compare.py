@@ -375,7 +375,10 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
         if len(first_dirty):
             verdict["note"] = _no_origin_note(per_call, table, a, b)
         return verdict
-    orphans = np.setdiff1d(first_dirty["pair"], row_culprit["pair"])
+    # both are sorted by pair; np.setdiff1d would import numpy.ma (np.unique) on the strict path
+    dirty, found = first_dirty["pair"], row_culprit["pair"]
+    at = np.minimum(np.searchsorted(found, dirty), len(found) - 1)
+    orphans = dirty[found[at] != dirty]
     if len(orphans):  # differing rows no culprit accounts for: say so, never drop them silently
         decode = int(np.count_nonzero(pairs["mode_b"][orphans] == "decode"))
         verdict["unattributed"] = (f"{len(orphans)} of the {len(first_dirty)} differing rows ({decode} decode) meet no "
