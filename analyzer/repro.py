@@ -150,7 +150,11 @@ def _rows_for(call: str, table: RowTable, pairs: pd.DataFrame):
         chosen, is_origin = per[per["out_differ"]], False
     if chosen.empty:
         chosen = per
-    rows = pairs[pairs["pair"].isin(chosen["pair"])].sort_values(["pass_b", "row_b"])
+    rows = pairs[pairs["pair"].isin(chosen["pair"])]
+    # Where the call only carries a difference on (a noise-aware culprit, given with --call), its
+    # rows computed on a cache come first: that is where a state bug shows, not the prompt's rows.
+    fresh = rows["mode_b"].isin(["prefill", None]) if not is_origin else False
+    rows = rows.assign(_fresh=fresh).sort_values(["_fresh", "pass_b", "row_b"]).drop(columns="_fresh")
     if rows.empty:
         return rows, is_origin
     first = rows.iloc[0]

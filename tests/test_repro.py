@@ -121,6 +121,18 @@ def test_bfloat16_dump_of_a_float32_checkpoint_replays_by_its_formula(llama_dir,
     assert "replay of A reproduces the dumped output: yes (bit-identical)" in out, out + err
 
 
+def test_a_call_that_carries_noise_is_replayed_on_its_cached_rows(llama_dir, tmp_path):
+    """--call on a noise-aware culprit (its inputs carry float noise, so it is never the strict
+    origin): the replay took the prompt's rows of the prefill, where the bug does not run."""
+    model = load_model(llama_dir, torch.float32)
+    model.model.layers[2].mlp.register_forward_hook(lambda m, a, out: out * 1.01 if out.shape[1] == 1 else None)
+    ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(24), new_tokens=8)  # prompt rows 16.. differ too
+    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r", "--model", llama_dir,
+                              "--call", "model.layers.2.mlp#0", "--no-progress")
+    assert code == 0, err
+    assert "B dec pass 1 (decode, M=1)" in out, out
+
+
 def test_unknown_class_is_rebuilt_through_the_model(llama_dir, tmp_path):
     """Only MLPs hooked: the culprit is LlamaMLP, replayed by calling the model's own module. The
     planted kernel is not in the model, and the script says so honestly: its replay of B does not
