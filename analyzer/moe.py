@@ -66,17 +66,24 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
             continue
         if reader_a is None:
             reader_a, reader_b = a.reader(), b.reader()
-        flipped = []
+        flipped, ties = [], []
         for (pass_a, pass_b), group in differing.groupby(["pass_a", "pass_b"], sort=True):
             sel_a = _selection(reader_a.rows(int(pass_a), chosen, group["row_a"].tolist()), k, bool(router["indices"]))
             sel_b = _selection(reader_b.rows(int(pass_b), chosen, group["row_b"].tolist()), k, bool(router["indices"]))
             changed = (sel_a != sel_b).any(dim=1)
-            for pair, row_a, row_b in zip(group["pair"][changed.numpy()], sel_a[changed], sel_b[changed]):
+            pairs_changed = group["pair"][changed.numpy()].tolist()
+            for pair, row_a, row_b in zip(pairs_changed, sel_a[changed], sel_b[changed]):
                 flipped.append((int(pair), row_a.tolist(), row_b.tolist()))
+            if router["logits"] is not None and pairs_changed:
+                rows_a, rows_b = group["row_a"][changed.numpy()].tolist(), group["row_b"][changed.numpy()].tolist()
+                near, err = _near_ties(reader_a.rows(int(pass_a), router["logits"], rows_a),
+                                       reader_b.rows(int(pass_b), router["logits"], rows_b), sel_a[changed],
+                                       sel_b[changed], k)
+                ties += [(int(p), float(e)) for p, ok, e in zip(pairs_changed, near.tolist(), err.tolist()) if ok]
         flipped.sort()
         entry["rows_flipped"] = len(flipped)
-        if flipped_rows is not None and flipped:
-            flipped_rows.append((router["call"], router["parent"], [p for p, _, _ in flipped]))
+        if flipped_rows is not None and ties:
+            flipped_rows.append((router["call"], router["parent"], [p for p, _ in ties], [e for _, e in ties]))
         info = pairs.loc[[p for p, _, _ in flipped]] if flipped else pairs.iloc[:0]
         entry["kinds"] = {str(kind): int(n) for kind, n in info["mode_b"].value_counts().items()}
         entry["examples"] = [{"seq": str(pairs.loc[p, "seq"]), "pos": int(pairs.loc[p, "pos"]),
@@ -135,6 +142,24 @@ def _selection(rows, k: int, are_ids: bool):
     flat = rows.reshape(rows.shape[0], -1)
     ids = flat.long() if are_ids else torch.topk(flat.float(), min(k, flat.shape[1]), dim=1).indices
     return ids.sort(dim=1).values
+
+
+def _near_ties(logits_a, logits_b, sel_a, sel_b, k: int):
+    """Per flipped row: whether a near tie explains the flip (each side picked the top k of its
+    own logits, and the experts that swapped were closer in A's logits than the two sides'
+    logits differ), and the logits' relative error, for the noise-aware verdict to weigh."""
+    import torch
+    n = sel_a.shape[0]
+    la, lb = logits_a.reshape(n, -1).double(), logits_b.reshape(n, -1).double()
+    noise = (la - lb).abs().amax(dim=1)
+    own_a = (torch.topk(la, k, dim=1).indices.sort(dim=1).values == sel_a).all(dim=1)
+    own_b = (torch.topk(lb, k, dim=1).indices.sort(dim=1).values == sel_b).all(dim=1)
+    picked_a = torch.zeros_like(la, dtype=torch.bool).scatter_(1, sel_a, True)
+    picked_b = torch.zeros_like(la, dtype=torch.bool).scatter_(1, sel_b, True)
+    dropped = torch.where(picked_a & ~picked_b, la, torch.full_like(la, float("inf"))).amin(dim=1)
+    taken = torch.where(picked_b & ~picked_a, la, torch.full_like(la, float("-inf"))).amax(dim=1)
+    near = own_a & own_b & (dropped - taken <= 2 * noise)
+    return near, noise / la.abs().amax(dim=1).clamp_min(1e-30)
 
 
 def _config_k(run: dict) -> Optional[int]:

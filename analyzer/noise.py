@@ -339,8 +339,8 @@ def derive_threshold(calls: Columns) -> dict:
 
 def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
                   floor_by_call: Optional[Dict[str, float]] = None, flips=()) -> dict:
-    """``flips``: (router call, MoE block module, paired rows whose experts flipped), from
-    analyzer/moe.py."""
+    """``flips``: (router call, MoE block module, paired rows whose experts flipped at a near tie,
+    their logits' relative errors), from analyzer/moe.py."""
     pair_ids = sample_pairs(alignment.cols)
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
@@ -362,7 +362,8 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
                         np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])))
         introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
     rule["floor_from_repeat"] = bool(floor_by_call)
-    explained = _flipped_by_noise(calls, table, calls_b["module"][at_calls], flips)
+    explained = _flipped_by_noise(calls, table, calls_b["module"][at_calls], flips,
+                                  rule.get("amplification", MIN_AMPLIFICATION))
     introduced &= ~explained
     if explained.any():
         rule["rows_flipped_by_noise"] = int(len(distinct(calls["pair"][explained])))
@@ -398,16 +399,21 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     return verdict
 
 
-def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flips) -> np.ndarray:
+def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flips, line: float) -> np.ndarray:
     """Cells whose error a routing flip explains: on a row where noise reached the router's
-    input and its experts flipped, the router, its MoE block and the calls around the block
-    change by O(1) with no bug (the routing-flips section shows the flip)."""
+    input, its logits moved no more than noise carries (under the line), and a near tie among
+    them flipped its experts (analyzer/moe.py), the router, its MoE block and the calls around
+    the block change by O(1) with no bug. A router that picks other experts, or moves its
+    logits, by itself is still named."""
     explained = np.zeros(len(calls), bool)
     names = table.calls[calls["ccode"]]
     modules = modules.astype(str)
-    for router, block, flipped in flips:
-        reached = calls["pair"][(names == router) & (calls["in_err"] > 0)]
-        rows = np.isin(calls["pair"], np.intersect1d(reached, np.asarray(flipped, np.int64)))
+    for router, block, flipped, logit_err in flips:
+        at = np.nonzero(names == router)[0]
+        err_of = dict(zip(flipped, logit_err))
+        noisy = [int(calls["pair"][i]) for i in at if calls["in_err"][i] > 0 and int(calls["pair"][i]) in err_of
+                 and err_of[int(calls["pair"][i])] <= line * max(calls["in_err"][i], calls["floor"][i])]
+        rows = np.isin(calls["pair"], np.asarray(noisy, np.int64))
         if not rows.any():
             continue
         known, module_of = np.unique(modules, return_inverse=True)

@@ -121,8 +121,10 @@ def test_a_flip_that_input_noise_causes_is_not_an_introduced_error(moe_dir, tmp_
     def near_tie(module, args, output):
         logits, weights, _ = output
         hidden = args[0].reshape(-1, args[0].shape[-1])
-        side = torch.sin(hidden.double().sum(-1) * 1e9) > 0  # one ulp of the input decides
-        picked = torch.where(side[:, None], torch.tensor([0, 1]), torch.tensor([0, 2]))
+        lean = 1e-6 * torch.sin(hidden.double().sum(-1) * 1e9).to(logits.dtype)  # one ulp of the input decides
+        logits = torch.full_like(logits, -1.0)
+        logits[:, 0], logits[:, 1], logits[:, 2] = 2.0, 0.5 + lean, 0.5 - lean  # experts 1 and 2 tie for second
+        picked = torch.topk(logits, 2, dim=-1).indices  # routed by its own logits, as a router is
         return logits, torch.full_like(weights, 0.5), picked
 
     model.model.layers[1].mlp.gate.register_forward_hook(near_tie)
@@ -134,3 +136,23 @@ def test_a_flip_that_input_noise_causes_is_not_an_introduced_error(moe_dir, tmp_
     assert verdict["noise"]["culprits"] == [], verdict["noise"]["culprits"]
     assert verdict["noise"]["rule"]["rows_flipped_by_noise"] == flipped
     assert "experts flipped because input noise reached the router" in verdict["summary"]
+
+
+def test_a_router_that_flips_by_itself_is_still_named(moe_dir, tmp_path):
+    """Noise reaches every decode row's router input, so "input error > 0" cannot be what calls a
+    flip noise: a router that picks the 2nd and 3rd best experts in decode (its logits untouched)
+    was counted as noise on every row. Only a near tie among the logits explains a flip."""
+    model = load_model(moe_dir, torch.float32)
+
+    def wrong_pick(module, args, output):
+        logits, weights, picked = output
+        if logits.shape[0] != 1:
+            return output
+        return logits, weights, torch.topk(logits, 3, dim=-1).indices[:, 1:]
+
+    model.model.layers[1].mlp.gate.register_forward_hook(wrong_pick)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(PROMPT), new_tokens=NEW)
+    code, result = first_divergence_json(ref, dec)
+    noise = result["ranks"]["0"]["noise"]
+    assert [c["call"] for c in noise["culprits"]][:1] == ["model.layers.1.mlp.gate#0"], noise["culprits"]
+    assert "rows_flipped_by_noise" not in noise["rule"]
