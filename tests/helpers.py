@@ -40,7 +40,7 @@ def dump_pair(model, root, prompt, new_tokens: int = 6, setup=None, **config):
     return os.path.join(root, "ref"), os.path.join(root, "dec"), output
 
 
-def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5):
+def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, **generate_kwargs):
     """Dump 'dec' (one left-padded batch of prompts of these lengths, pad id 0, generated
     together) and 'ref' (each prompt+output alone, unpadded). Returns (prompts, ref, dec)."""
     prompts = [prompt_ids(n, seed=n)[0].tolist() for n in lengths]
@@ -50,7 +50,8 @@ def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5):
     handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec"))
     try:
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 **generate_kwargs)
             handle.configure(exp_name="ref")
             for prompt, row in zip(prompts, out):
                 model(torch.tensor([prompt + row[width:].tolist()]))

@@ -529,14 +529,30 @@ def test_identical_runs_exit_zero(llama_dir, tmp_path):
     assert code == 0 and "NO DIVERGENCE" in out and "16 token rows" in out
 
 
-def test_batch_of_three_lengths_aligns_per_sequence(llama_dir, tmp_path):
-    model = load_model(llama_dir, torch.float32)
-    prompts, ref, dec = dump_padded_batch(model, tmp_path)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_batch_of_three_lengths_aligns_per_sequence(llama_dir, tmp_path, cache):
+    """A static cache gets a 4D attention mask from generate, not the 2D one: its padding rows
+    were taken for tokens at position 0, every padded sequence went unpaired, and a bug in one
+    passed as NO DIVERGENCE (exit 0)."""
+    model = load_model(llama_dir, torch.float32)  # float noise too: the noise-aware verdict names the bug
+
+    def second_row(module, args, out):  # decode-only, in the second (padded) sequence only
+        if out.shape[1] == 1:
+            out = out.clone()
+            out[1] *= 1.05
+            return out
+        return None
+
+    model.model.layers[1].mlp.register_forward_hook(second_row)
+    prompts, ref, dec = dump_padded_batch(model, tmp_path, cache_implementation=cache)
     code, result = first_divergence_json(ref, dec)
     align = result["ranks"]["0"]["alignment"]
     assert align["unaligned_b"] == 0 and align["unkeyed_b"] == 0
     assert align["rows_b"] == sum(len(p) for p in prompts) + 3 * 4  # padding rows are not token rows
     assert "bit-identical" in align["proof"][1]
+    found = result["ranks"]["0"]["noise"]["culprits"]
+    assert [c["call"] for c in found] == ["model.layers.1.mlp#0"] and found[0]["kinds"] == {"decode": 4}
+    assert {r["seq"] for r in found[0]["sample_rows"]} == {"g1.1"}
 
 
 def test_different_prompts_are_refused(llama_dir, tmp_path):

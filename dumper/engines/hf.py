@@ -170,6 +170,10 @@ class HFAdapter:
         return state
 
     def _positions(self, bound, mask, past, batch, seq_len, next_pos=None):
+        valid = _own_slot_visible(mask, bound, past, seq_len) if isinstance(mask, torch.Tensor) and mask.dim() == 4 \
+            else None
+        if valid is not None and not past:  # a prefill: the padding the 4D mask hides is all the history there is
+            mask = valid.to(torch.long)
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= seq_len:
             mask = mask.detach().cpu().to(torch.long)
             real_before = mask.cumsum(-1) - 1
@@ -180,10 +184,10 @@ class HFAdapter:
                 break  # cache slots count left padding; the rows' own positions do not
             if isinstance(value, torch.Tensor):
                 value = value.detach().cpu().to(torch.long)
-                return value.reshape(-1, seq_len).expand(batch, seq_len), None
+                return value.reshape(-1, seq_len).expand(batch, seq_len), valid
         if next_pos is not None and len(next_pos) == batch:
-            return next_pos[:, None] + torch.arange(seq_len), None
-        return (torch.arange(seq_len) + past).expand(batch, seq_len), None
+            return next_pos[:, None] + torch.arange(seq_len), valid
+        return (torch.arange(seq_len) + past).expand(batch, seq_len), valid
 
     def after_pass(self, model, info: PassInfo, output):
         # A forward called without a cache creates one; the next call may pass it back in.
@@ -210,6 +214,22 @@ def _first(source, names, get=lambda d, k, default: d.get(k, default)):
         if value is not None:
             return value
     return None
+
+
+def _own_slot_visible(mask: torch.Tensor, bound, past: int, seq_len: int) -> Optional[torch.Tensor]:
+    """[B, S]: whether each token attends to its own cache slot in a 4D attention mask (bool:
+    True attends; additive: 0 attends). A static cache gets such a mask from generate instead of
+    the 2D one, and a padding token is the one key nobody, itself included, may see. None when
+    the mask does not have that layout."""
+    if mask.shape[-2] != seq_len or mask.shape[1] != 1:
+        return None
+    slots = bound.get("cache_position")
+    slots = slots.detach().cpu().to(torch.long).reshape(-1) if isinstance(slots, torch.Tensor) and \
+        slots.numel() == seq_len else torch.arange(seq_len) + past
+    if int(slots.max()) >= mask.shape[-1]:
+        return None
+    rows = mask[:, 0, torch.arange(seq_len).to(mask.device), slots.to(mask.device)].detach().cpu()
+    return rows if rows.dtype == torch.bool else rows == 0
 
 
 def _cache_length(cache) -> int:
