@@ -69,6 +69,9 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             raise DumpError(_nothing_compared(len(alignment.cols), ia, ib))
         if verdict.get("unattributed"):
             _warn(result, verdict["unattributed"])
+        if not verdict["rows_differing"] and alignment.cached_unpaired_b:  # clean, but not on every row
+            _warn(result, f"{alignment.cached_unpaired_b} decode or extend rows of {show(dump_b.label)} were not compared "
+                  "(no partner, or the ids before them unknown): no divergence holds for the compared rows only")
         if noise_aware and verdict["rows_differing"]:
             from .moe import routing_flips  # these read tensor values: not under --strict-only
             from .noise import noise_verdict

@@ -555,6 +555,22 @@ def test_batch_of_three_lengths_aligns_per_sequence(llama_dir, tmp_path, cache):
     assert {r["seq"] for r in found[0]["sample_rows"]} == {"g1.1"}
 
 
+def test_no_divergence_over_part_of_the_decode_rows_says_so(llama_dir, tmp_path):
+    """A reference that holds only the first generated tokens: the later decode rows have no
+    partner. NO DIVERGENCE over the rest is true, and the warning says what it does not cover."""
+    model = load_model(llama_dir, torch.bfloat16)  # bit-identical here on so short a run
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    with torch.no_grad():
+        handle.configure(enable=True, exp_name="dec")
+        out = model.generate(prompt_ids(8), max_new_tokens=6, do_sample=False)
+        handle.configure(exp_name="ref")
+        model(out[:, :10])  # the prompt and two generated tokens
+    handle.remove()
+    code, out_text, err = dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress")
+    assert code == 0 and "NO DIVERGENCE" in out_text, err
+    assert "3 decode or extend rows of dec were not compared" in err, err  # positions 10-12
+
+
 def test_different_prompts_are_refused(llama_dir, tmp_path):
     import dumper
     model = load_model(llama_dir, torch.float32)
