@@ -150,8 +150,9 @@ def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str
                 None)
     if late is not None and not notes:
         notes.append(f"sequence {late[0]} starts at position {late[1]} with the token ids before it unknown: its first "
-                     "dumped pass ran on a cache filled while dumping was off; enable dumping before the prompt's "
-                     "prefill (an engine that records the ids of a cache hit, as sglang's adapter does, needs no more)")
+                     "dumped pass ran on a cache whose earlier tokens this dump does not hold (filled while dumping was "
+                     "off, or a cache the dumper never saw filled); enable dumping before the prompt's prefill and pass "
+                     "that cache (or a copy of it) on")
     if unknown_ids:
         notes.append(f"{unknown_ids} token rows hold no token id (-1: a forward given inputs_embeds instead of input_ids "
                      "records none); dump the run from token ids")

@@ -379,9 +379,13 @@ def entry():
     from .index import allow_index_processes
     memtune.allow()
     try:
-        allow_index_processes()
+        try:
+            allow_index_processes()
+        except DumpError:  # a bad DUMPDIFF_* setting: said by the commands that index, not by --help
+            if not {"-h", "--help", "--version"} & set(sys.argv[1:]) and len(sys.argv) > 1:
+                raise
         code = main(standalone_mode=False, prog_name="dumpdiff")
-    except DumpError as exc:  # a bad DUMPDIFF_* setting
+    except DumpError as exc:
         _fail(str(exc))
     except click.UsageError as exc:  # click's own is four lines: usage, try, blank, error
         where = exc.ctx.command_path if exc.ctx is not None else "dumpdiff"

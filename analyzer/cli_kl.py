@@ -332,7 +332,7 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
                       seed=kw["seed"], check_options=check_options, noise_aware=not strict_only,
                       log=_progress(quiet))
     text = {"json": to_json, "md": to_markdown}.get(fmt, to_text)(result)
-    _emit(text, output, headline="culprit found" if result.get("divergence") else "no divergence")
+    _emit(text, output, headline="divergence" if result.get("divergence") else "no divergence")
     sys.exit(1 if result.get("divergence") else 0)
 
 

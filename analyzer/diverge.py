@@ -50,7 +50,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             raise DumpError(f"rank {rank} is not in both dumps (ranks {ranks})")
         ranks = [rank]
     result = {"a": describe(dump_a), "b": describe(dump_b), "ranks": {}, "warnings": dump_a.warnings() + dump_b.warnings()}
-    filters = [d.setting("filter") or "" for d in (dump_a, dump_b)]
+    filters = [_filter_text(d.setting("filter")) for d in (dump_a, dump_b)]
     if filters[0] != filters[1]:
         _warn(result, f"the dumps were made with different DUMPER_FILTERs ({filters[0]!r} and {filters[1]!r}): only calls "
               "hooked in both are compared; dump both with the same filter")
@@ -98,6 +98,12 @@ def _warn_swapped(result: dict, a: Dump, b: Dump, decode_a: int):
     Extend rows in a reference are no sign of it: chunked prefills and cache hits make them."""
     _warn(result, f"{show(a.label)} (the reference, first argument) has {decode_a} decode rows and {show(b.label)} has "
           "none: are the arguments swapped? give the reference prefill first: first-divergence REF DEC")
+
+
+def _filter_text(setting) -> str:
+    """A DUMPER_FILTER as its selection: 'name=X' and 'X' are one filter."""
+    text = setting if isinstance(setting, str) else ""
+    return text[len("name="):] if text.startswith("name=") else text
 
 
 def _check_cut_off_reference(a: Dump, b: Dump, alignment, rank: int):
@@ -159,7 +165,7 @@ def _check_repeat(alignment, index_a, repeat_path: str):
     """A noise floor from anything but a repeat of the reference run would absorb real errors
     (the decode run given by mistake makes every difference "noise")."""
     rows_a = int(np.count_nonzero(index_a.cols("tokens")["valid"]))
-    if alignment.decode_b or alignment.unaligned_b or len(alignment.cols) < rows_a:
+    if alignment.decode_b > alignment.decode_a or alignment.unaligned_b or len(alignment.cols) < rows_a:
         what = (f"holds {alignment.decode_b} decode rows" if alignment.decode_b else
                 f"pairs {len(alignment.cols)} of the reference's {rows_a} token rows")
         raise DumpError(f"--noise {show(repeat_path)}: {what}; give a second dump of the reference run itself "
@@ -185,8 +191,10 @@ def summarize(verdict: dict) -> str:
             why = (f"inputs within atol={rule['atol']}, rtol={rule['rtol']}, output not "
                    f"(output error {top['out_err']:.3g}, input error {top['in_err']:.3g})")
         elif top["in_err"] == 0:  # judged in epsilons: no reordering of a float32 sum moves a 16-bit output that far
-            why = (f"output error {top['out_err']:.3g} from bit-identical inputs, {top['amplification']:.3g} epsilons of "
-                   "its precision, beyond what another summation order makes")
+            unit = "times its noise floor from the repeat run" if rule.get("floor_from_repeat") else \
+                "epsilons of its precision"
+            why = (f"output error {top['out_err']:.3g} from bit-identical inputs, {top['amplification']:.3g} {unit}, "
+                   "beyond what another summation order makes")
         else:
             why = (f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}, "
                    f"{top['amplification']:.3g}x amplification, far beyond float noise")

@@ -166,7 +166,10 @@ def noise_rule(noise: dict) -> str:
         how = (f"amplification (output error / max(input error, floor)) above {fmt_num(rule['amplification'])}x, "
                f"derived from {rule['samples']} call errors of this run"
                + (f" (median {fmt_num(rule['median'])}x)" if rule.get("median") is not None else "")
-               + (f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons" if rule.get("min_ulps") else ""))
+               + (f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons" if rule.get("min_ulps") else "")
+               + (f"; a call with bit-identical inputs and a 16-bit output, above {fmt_num(rule['clean_input_16bit'])} "
+                  "epsilons (another float32 summation order moves it an ulp or two)"
+                  if rule.get("clean_input_16bit") else ""))
     if rule.get("floor_from_repeat"):
         how += "; each call's noise floor from a repeat run of the reference"
     return how

@@ -6,9 +6,9 @@ import json
 from typing import List
 
 # What a divergence with no call beyond float noise is (the summary and every report say it alike).
-NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one changes "
-              "its output by under 8 epsilons of a 16-bit type (6% of the row in bfloat16), which cannot be told "
-              "from noise.")
+NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
+              "the line (30x or more its input error; from bit-identical inputs, 8 epsilons of a 16-bit output, 6% of "
+              "the row in bfloat16), which cannot be told from noise.")
 
 
 def to_json(result: dict) -> str:
@@ -69,7 +69,9 @@ def noise_lines(noise: dict) -> List[str]:
         how = f"tolerance atol={rule['atol']} rtol={rule['rtol']}"
     else:
         how = f"amplification > {rule['amplification']:.3g}x (derived from {rule['samples']} call errors of this run" + \
-              (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")"
+              (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")" + \
+              (f"; from bit-identical inputs, a 16-bit output > {rule['clean_input_16bit']:.3g} epsilons"
+               if rule.get("clean_input_16bit") else "")
     sampled = "" if noise["rows_examined"] == noise["rows_total"] else f", {noise['rows_examined']} of {noise['rows_total']} rows sampled"
     lines = [f"noise-aware verdict ({how}{sampled}):"]
     if not noise["culprits"]:

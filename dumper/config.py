@@ -140,8 +140,9 @@ def warn_unknown_variables(environ: Mapping[str, str]):
         if name.startswith("DUMPER_") and name not in VARIABLES and name not in SGLANG_ONLY_VARIABLES \
                 and name not in _warned_unknown:
             _warned_unknown.add(name)
-            closest = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0)
-            log.warning("dumper: %s is not a dumper variable and is ignored; did you mean %s?", name, closest[0])
+            closest = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.6)
+            log.warning("dumper: %s is not a dumper variable and is ignored%s", name,
+                        f"; did you mean {closest[0]}?" if closest else " (env.example lists them)")
 
 
 def parse_value(variable: str, raw: str, default):

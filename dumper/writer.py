@@ -11,6 +11,7 @@ one loud log line and an INCOMPLETE marker; the model process keeps running.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -346,7 +347,8 @@ class PassWriter:
         try:
             save_file(tensors, tmp, metadata={fmt.PASS_META_KEY: meta_json})
             with open(tmp, "rb") as handle:
-                os.fchmod(handle.fileno(), FILE_MODE)
+                with contextlib.suppress(OSError):  # a mount that refuses chmod keeps the dump going
+                    os.fchmod(handle.fileno(), FILE_MODE)
                 os.fsync(handle.fileno())
             size = os.path.getsize(tmp)
             self._check_limit(size)  # exact now: DUMPER_MAX_BYTES counts real file sizes, headers included

@@ -571,6 +571,35 @@ def test_no_divergence_over_part_of_the_decode_rows_says_so(llama_dir, tmp_path)
     assert "3 decode or extend rows of dec were not compared" in err, err  # positions 10-12
 
 
+def test_a_copied_prompt_cache_goes_on_from_its_history(llama_dir, tmp_path):
+    """HF's prompt reuse: prefill a system prompt once, generate from copy.deepcopy(prompt_cache)
+    per request. The copy was a cache never seen: its rows started at an unknown prefix and the
+    dumps could not be compared at all."""
+    import copy
+    from transformers import DynamicCache
+    model = load_model(llama_dir, torch.bfloat16)  # bit-identical here on so short a run, but for the bug
+    model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out * 1.5 if out.shape[1] == 1 else None)
+    system = prompt_ids(5)[0].tolist()
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
+    finished = []
+    with torch.no_grad():
+        handle.configure(enable=True, exp_name="dec")
+        prompt_cache = model(torch.tensor([system]), past_key_values=DynamicCache(), use_cache=True).past_key_values
+        for seed in (1, 2):
+            ids = torch.tensor([system + prompt_ids(3, seed=seed)[0].tolist()])
+            finished.append(model.generate(ids, past_key_values=copy.deepcopy(prompt_cache), max_new_tokens=4,
+                                           do_sample=False)[0])
+        handle.configure(exp_name="ref")
+        for sequence in finished:
+            model(sequence[None])
+    handle.remove()
+    code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
+    verdict = result["ranks"]["0"]
+    assert verdict["alignment"]["unaligned_b"] == 0 and verdict["alignment"]["unkeyed_b"] == 0
+    assert verdict["rows_compared"] == 5 + 2 * (3 + 3)  # the system prompt, each request's own tokens and decode steps
+    assert code == 1 and result["culprit"]["call"] == "model.layers.1.mlp#0"
+
+
 def test_different_prompts_are_refused(llama_dir, tmp_path):
     import dumper
     model = load_model(llama_dir, torch.float32)

@@ -49,15 +49,20 @@ class _CacheState:
     history: Optional[List[Optional[List[int]]]] = None  # each row's token ids from position 0 (None: unknown)
     moved: Optional[List[int]] = None  # a reorder since the last pass: row i now holds row moved[i]'s beam
     forks: int = 0
+    inherited: bool = False  # the history came from the cache this one is a copy of: say it once
 
     def rows(self, batch: int) -> Tuple[List[str], dict]:
         """Each batch row's sequence key for the next pass, and the prefix ids of rows that took
-        over another row's beam (a new sequence whose history is that beam's)."""
+        over another row's beam (a new sequence whose history is that beam's), or that go on
+        from a copied cache's history."""
         if self.names is None or len(self.names) != batch:
             self.names = [f"{self.group}.{b}" for b in range(batch)]
             self.history = [[] for _ in range(batch)]  # a row's first pass past position 0 makes it unknown
             self.moved = None
         prefixes = {}
+        if self.inherited:
+            self.inherited = False
+            prefixes = {name: list(ids) for name, ids in zip(self.names, self.history) if ids}
         if self.moved is not None and len(self.moved) == batch:
             names, history = list(self.names), list(self.history)
             for row, parent in enumerate(self.moved):
@@ -77,8 +82,8 @@ class _CacheState:
         for row, known in enumerate(self.history):
             keep = valid[row] if valid is not None else slice(None)
             row_ids, row_pos = ids[row][keep].tolist(), pos[row][keep].tolist()
-            if known is not None and row_pos and row_pos[0] == len(known) and row_pos == list(
-                    range(row_pos[0], row_pos[0] + len(row_pos))):
+            if known is not None and row_pos and row_pos[0] == len(known) and min(row_ids) >= 0 and row_pos == list(
+                    range(row_pos[0], row_pos[0] + len(row_pos))):  # (-1: from inputs_embeds, ids unknown)
                 known.extend(row_ids)
             elif row_pos:
                 self.history[row] = None
@@ -148,12 +153,27 @@ class HFAdapter:
         that did report a length and now says 0 was reset: a new sequence (and group) starts."""
         state = self._known(cache)
         length = _cache_length(cache)
+        if state is None and length:
+            state = self._copy_of_known(cache, length)
         if state is None or (state.reports and not length):
             state = self._register(cache, _CacheState(f"g{next(self._counter)}"))
         if length:
             state.reports = True
             return state, length
         return state, state.fed
+
+    def _copy_of_known(self, cache, length: int) -> Optional[_CacheState]:
+        """A filled cache never seen before that holds what a followed one holds: a copy (HF's
+        prompt reuse, generate(past_key_values=copy.deepcopy(prompt_cache))). Its sequences go on
+        from that history, under a new group; else its rows would start at an unknown prefix."""
+        for other, state in list(self._caches.items()):
+            if state.history and _cache_length(other) == length and _same_keys(other, cache):
+                copied = _CacheState(f"g{next(self._counter)}", fed=state.fed, reports=True, inherited=True,
+                                     next_pos=None if state.next_pos is None else state.next_pos.clone(),
+                                     history=[None if ids is None else list(ids) for ids in state.history])
+                copied.names = [f"{copied.group}.{b}" for b in range(len(copied.history))]
+                return self._register(cache, copied)
+        return None
 
     def _known(self, cache) -> Optional[_CacheState]:
         try:
@@ -194,7 +214,9 @@ class HFAdapter:
         cache = None if isinstance(output, tuple) else _first(output, CACHE_NAMES, getattr)
         last, self._last = self._last, None
         if cache is not None and info.seq and self._known(cache) is None and last is not None:
-            self._register(cache, dataclasses.replace(last))  # its sequences go on in the returned cache
+            self._register(cache, dataclasses.replace(  # its sequences go on in the returned cache
+                last, names=None if last.names is None else list(last.names),
+                history=None if last.history is None else [None if ids is None else list(ids) for ids in last.history]))
 
     def run_info(self, model) -> dict:
         config = getattr(model, "config", None)
@@ -230,6 +252,15 @@ def _own_slot_visible(mask: torch.Tensor, bound, past: int, seq_len: int) -> Opt
         return None
     rows = mask[:, 0, torch.arange(seq_len).to(mask.device), slots.to(mask.device)].detach().cpu()
     return rows if rows.dtype == torch.bool else rows == 0
+
+
+def _same_keys(first, second) -> bool:
+    """Whether two caches hold the same first-layer keys (transformers 5's cache.layers)."""
+    try:
+        keys_a, keys_b = first.layers[0].keys, second.layers[0].keys
+        return keys_a.shape == keys_b.shape and bool(torch.equal(keys_a, keys_b))
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return False
 
 
 def _cache_length(cache) -> int:
