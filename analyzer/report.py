@@ -135,7 +135,7 @@ def to_text(result: dict) -> str:
         if verdict.get("routing_flips"):
             out += routing_lines(verdict["routing_flips"])
         if verdict["not_comparable"]:
-            out.append(f"not comparable ({len(verdict['not_comparable'])} calls, skipped by the walk):")
+            out.append(f"not comparable ({len(verdict['not_comparable'])} calls: the tensors named are not compared row by row; a call is judged on the rest, if any):")
             out += [f"  {n['call']}: {n['why']}" for n in verdict["not_comparable"][:8]]
         if verdict["nonfinite"]:
             out.append("non-finite values (NaN/Inf), compared bit by bit:")
