@@ -381,7 +381,7 @@ def entry():
     try:
         try:
             allow_index_processes()
-        except DumpError:  # a bad DUMPDIFF_* setting: said by the commands that index, not by --help
+        except DumpError:  # a bad DUMPDIFF_* setting: said by every command, but not by --help or --version
             if not {"-h", "--help", "--version"} & set(sys.argv[1:]) and len(sys.argv) > 1:
                 raise
         code = main(standalone_mode=False, prog_name="dumpdiff")

@@ -166,7 +166,8 @@ def _check_repeat(alignment, index_a, repeat_path: str):
     (the decode run given by mistake makes every difference "noise")."""
     rows_a = int(np.count_nonzero(index_a.cols("tokens")["valid"]))
     if alignment.decode_b > alignment.decode_a or alignment.unaligned_b or len(alignment.cols) < rows_a:
-        what = (f"holds {alignment.decode_b} decode rows" if alignment.decode_b else
+        what = (f"holds {alignment.decode_b} decode rows (the reference {alignment.decode_a})"
+                if alignment.decode_b > alignment.decode_a else
                 f"pairs {len(alignment.cols)} of the reference's {rows_a} token rows")
         raise DumpError(f"--noise {show(repeat_path)}: {what}; give a second dump of the reference run itself "
                         "(the same prefill, run again)")

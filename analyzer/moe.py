@@ -37,7 +37,9 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
                   flipped_rows: Optional[list] = None) -> List[dict]:
     """One entry per router call whose output differs on some paired rows, in execution order.
     ``flipped_rows``, when given, receives (router call, its MoE block's module, pair numbers of
-    the rows whose experts flipped) for the noise-aware verdict."""
+    the flipped rows where each side picked a top k of its own logits, those logits' relative
+    errors) for the noise-aware verdict. A router whose logits are not dumped, or that picks by
+    something else (a bias, expert groups), has no flip counted as noise."""
     routers = find_routers(b)
     if not routers:
         return []
@@ -145,21 +147,28 @@ def _selection(rows, k: int, are_ids: bool):
 
 
 def _near_ties(logits_a, logits_b, sel_a, sel_b, k: int):
-    """Per flipped row: whether a near tie explains the flip (each side picked the top k of its
-    own logits, and the experts that swapped were closer in A's logits than the two sides'
-    logits differ), and the logits' relative error, for the noise-aware verdict to weigh."""
+    """Per flipped row: whether each side picked a top k of its own logits (ties either way: a
+    GPU may break an exact tie to the other expert), so that the flip comes from how the logits
+    moved and not from the router's choice; and the logits' relative error, which the
+    noise-aware verdict holds against its line. (When both sides picked their own top k, the
+    swapped experts' margin is at most twice the logits' difference: that test adds nothing.)"""
     import torch
     n = sel_a.shape[0]
     la, lb = logits_a.reshape(n, -1).double(), logits_b.reshape(n, -1).double()
-    noise = (la - lb).abs().amax(dim=1)
-    own_a = (torch.topk(la, k, dim=1).indices.sort(dim=1).values == sel_a).all(dim=1)
-    own_b = (torch.topk(lb, k, dim=1).indices.sort(dim=1).values == sel_b).all(dim=1)
-    picked_a = torch.zeros_like(la, dtype=torch.bool).scatter_(1, sel_a, True)
-    picked_b = torch.zeros_like(la, dtype=torch.bool).scatter_(1, sel_b, True)
-    dropped = torch.where(picked_a & ~picked_b, la, torch.full_like(la, float("inf"))).amin(dim=1)
-    taken = torch.where(picked_b & ~picked_a, la, torch.full_like(la, float("-inf"))).amax(dim=1)
-    near = own_a & own_b & (dropped - taken <= 2 * noise)
-    return near, noise / la.abs().amax(dim=1).clamp_min(1e-30)
+    both = torch.isfinite(la) & torch.isfinite(lb)  # masked experts (-inf on both sides) move nothing
+    noise = (la - lb).abs().where(both, la.new_zeros(())).amax(dim=1)
+    near = _is_top_k(la, sel_a) & _is_top_k(lb, sel_b)
+    scale = la.abs().where(torch.isfinite(la), la.new_zeros(())).amax(dim=1).clamp_min(1e-30)
+    return near, noise / scale
+
+
+def _is_top_k(logits, chosen):
+    """Whether ``chosen`` ([n, k] ids) are a top k of each row's logits, ties allowed."""
+    import torch
+    picked = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True)
+    lowest_picked = logits.gather(1, chosen).amin(dim=1)
+    best_left = logits.masked_fill(picked, float("-inf")).amax(dim=1)
+    return lowest_picked >= best_left
 
 
 def _config_k(run: dict) -> Optional[int]:

@@ -529,12 +529,22 @@ def test_identical_runs_exit_zero(llama_dir, tmp_path):
     assert code == 0 and "NO DIVERGENCE" in out and "16 token rows" in out
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_batch_of_three_lengths_aligns_per_sequence(llama_dir, tmp_path, cache):
-    """A static cache gets a 4D attention mask from generate, not the 2D one: its padding rows
-    were taken for tokens at position 0, every padded sequence went unpaired, and a bug in one
-    passed as NO DIVERGENCE (exit 0)."""
-    model = load_model(llama_dir, torch.float32)  # float noise too: the noise-aware verdict names the bug
+@pytest.mark.parametrize("arch,cache", [("llama", "dynamic"), ("llama", "static"), ("qwen3", "static")])
+def test_batch_of_three_lengths_aligns_per_sequence(llama_dir, tmp_path, arch, cache):
+    """A static cache gets a 4D attention mask from generate, not the 2D one (a dict of them, one
+    per attention type, for a config with layer_types such as Qwen3's): its padding rows were
+    taken for tokens at position 0, every padded sequence went unpaired, and a bug in one passed
+    as NO DIVERGENCE (exit 0)."""
+    if arch == "llama":
+        model = load_model(llama_dir, torch.float32)  # float noise too: the noise-aware verdict names the bug
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            arch, vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=128, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)).eval()
+        model.generation_config.eos_token_id = None
 
     def second_row(module, args, out):  # decode-only, in the second (padded) sequence only
         if out.shape[1] == 1:

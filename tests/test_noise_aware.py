@@ -86,7 +86,7 @@ def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
     assert "noise-aware verdict" in out and "introduced at model.layers.1.self_attn#0" in out
     # the decode run given as the repeat made every difference its own floor: the bug became noise
     code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", dec, "--no-progress")
-    assert code == 2 and err.count("\n") == 1 and "decode rows; give a second dump of the reference run" in err, err
+    assert code == 2 and err.count("\n") == 1 and "decode rows (the reference 0); give a second dump of the reference" in err, err
 
 
 def _scale_output(module, factor, when):

@@ -166,7 +166,8 @@ class HFAdapter:
         """A filled cache never seen before that holds what a followed one holds: a copy (HF's
         prompt reuse, generate(past_key_values=copy.deepcopy(prompt_cache))). Its sequences go on
         from that history, under a new group; else its rows would start at an unknown prefix."""
-        for other, state in list(self._caches.items()):
+        known = sorted(self._caches.items(), key=lambda item: not all(item[1].history or [None]))  # known ids first
+        for other, state in known:
             if state.history and _cache_length(other) == length and _same_keys(other, cache):
                 copied = _CacheState(f"g{next(self._counter)}", fed=state.fed, reports=True, inherited=True,
                                      next_pos=None if state.next_pos is None else state.next_pos.clone(),
@@ -190,8 +191,9 @@ class HFAdapter:
         return state
 
     def _positions(self, bound, mask, past, batch, seq_len, next_pos=None):
-        valid = _own_slot_visible(mask, bound, past, seq_len) if isinstance(mask, torch.Tensor) and mask.dim() == 4 \
-            else None
+        mask = _full_attention_mask(mask)
+        valid = _own_slot_visible(mask, bound, past, batch, seq_len) if isinstance(mask, torch.Tensor) and \
+            mask.dim() == 4 else None
         if valid is not None and not past:  # a prefill: the padding the 4D mask hides is all the history there is
             mask = valid.to(torch.long)
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= seq_len:
@@ -238,12 +240,22 @@ def _first(source, names, get=lambda d, k, default: d.get(k, default)):
     return None
 
 
-def _own_slot_visible(mask: torch.Tensor, bound, past: int, seq_len: int) -> Optional[torch.Tensor]:
+def _full_attention_mask(mask):
+    """A model with per-layer attention types gets one 4D mask per type from generate (a dict):
+    the full-attention one, else the first 4D tensor. Anything else passes through."""
+    if not isinstance(mask, dict):
+        return mask
+    tensors = [m for m in mask.values() if isinstance(m, torch.Tensor) and m.dim() == 4]
+    full = mask.get("full_attention")
+    return full if isinstance(full, torch.Tensor) and full.dim() == 4 else (tensors[0] if tensors else None)
+
+
+def _own_slot_visible(mask: torch.Tensor, bound, past: int, batch: int, seq_len: int) -> Optional[torch.Tensor]:
     """[B, S]: whether each token attends to its own cache slot in a 4D attention mask (bool:
     True attends; additive: 0 attends). A static cache gets such a mask from generate instead of
     the 2D one, and a padding token is the one key nobody, itself included, may see. None when
     the mask does not have that layout."""
-    if mask.shape[-2] != seq_len or mask.shape[1] != 1:
+    if not seq_len or mask.shape[-2] != seq_len or mask.shape[1] != 1 or mask.shape[0] not in (1, batch):
         return None
     slots = bound.get("cache_position")
     slots = slots.detach().cpu().to(torch.long).reshape(-1) if isinstance(slots, torch.Tensor) and \
@@ -251,7 +263,7 @@ def _own_slot_visible(mask: torch.Tensor, bound, past: int, seq_len: int) -> Opt
     if int(slots.max()) >= mask.shape[-1]:
         return None
     rows = mask[:, 0, torch.arange(seq_len).to(mask.device), slots.to(mask.device)].detach().cpu()
-    return rows if rows.dtype == torch.bool else rows == 0
+    return (rows if rows.dtype == torch.bool else rows == 0).expand(batch, seq_len)
 
 
 def _same_keys(first, second) -> bool:
