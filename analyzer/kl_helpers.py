@@ -235,17 +235,24 @@ class Context:
         self.quirks = 0
         self.decode_batches = {}  # helper -> batch sizes its scored decode run went in, when split
 
+    def scored_groups(self, prompts: List[List[int]]) -> List[List[int]]:
+        """The groups every helper's scored decode run goes in: match's, by the prompts' lengths."""
+        return prefill_groups([len(p) for p in prompts], self.server.chunk_size, self.server.page_size)
+
     def chunked(self, length: int) -> bool:
         """A prefill from scratch of this many tokens is chunked (read back from the KV cache)."""
         chunk = self.server.chunk_size
         return chunk is not None and length > chunk
 
     def generate_unchunked(self, prompts: List[List[int]], max_new_tokens: int, *, flush_between: bool,
-                           **kwargs) -> tuple:
+                           groups: Optional[List[List[int]]] = None, **kwargs) -> tuple:
         """generate, one group of prefill_groups at a time: (results in prompt order, group sizes).
         flush_between: flush before every later group, so that none restores a prefix an earlier
-        group left behind (the no-cache runs); the warm-up and turn 1 keep theirs."""
-        groups = prefill_groups([len(p) for p in prompts], self.server.chunk_size, self.server.page_size)
+        group left behind (the no-cache runs); the warm-up and turn 1 keep theirs. ``groups``:
+        given ones (the scored decode runs of every helper go in match's, so all decode at the
+        same batch sizes: a kernel taken at one of them runs in every helper, not in match alone)."""
+        if groups is None:
+            groups = prefill_groups([len(p) for p in prompts], self.server.chunk_size, self.server.page_size)
         results = [None] * len(prompts)
         for k, group in enumerate(groups):
             if k and flush_between:
@@ -346,7 +353,8 @@ def run_prefill_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     s.flush()
     # warm the radix cache, each prompt in one prefill (as localize's replay warms it)
     ctx.generate_unchunked(prompts, 0, flush_between=False, sampling=ctx.sampling, return_logprob=False)
-    results = s.generate(prompts, ctx.max_new_tokens, sampling=ctx.sampling)
+    results, _ = ctx.generate_unchunked(prompts, ctx.max_new_tokens, flush_between=False,
+                                        groups=ctx.scored_groups(prompts), sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "prefill_cache_hit")
     cached = [_cached(r) for r in results]
     hits = [c > 0 and c >= expected_prefill_hit(len(p), s.page_size) for p, c in zip(prompts, cached)]
@@ -388,7 +396,8 @@ def run_decode_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     first, _ = ctx.generate_unchunked(prompts, ctx.max_new_tokens, flush_between=False, sampling=ctx.sampling)
     extra = turn_tokens(ctx, prompts)
     second = [p + list(r.get("output_ids") or []) + [t] for p, r, t in zip(prompts, first, extra)]
-    results = s.generate(second, ctx.max_new_tokens, sampling=ctx.sampling)
+    results, _ = ctx.generate_unchunked(second, ctx.max_new_tokens, flush_between=False,
+                                        groups=ctx.scored_groups(prompts), sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "decode_cache_hit")
     cached = [_cached(r) for r in results]
     hits = [c > len(p) + 1 for p, c in zip(prompts, cached)]  # restored into turn 1's output (sglang's rule)
@@ -480,13 +489,14 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
         result["timings"][name] = round(time.monotonic() - t0, 3)
         result["helpers"][name] = summary
         log(f"kl: {name}: {summary['status']} avg_kl_div={summary['avg_kl_div']} ({result['timings'][name]:.1f} s)")
-    if len(ids) > 1:  # say what the batch left out: bugs of one kernel shape hide there
-        split = ctx.decode_batches.get("match")
-        notes.insert(batch_note_at, f"the {len(ids)} prompts of a helper decode together"
-                     + (f" (match's in groups of {', '.join(map(str, split))}, see its note)" if split else "")
-                     + f": every decode step ran at batch size {len(ids)}, not 1 (one request alone), nor at the "
-                     "sizes in between; a kernel path taken only at those (a GEMV for one token row) was not "
-                     "exercised: rerun with --max-samples 1 to test one")
+    sizes = sorted({len(g) for g in ctx.scored_groups(ids)}) if len(ids) > 1 else [1]
+    if sizes != [1]:  # say what the batch left out: bugs of one kernel shape hide there
+        ran = (f"in groups of {', '.join(str(len(g)) for g in ctx.scored_groups(ids))} (each fits one prefill chunk; "
+               "every helper's decode run the same way)" if len(sizes) > 1 or sizes[0] != len(ids) else "together")
+        notes.insert(batch_note_at, f"the {len(ids)} prompts of a helper decode {ran}: decode steps ran at batch size "
+                     f"{', '.join(map(str, sizes))} only, not at the other sizes down to 1 (one request alone); a "
+                     "kernel path taken only at those (a GEMV for one token row) was not exercised: rerun with "
+                     "--max-samples 1 to test one")
     if ctx.quirks:
         notes.append(f"{ctx.quirks} logprob entries reported token id 0 for the last vocabulary id (a known sglang "
                      "off-by-one in its logprob ids; tokens were aligned by position, values are right)")

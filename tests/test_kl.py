@@ -161,6 +161,24 @@ def test_match_never_packs_prefills_past_a_chunk():
     assert any("1 of 4 reference prefills" in n and "--chunked-prefill-size 32" in n for n in notes)
 
 
+def test_every_helper_decodes_in_match_groups():
+    """Split for chunked prefill, match decoded in groups of 2, 1, 1 while the cache-hit helpers
+    decoded all 4 together: a kernel taken at batch size 1 ran in match alone, and a batch-variant
+    bug read as 'no-cache path dirty, recalibrate' or pass."""
+    from analyzer.kl_helpers import run_decode_cache_hit, run_prefill_cache_hit
+
+    class CacheHitStandIn(StandInServer):
+        kv_tokens, has_tokenizer = None, False
+
+    prompts = [[5] * n for n in (10, 12, 20, 24)]
+    for runner in (run_prefill_cache_hit, run_decode_cache_hit):
+        server = CacheHitStandIn()
+        runner(Context(server, max_new_tokens=8, sampling={}, vocab_size=None, turn_token=3), prompts)
+        generates = [c for c in server.calls if c != "flush"]
+        # the warm-up (or turn 1) in chunk groups of 2, 1, 1; then the scored decode run in match's groups
+        assert [len(b) for b in generates[:6]] == [2, 1, 1, 2, 1, 1], (runner.__name__, generates)
+
+
 def test_localize_reading_follows_the_dumped_passes():
     """The match replay restores no prefix, but a reference longer than a chunk does: the
     reading says so from the reference dump's extend passes, not from the helper name."""
