@@ -357,7 +357,8 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     else:
         rule = derive_threshold(calls)
         rule["min_ulps"] = MIN_ULPS
-        rule["clean_input_16bit"] = float(clean_input_line(rule["amplification"], eps(BY_NAME["bfloat16"])))
+        if (calls["eps"] > EPS_ACCUMULATE).any():  # the rule for 16-bit outputs, said where there are some
+            rule["clean_input_16bit"] = float(clean_input_line(rule["amplification"], eps(BY_NAME["bfloat16"])))
         line = np.where(calls["in_err"] > 0, rule["amplification"],
                         np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])))
         introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
