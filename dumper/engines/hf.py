@@ -267,11 +267,13 @@ def _own_slot_visible(mask: torch.Tensor, bound, past: int, batch: int, seq_len:
 
 
 def _same_keys(first, second) -> bool:
-    """Whether two caches hold the same first-layer keys (transformers 5's cache.layers)."""
+    """Whether two caches hold the same keys in every layer (transformers 5's cache.layers; a
+    sliding-window layer alone holds only the last tokens, so one layer is not enough)."""
     try:
-        keys_a, keys_b = first.layers[0].keys, second.layers[0].keys
-        return keys_a.shape == keys_b.shape and bool(torch.equal(keys_a, keys_b))
-    except (AttributeError, IndexError, TypeError, RuntimeError):
+        layers = list(zip(first.layers, second.layers))
+        return bool(layers) and len(first.layers) == len(second.layers) and all(
+            a.keys.shape == b.keys.shape and bool(torch.equal(a.keys, b.keys)) for a, b in layers)
+    except (AttributeError, TypeError, RuntimeError):
         return False
 
 
