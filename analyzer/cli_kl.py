@@ -148,6 +148,9 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
     Exit status: 0 pass, 1 a helper is over its threshold, 2 trouble (server unreachable,
     misaligned logprobs) or inconclusive (cache hits did not happen, or references were
     chunked and nothing is over the threshold; the table is printed).
+
+    \b
+    Example: dumpdiff kl --url http://127.0.0.1:30000 --max-samples 8 --max-new-tokens 128 -o kl.md
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -197,6 +200,9 @@ def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, 
     \b
     Exit status: 0 proposed (and written), 1 not written because a cache-hit helper looks
     like a state bug, 2 trouble (server unreachable, no cache hits).
+
+    \b
+    Example: dumpdiff kl calibrate --url http://127.0.0.1:30000 --repeats 3 --dry-run
     """
     from .kl import CACHE_HELPERS, STATE_ON_TOP_FACTOR
     from .kl_helpers import check_server
@@ -302,6 +308,9 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     --chunked-prefill-size) is not cache-free, and the reading says so.
 
     Exit status: 0 no divergence (or nothing to localize), 1 culprit found, 2 trouble.
+
+    \b
+    Example: dumpdiff localize --url http://127.0.0.1:30000 --kl-result kl.json -o culprit.md
     """
     from .localize import localize, to_markdown, to_text
     from .kl_render import to_json
