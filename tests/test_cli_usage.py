@@ -102,3 +102,11 @@ def test_repro_refuses_another_model_and_a_file_for_a_folder(dumps, model_dir, t
 def test_import_sglang_of_a_file_says_it_is_not_a_folder(tmp_path):
     (tmp_path / "afile").write_text("")
     one_line(dumpdiff("import-sglang", tmp_path / "afile", tmp_path / "out"), "not a directory")
+
+
+@pytest.mark.parametrize("command", ["first-divergence", "report", "index", "ctl", "repro", "import-sglang", "kl",
+                                     "kl calibrate", "localize"])
+def test_every_help_page_says_its_exit_status_and_gives_an_example(command):
+    code, out, err = dumpdiff(*command.split(), "--help")
+    assert code == 0 and out.startswith(f"Usage: dumpdiff {command}"), err
+    assert "exit" in out.lower() and "example" in out.lower(), out
