@@ -235,8 +235,9 @@ class Context:
         self.quirks = 0
         self.decode_batches = {}  # helper -> batch sizes its scored decode run went in, when split
 
-    def scored_groups(self, prompts: List[List[int]]) -> List[List[int]]:
-        """The groups every helper's scored decode run goes in: match's, by the prompts' lengths."""
+    def groups_of(self, prompts: List[List[int]]) -> List[List[int]]:
+        """The prompts' indices in groups whose prefills fit one chunk (prefill_groups, on this
+        server); every helper's scored decode run goes in those of the base prompts: match's."""
         return prefill_groups([len(p) for p in prompts], self.server.chunk_size, self.server.page_size)
 
     def chunked(self, length: int) -> bool:
@@ -252,7 +253,7 @@ class Context:
         given ones (the scored decode runs of every helper go in match's, so all decode at the
         same batch sizes: a kernel taken at one of them runs in every helper, not in match alone)."""
         if groups is None:
-            groups = prefill_groups([len(p) for p in prompts], self.server.chunk_size, self.server.page_size)
+            groups = self.groups_of(prompts)
         results = [None] * len(prompts)
         for k, group in enumerate(groups):
             if k and flush_between:
@@ -354,7 +355,7 @@ def run_prefill_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     # warm the radix cache, each prompt in one prefill (as localize's replay warms it)
     ctx.generate_unchunked(prompts, 0, flush_between=False, sampling=ctx.sampling, return_logprob=False)
     results, _ = ctx.generate_unchunked(prompts, ctx.max_new_tokens, flush_between=False,
-                                        groups=ctx.scored_groups(prompts), sampling=ctx.sampling)
+                                        groups=ctx.groups_of(prompts), sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "prefill_cache_hit")
     cached = [_cached(r) for r in results]
     hits = [c > 0 and c >= expected_prefill_hit(len(p), s.page_size) for p, c in zip(prompts, cached)]
@@ -397,7 +398,7 @@ def run_decode_cache_hit(ctx: Context, prompts: List[List[int]]) -> tuple:
     extra = turn_tokens(ctx, prompts)
     second = [p + list(r.get("output_ids") or []) + [t] for p, r, t in zip(prompts, first, extra)]
     results, _ = ctx.generate_unchunked(second, ctx.max_new_tokens, flush_between=False,
-                                        groups=ctx.scored_groups(prompts), sampling=ctx.sampling)
+                                        groups=ctx.groups_of(prompts), sampling=ctx.sampling)
     decode_lp, outs = ctx.decoded(results, "decode_cache_hit")
     cached = [_cached(r) for r in results]
     hits = [c > len(p) + 1 for p, c in zip(prompts, cached)]  # restored into turn 1's output (sglang's rule)
@@ -489,9 +490,10 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
         result["timings"][name] = round(time.monotonic() - t0, 3)
         result["helpers"][name] = summary
         log(f"kl: {name}: {summary['status']} avg_kl_div={summary['avg_kl_div']} ({result['timings'][name]:.1f} s)")
-    sizes = sorted({len(g) for g in ctx.scored_groups(ids)}) if len(ids) > 1 else [1]
+    groups = ctx.groups_of(ids)
+    sizes = sorted({len(g) for g in groups}) if len(ids) > 1 else [1]
     if sizes != [1]:  # say what the batch left out: bugs of one kernel shape hide there
-        ran = (f"in groups of {', '.join(str(len(g)) for g in ctx.scored_groups(ids))} (each fits one prefill chunk; "
+        ran = (f"in groups of {', '.join(str(len(g)) for g in groups)} (each fits one prefill chunk; "
                "every helper's decode run the same way)" if len(sizes) > 1 or sizes[0] != len(ids) else "together")
         notes.insert(batch_note_at, f"the {len(ids)} prompts of a helper decode {ran}: decode steps ran at batch size "
                      f"{', '.join(map(str, sizes))} only, not at the other sizes down to 1 (one request alone); a "

@@ -18,7 +18,7 @@ from safetensors import safe_open
 import dumper
 from dumper import format as fmt
 from dumper.config import DumperConfig
-from helpers import first_divergence_json
+from helpers import dump_pair, first_divergence_json
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -116,14 +116,7 @@ def test_bf16_llama_dump_pair_is_analyzed(tmp_path):
     config = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=512, vocab_size=1024, max_position_embeddings=512, pad_token_id=0)
     model = LlamaForCausalLM(config).cuda().to(torch.bfloat16).eval()
-    prompt = torch.randint(3, 1024, (1, 64), device="cuda")
-    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), cleanup_previous=True))
-    with torch.no_grad():
-        handle.configure(enable=True, exp_name="dec")
-        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False)
-        handle.configure(exp_name="ref")
-        model(output)
-    handle.remove()
+    dump_pair(model, tmp_path, torch.randint(3, 1024, (1, 64), device="cuda"), new_tokens=6)
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec", "--strict-only")
     verdict = result["ranks"]["0"]
     assert verdict["alignment"]["proof"][1].startswith("embedding output (model.embed_tokens) bit-identical")
@@ -166,13 +159,7 @@ def test_bf16_natural_gpu_divergence_is_called_noise(arch, planted, tmp_path):
 
         layers[2].mlp.register_forward_hook(decode_only)
     prompt = torch.randint(3, 4096, (1, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), cleanup_previous=True))
-    with torch.no_grad():
-        handle.configure(enable=True, exp_name="dec")
-        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
-        handle.configure(exp_name="ref")
-        model(output)
-    handle.remove()
+    dump_pair(model, tmp_path, prompt, new_tokens=8)
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
     verdict = result["ranks"]["0"]
     named = [c["call"] for c in verdict.get("noise", {}).get("culprits", [])]

@@ -88,6 +88,11 @@ class _CacheState:
             elif row_pos:
                 self.history[row] = None
 
+    def history_copy(self) -> Optional[List[Optional[List[int]]]]:
+        """Each row's ids, in lists of their own: a state that goes on from this one must not
+        grow this one's history."""
+        return None if self.history is None else [None if ids is None else list(ids) for ids in self.history]
+
     def reorder(self, beam_idx):
         order = [int(i) for i in beam_idx.tolist()]
         self.moved = order if self.moved is None else [self.moved[i] for i in order]
@@ -171,7 +176,7 @@ class HFAdapter:
             if state.history and _cache_length(other) == length and _same_keys(other, cache):
                 copied = _CacheState(f"g{next(self._counter)}", fed=state.fed, reports=True, inherited=True,
                                      next_pos=None if state.next_pos is None else state.next_pos.clone(),
-                                     history=[None if ids is None else list(ids) for ids in state.history])
+                                     history=state.history_copy())
                 copied.names = [f"{copied.group}.{b}" for b in range(len(copied.history))]
                 return self._register(cache, copied)
         return None
@@ -218,7 +223,7 @@ class HFAdapter:
         if cache is not None and info.seq and self._known(cache) is None and last is not None:
             self._register(cache, dataclasses.replace(  # its sequences go on in the returned cache
                 last, names=None if last.names is None else list(last.names),
-                history=None if last.history is None else [None if ids is None else list(ids) for ids in last.history]))
+                history=last.history_copy()))
 
     def run_info(self, model) -> dict:
         config = getattr(model, "config", None)
