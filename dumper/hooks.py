@@ -236,6 +236,11 @@ class Dumper:
         except UndescribedPass as exc:
             self._warn_once("undescribed", f"dumper: forward not dumped: {exc}")
             return False
+        except Exception as exc:  # the adapter's own failure on a forward it did not expect: never the model's
+            self._warn_once("adapter-failed", f"dumper: forward not dumped: the {type(self.adapter).__name__} could "
+                            f"not describe this call ({type(exc).__name__}: {exc}); pass an adapter that can "
+                            "(README: any torch.nn.Module)")
+            return False
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)

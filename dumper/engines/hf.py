@@ -103,6 +103,9 @@ class HFAdapter:
 
     def __init__(self, model):
         self._signature = inspect.signature(model.forward)
+        # the **catch-all's own name (a patched forward may call it **kw): names passed through it
+        self._var_keyword = next((p.name for p in self._signature.parameters.values()
+                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
         self._caches = weakref.WeakKeyDictionary()  # cache object -> _CacheState
         self._counter = itertools.count(1)
         self._last: Optional[_CacheState] = None  # the state of the pass being dumped
@@ -128,9 +131,12 @@ class HFAdapter:
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
-        bound.update(bound.pop("kwargs", None) or {})  # names passed through **kwargs
-        ids = bound.get("input_ids")
-        mask = bound.get("attention_mask")
+        bound.update(bound.pop(self._var_keyword, None) or {} if self._var_keyword else {})
+        # an encoder-decoder's rows are its decoder's: generate runs the encoder itself, then
+        # calls forward with decoder_input_ids and encoder_outputs only
+        decoder = bound.get("decoder_input_ids") is not None
+        ids = bound.get("decoder_input_ids" if decoder else "input_ids")
+        mask = bound.get("decoder_attention_mask" if decoder else "attention_mask")
         cache = _first(bound, CACHE_NAMES)
         if ids is None:
             embeds = bound.get("inputs_embeds")
@@ -211,6 +217,8 @@ class HFAdapter:
                 break  # cache slots count left padding; the rows' own positions do not
             if isinstance(value, torch.Tensor):
                 value = value.detach().cpu().to(torch.long)
+                if value.dim() == 3:  # multimodal RoPE ([3 or 4, batch, seq]): the first is the text position
+                    value = value[0]
                 return value.reshape(-1, seq_len).expand(batch, seq_len), valid
         if next_pos is not None and len(next_pos) == batch:
             return next_pos[:, None] + torch.arange(seq_len), valid
