@@ -16,19 +16,21 @@ MAX_DEPTH = 4
 JSON_SCALARS = (bool, int, float, str, type(None))
 
 
-def flatten(value: Any, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, Any]]:
-    """Yield (slot, leaf) pairs; a leaf is a tensor, a JSON scalar or any other object."""
+def flatten(value: Any, prefix: str = "", depth: int = 0, output: bool = False) -> Iterator[Tuple[str, Any]]:
+    """Yield (slot, leaf) pairs; a leaf is a tensor, a JSON scalar or any other object.
+    ``output``: a call's output, whose dataclasses are opened whatever their size (sglang's
+    LogitsProcessorOutput has 24 fields and holds the logits)."""
     if isinstance(value, torch.Tensor) or isinstance(value, JSON_SCALARS) or depth >= MAX_DEPTH:
         yield prefix, value
     elif isinstance(value, dict):  # includes HF ModelOutput (an OrderedDict)
         for key, item in value.items():
-            yield from flatten(item, _join(prefix, str(key)), depth + 1)
+            yield from flatten(item, _join(prefix, str(key)), depth + 1, output)
     elif isinstance(value, (tuple, list)):
         for index, item in enumerate(value):
-            yield from flatten(item, _join(prefix, str(index)), depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type) and _is_small_dataclass(value):
+            yield from flatten(item, _join(prefix, str(index)), depth + 1, output)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type) and (output or _is_small_dataclass(value)):
         for field in dataclasses.fields(value):
-            yield from flatten(getattr(value, field.name), _join(prefix, field.name), depth + 1)
+            yield from flatten(getattr(value, field.name), _join(prefix, field.name), depth + 1, output)
     else:
         yield prefix, value
 
@@ -48,8 +50,8 @@ def unique_slots(leaves) -> Iterator[Tuple[str, Any]]:
 
 
 def _is_small_dataclass(value) -> bool:
-    # Engine state objects (sglang's ForwardBatch) are dataclasses with dozens of fields and
-    # pools of the whole KV cache; they are pass metadata, not an operator's input.
+    # Engine state objects passed in (sglang's ForwardBatch) are dataclasses with dozens of
+    # fields and pools of the whole KV cache; they are pass metadata, not an operator's input.
     return len(dataclasses.fields(value)) <= 16
 
 

@@ -352,7 +352,7 @@ class Dumper:
         call = stack.pop()
         call.post = current.order
         current.order += 1
-        self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output))))
+        self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output, output=True))))
 
     def _capture(self, current: _Pass, call: _Call, io: str, leaves):
         for slot, value in leaves:

@@ -325,3 +325,45 @@ def test_core_mode_warns_once_per_dumper(tmp_path, caplog):
         model(torch.tensor([[1, 2, 3]]))
     handle.remove()
     assert caplog.text.count("metadata only") == 1
+
+
+# An engine's output object: sglang's LogitsProcessorOutput has 24 fields and holds the logits.
+WideOutput = dataclasses.make_dataclass("WideOutput", [("next_token_logits", torch.Tensor)] +
+                                        [(f"field_{i}", object, dataclasses.field(default=None)) for i in range(23)])
+WideState = dataclasses.make_dataclass("WideState", [(f"pool_{i}", object, dataclasses.field(default=None))
+                                                     for i in range(17)] + [("positions", object, None)])
+
+
+class LogitsStage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 50)
+
+    def forward(self, hidden, state):
+        return WideOutput(next_token_logits=self.head(hidden))
+
+
+class WithLogitsStage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.logits = LogitsStage()
+
+    def forward(self, input_ids):
+        return self.logits(self.embed(input_ids), WideState(positions=torch.arange(input_ids.shape[-1])))
+
+
+def test_an_output_dataclass_of_any_size_is_opened_an_input_state_object_is_not(tmp_path):
+    """The logits of an engine's logits stage live in a wide output dataclass: listed as skipped,
+    they were never compared, and a decode-only lm_head bug was invisible. A wide dataclass
+    passed in (sglang's ForwardBatch, pools of the whole KV cache) stays pass metadata."""
+    model = WithLogitsStage().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="wide"))
+    with torch.no_grad():
+        out = model(torch.tensor([[3, 4, 5]]))
+    handle.remove()
+    meta, tensors = read_pass(tmp_path / "wide" / "rank0" / fmt.pass_file_name(0))
+    call = {c["call"]: c for c in meta["calls"]}["logits#0"]
+    assert call["tensors"]["logits#0.out.next_token_logits"]["alias"] == "logits.head#0.out.0"  # stored once
+    assert torch.equal(tensors["logits.head#0.out.0"], out.next_token_logits)
+    assert call["skipped"] == {"in.1": "WideState"}
