@@ -44,6 +44,7 @@ class Alignment:
     embedding: Optional[str] = None  # module path of the embedding call used in the proof
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
     history_notes_b: List[str] = dataclasses.field(default_factory=list)  # why rows of B have no key (row_keys)
+    positions_jump_b: bool = False  # a sequence of B skips positions between consecutive engine steps
 
     @functools.cached_property
     def pairs(self):
@@ -51,10 +52,11 @@ class Alignment:
         return self.cols.to_pandas()
 
 
-def row_keys(index: Index) -> Tuple[Columns, List[str]]:
+def row_keys(index: Index) -> Tuple[Columns, List[str], bool]:
     """Valid token rows, ordered by (pass, row), with their prefix key: a hash of the token ids
     from position 0 up to the row's, as the pass that computed the row saw them (None where
-    positions before the row are unknown); and notes on why rows have no key.
+    positions before the row are unknown); notes on why rows have no key; and whether a
+    sequence's positions jump between consecutive engine steps (an engine bug, not a gap).
 
     Each sequence's ids are followed pass by pass, in order. A pass that computes a position
     again with another token starts a new branch there: speculative decoding replaces a rejected
@@ -90,7 +92,9 @@ def row_keys(index: Index) -> Tuple[Columns, List[str]]:
         last = positions[i]
         keys[i] = None if forked else branch.place(positions[i], ids[i], steps[i])  # a row's context is unknown then
     out = Columns({n: tokens[n] for n in ("pass", "row", "seq", "pos", "id", "mode")} | {"key": keys})
-    return out, notes + _history_notes(branches, int(np.count_nonzero(tokens["id"] < 0)))
+    jumped = any(b.gap is not None and all(isinstance(s, (int, np.integer)) for s in b.gap[2:]) and b.gap[3] == b.gap[2] + 1
+                 for b in branches.values())
+    return out, notes + _history_notes(branches, int(np.count_nonzero(tokens["id"] < 0))), jumped
 
 
 class _Branch:
@@ -151,8 +155,9 @@ def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str
     if late is not None and not notes:
         notes.append(f"sequence {late[0]} starts at position {late[1]} with the token ids before it unknown: its first "
                      "dumped pass ran on a cache whose earlier tokens this dump does not hold (filled while dumping was "
-                     "off, or a cache the dumper never saw filled); enable dumping before the prompt's prefill and pass "
-                     "that cache (or a copy of it) on")
+                     "off, or a cache the dumper never saw filled, or the engine dropped the sequence's cache and went "
+                     "on without its context); enable dumping before the prompt's prefill and pass that cache (or a copy "
+                     "of it) on")
     if unknown_ids:
         notes.append(f"{unknown_ids} token rows hold no token id (-1: a forward given inputs_embeds instead of input_ids "
                      "records none); dump the run from token ids")
@@ -160,7 +165,7 @@ def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str
 
 
 def align(a: Index, b: Index) -> Alignment:
-    (keys_a, _), (keys_b, notes_b) = row_keys(a), row_keys(b)
+    (keys_a, _, _), (keys_b, notes_b, jumped_b) = row_keys(a), row_keys(b)
     last_in_a = {key: i for i, key in enumerate(keys_a["key"].tolist()) if key is not None}  # the last row wins
     keyed_b = np.array([key is not None for key in keys_b["key"].tolist()], dtype=bool)
     partner = np.array([last_in_a.get(key, -1) if key is not None else -1 for key in keys_b["key"].tolist()],
@@ -178,7 +183,7 @@ def align(a: Index, b: Index) -> Alignment:
     decode_b = sum(mode == "decode" for mode in keys_b["mode"].tolist())
     return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
                      rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
-                     history_notes_b=notes_b, cached_a=cached_a, decode_a=decode_a, decode_b=decode_b,
+                     history_notes_b=notes_b, positions_jump_b=jumped_b, cached_a=cached_a, decode_a=decode_a, decode_b=decode_b,
                      unkeyed_a=unkeyed_a)
 
 

@@ -218,7 +218,8 @@ def headline(result: dict) -> str:
     strict = result.get("culprit") or {}
     found = [c for v in result["ranks"].values() for c in (v.get("noise") or {}).get("culprits", [])]
     words = "divergence" + (f", first at {strict['call']}" if strict.get("call") else "")
-    return words + (f", error introduced at {found[0]['call']}" if found else "")
+    from .report import noise_place
+    return words + (f", error introduced {'in' if found[0].get('gap_before') else 'at'} {noise_place(found[0])}" if found else "")
 
 
 def _report_command() -> click.Command:

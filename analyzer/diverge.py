@@ -14,7 +14,7 @@ from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
 from .index import load_indexes
 from .load import Dump, open_dump, show
-from .report import NOISE_ONLY
+from .report import GAP_CODE, NOISE_ONLY, noise_place
 from .memtune import keep_freed_memory
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
@@ -63,6 +63,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             _warn_swapped(result, dump_a, dump_b, alignment.decode_a)
         _check_cut_off_reference(dump_a, dump_b, alignment, r)
         _warn_cached_reference(result, dump_a, alignment, r)
+        _check_unknown_prefixes(result, dump_b, alignment)
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean
@@ -130,6 +131,21 @@ def _warn_cached_reference(result: dict, a: Dump, alignment, rank: int):
           "the cache and prefill prompt+output in one chunk (sglang: --chunked-prefill-size larger than it)")
 
 
+def _check_unknown_prefixes(result: dict, b: Dump, alignment):
+    """Rows of the run whose earlier token ids are unknown pair with nothing: say why, next to
+    a verdict that covers the other rows only. Positions that jump between consecutive engine
+    steps are an engine bug on exactly the rows that cannot be compared: exit 2 (a verdict over
+    the others would pass it off as clean or as noise)."""
+    if not (alignment.unkeyed_b and alignment.history_notes_b):
+        return
+    why = "; ".join(alignment.history_notes_b)
+    if alignment.positions_jump_b:
+        raise DumpError(f"{alignment.unkeyed_b} token rows of {show(b.label)} cannot be paired: {why}; no verdict is "
+                        "given over the other rows")
+    _warn(result, f"{alignment.unkeyed_b} token rows of {show(b.label)} are not compared: {why}; the verdict covers the "
+          "other rows only")
+
+
 def _warn(result: dict, note: str):
     """On stderr now, and in the report."""
     logging.getLogger("dumpdiff").warning("warning: %s", note)
@@ -191,16 +207,24 @@ def summarize(verdict: dict) -> str:
         if "atol" in rule:  # the user's tolerance decided, not an amplification line
             why = (f"inputs within atol={rule['atol']}, rtol={rule['rtol']}, output not "
                    f"(output error {top['out_err']:.3g}, input error {top['in_err']:.3g})")
-        elif top["in_err"] == 0:  # judged in epsilons: no reordering of a float32 sum moves a 16-bit output that far
+        elif top.get("gap_before"):
+            why = (f"the input error of {top['gap_before']}, {top['out_err']:.3g}, against {top['in_err']:.3g} in what that code was given, {top['amplification']:.3g}x, far beyond float noise")
+        elif top["in_err"] == 0 and not top.get("inside_err"):  # judged in epsilons: no reordering of a float32 sum moves a 16-bit output that far
             unit = "times its noise floor from the repeat run" if rule.get("floor_from_repeat") else \
                 "epsilons of its precision"
             why = (f"output error {top['out_err']:.3g} from bit-identical inputs, {top['amplification']:.3g} {unit}, "
                    "beyond what another summation order makes")
         else:
-            why = (f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}, "
+            inside = f" (the calls inside it: up to {top['inside_err']:.3g})" if top.get("inside_err") else ""
+            why = (f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}{inside}, "
                    f"{top['amplification']:.3g}x amplification, far beyond float noise")
-        parts.append(f"A real error is introduced at {top['call']} ({top['cls']}) on {top['rows']} rows{sampled} ({kinds}): "
-                     f"{why}. Look there for a state or cache bug, or a kernel wrong at this batch shape.")
+        if top.get("gap_before"):
+            parts.append(f"A real error is introduced in {noise_place(top)} on {top['rows']} rows{sampled} ({kinds}): "
+                         f"{why}. Look at the code that runs there ({GAP_CODE}) for a state or cache bug, or a kernel "
+                         "wrong at this batch shape; dump its modules to name the op.")
+        else:
+            parts.append(f"A real error is introduced at {top['call']} ({top['cls']}) on {top['rows']} rows{sampled} "
+                         f"({kinds}): {why}. Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
         parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: {NOISE_ONLY}")
     flipped = noise.get("rule", {}).get("rows_flipped_by_noise")
@@ -212,7 +236,7 @@ def summarize(verdict: dict) -> str:
 
 def _margin(noise: dict) -> str:
     """How far the largest jump stayed from the line: an error within float noise cannot be told from it."""
-    jumps, line = noise.get("top_jumps"), noise.get("rule", {}).get("amplification")
+    jumps, line = [j for j in noise.get("top_jumps") or [] if not j.get("gap")], noise.get("rule", {}).get("amplification")
     if not jumps or line is None:
         return ""
     top = jumps[0]

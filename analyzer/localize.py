@@ -28,6 +28,7 @@ from .http import post_json
 from .kl_helpers import Server, decode_logprobs, expected_prefill_hit, prefill_logprobs, sampling_params
 from .kl_prompts import vocab_size_of
 from .load import open_dump
+from .report import noise_errors, noise_place
 
 Log = Callable[[str], None]
 
@@ -220,7 +221,7 @@ def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True,
                   "bug runs in it too and these dumps cannot tell one from batch-variance: dump a reference that fits "
                   "one chunk (--chunked-prefill-size larger than prompt+output, or -1)")
     if noise:
-        top = noise[0]["call"]
+        top = noise_place(noise[0])
         if dec_extend == 0 and not ref_extend:
             missed = "" if helper == "match" or hit else f"; the {helper} replay missed the cache"
             where = ("with no prefix restored from the cache in either dump (the decode run's prompt and the "
@@ -234,7 +235,7 @@ def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True,
         else:  # only the reference read a cached prefix: the caveat says it
             where = ""
         text = f"look at {top} first: it adds an error far beyond float noise{', ' + where if where else ''}{caveat}"
-        if strict and strict["call"] != top:
+        if strict and strict["call"] != noise[0]["call"]:
             text += f"; {strict['call']} (strict) is only where bits first flip, within float noise"
         return text
     if strict:
@@ -262,8 +263,8 @@ def to_text(result: dict) -> str:
                  "and whose output does not)" if strict else "strict culprit:      none")
     if result["noise_culprits"]:
         top = result["noise_culprits"][0]
-        lines.append(f"noise-aware culprit: {top['call']}  [{top['cls']}]  ({top['rows']} rows, output error "
-                     f"{top['out_err']:.3g} from input error {top['in_err']:.3g}, {top['amplification']:.3g}x)")
+        where = noise_place(top) if top.get("gap_before") else f"{top['call']}  [{top['cls']}]"
+        lines.append(f"noise-aware culprit: {where}  ({top['rows']} rows, {noise_errors(top)})")
     else:
         lines.append("noise-aware culprit: none (no op introduces an error beyond float noise)")
     if result.get("reading"):

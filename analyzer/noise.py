@@ -38,6 +38,10 @@ from .index import Index
 
 MIN_AMPLIFICATION = 30.0  # never call a 30x jump or less an introduced error
 MAD_FACTOR = 8.0
+# Code no hook saw may be anything: an attention core (softmax of large logits) inlined in its
+# module's forward carried clean float32 noise 27x on a random Llama. A gap must jump further
+# than a call (a corrupted KV cache read there: 2e4x; a 0.1% error in an unhooked MLP: 1e3x).
+MIN_GAP_AMPLIFICATION = 100.0
 MIN_ULPS = 8.0  # an introduced error must be at least this many epsilons of its row's magnitude
 EPS_ACCUMULATE = eps(BY_NAME["float32"])  # kernels accumulate in float32 whatever they output
 
@@ -327,7 +331,7 @@ def derive_threshold(calls: Columns) -> dict:
     is a candidate, judged against the line, not a sample of it: when the only calls with an
     error are a culprit and the calls that contain it (a decode-only bug in lm_head), their own
     jumps would set the line above themselves and the bug would pass for noise."""
-    active = calls["amplification"][(calls["out_err"] > 0) & (calls["in_err"] > 0)]
+    active = calls["amplification"][(calls["out_err"] > 0) & (calls["carried"] > 0)]
     if not len(active):
         return {"amplification": MIN_AMPLIFICATION, "median": None, "mad": None, "samples": 0}
     logs = np.log10(np.maximum(active, 1e-12))
@@ -345,12 +349,15 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
     pairs = alignment.cols
-    calls = per_call_errors(errors, table, pairs, call_traits(table, b), floor_by_call or {})
+    traits = call_traits(table, b)
+    calls = per_call_errors(errors, table, pairs, traits, floor_by_call or {})
     at_calls, at = calls_of_b(table, b, pairs["pass_b"][calls["pair"]], calls["ccode"])
     calls = calls.take(at)
     calls_b = b.cols("calls")
-    post = calls_b["post"][at_calls]
+    pre, post = calls_b["pre"][at_calls], calls_b["post"][at_calls]
+    calls = with_nesting(calls, pre, post, pairs, traits[1])
     tolerance_mode = atol is not None or rtol is not None
+    gaps = np.zeros(len(calls), bool)
     if tolerance_mode:
         rule = {"atol": atol, "rtol": rtol}
         introduced = calls["out_exceeds"] & ~calls["in_exceeds"]
@@ -359,45 +366,183 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
         rule["min_ulps"] = MIN_ULPS
         if (calls["eps"] > EPS_ACCUMULATE).any():  # the rule for 16-bit outputs, said where there are some
             rule["clean_input_16bit"] = float(clean_input_line(rule["amplification"], eps(BY_NAME["bfloat16"])))
-        line = np.where(calls["in_err"] > 0, rule["amplification"],
+        line = np.where(calls["carried"] > 0, rule["amplification"],
                         np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])))
         introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
+        # a 16-bit gap from bit-identical values: the rounding argument of clean_input_line holds
+        rule["gap_amplification"] = max(rule["amplification"], MIN_GAP_AMPLIFICATION)
+        gap_line = np.where(calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE),
+                            np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])),
+                            rule["gap_amplification"])
+        gaps = (calls["gap_amplification"] > gap_line) & (calls["in_err"] > MIN_ULPS * calls["eps"])
     rule["floor_from_repeat"] = bool(floor_by_call)
     explained = _flipped_by_noise(calls, table, calls_b["module"][at_calls], flips,
                                   rule.get("amplification", MIN_AMPLIFICATION))
     introduced &= ~explained
+    gaps &= ~explained
     if explained.any():
         rule["rows_flipped_by_noise"] = int(len(distinct(calls["pair"][explained])))
-    # The earliest completed introducing call of each row.
-    chosen = np.nonzero(introduced)[0]
-    chosen = chosen[np.lexsort((post[chosen], calls["pair"][chosen]))]
-    firsts = chosen[np.r_[True, np.diff(calls["pair"][chosen]) != 0]] if len(chosen) else chosen
+    # The earliest introduction on each row: a call's when it completes, a gap's when the call
+    # whose input shows it starts.
+    chosen = np.r_[np.nonzero(introduced)[0], np.nonzero(gaps)[0]]
+    is_gap = np.r_[np.zeros(int(introduced.sum()), bool), np.ones(int(gaps.sum()), bool)]
+    when = np.where(is_gap, pre[chosen], post[chosen])
+    by_time = np.lexsort((when, calls["pair"][chosen]))
+    chosen, is_gap = chosen[by_time], is_gap[by_time]
+    first = np.r_[True, np.diff(calls["pair"][chosen]) != 0] if len(chosen) else np.zeros(0, bool)
+    firsts, first_gap = chosen[first], is_gap[first]
     names = table.calls[calls["ccode"]]
     order = call_order(b)
     verdict = {"rule": rule, "rows_examined": int(len(pair_ids)), "rows_total": int(len(pairs)),
                "culprits": [], "per_row": []}
     seq, pos, kind = pairs["seq"], pairs["pos"], pairs["mode_b"]
-    for call in sorted(set(names[firsts].tolist()), key=lambda c: order.get(c, 0)):
-        group = firsts[names[firsts] == call]
+    # A gap's figures are the error before it (every call completed earlier) and after it (the
+    # input of the call that follows it).
+    in_err = np.where(first_gap, calls["before"][firsts], calls["in_err"][firsts])
+    out_err = np.where(first_gap, calls["in_err"][firsts], calls["out_err"][firsts])
+    amplification = np.where(first_gap, calls["gap_amplification"][firsts], calls["amplification"][firsts])
+    # A gap is owned by the innermost dumped call around it (an attention module whose own
+    # forward reads the KV cache between v_proj and o_proj); a call's error, by the call.
+    owner = np.array([_enclosing(calls["pair"], pre, post, f, calls["after"][f]) if g else f
+                      for f, g in zip(firsts.tolist(), first_gap.tolist())], dtype=np.int64)
+    after = np.where(first_gap, calls["after"][firsts], -1)
+    label = [names[o] if o >= 0 else names[f] for o, f in zip(owner.tolist(), firsts.tolist())]
+    place = [(c, bool(g), names[x] if g and x >= 0 else None, names[f] if g else None)
+             for c, g, x, f in zip(label, first_gap.tolist(), after.tolist(), firsts.tolist())]
+    for key in sorted(set(place), key=lambda p: (order.get(p[3] or p[0], 0), not p[1])):
+        member = np.array([p == key for p in place], dtype=bool)
+        group, shown = firsts[member], np.where(owner[member] >= 0, owner[member], firsts[member])
         rows = calls["pair"][group]
         kinds, first_seen, counts = np.unique(kind[rows].astype(str), return_index=True, return_counts=True)
         by_count = np.lexsort((first_seen, -counts))  # most rows first, ties as they come
-        verdict["culprits"].append({
-            "call": call, "module": calls_b["module"][at_calls[group[0]]], "cls": calls_b["cls"][at_calls[group[0]]],
+        culprit = {
+            "call": key[0], "module": calls_b["module"][at_calls[shown[0]]], "cls": calls_b["cls"][at_calls[shown[0]]],
             "rows": int(len(group)), "kinds": {str(kinds[k]): int(counts[k]) for k in by_count},
-            "in_err": float(calls["in_err"][group].max()), "out_err": float(calls["out_err"][group].max()),
-            "amplification": float(calls["amplification"][group].min()),
+            "in_err": float(in_err[member].max()), "out_err": float(out_err[member].max()),
+            "amplification": float(amplification[member].min()),
             "sample_rows": [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p]} for p in rows[:6].tolist()],
-        })
+        }
+        if key[1]:
+            culprit.update(gap_after=key[2], gap_before=key[3])
+        elif culprit["in_err"] == 0 and calls["inside"][group].max() > 0:  # judged against its children
+            culprit["inside_err"] = float(calls["inside"][group].max())
+        verdict["culprits"].append(culprit)
     rows = calls["pair"][firsts]
     by_place = np.lexsort((pos[rows], seq[rows].astype(str)))[:MAX_LISTED * 10]
-    verdict["per_row"] = [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p], "culprit": names[f],
-                           "in_err": float(calls["in_err"][f]), "out_err": float(calls["out_err"][f]),
-                           "amplification": float(calls["amplification"][f])}
-                          for p, f in zip(rows[by_place].tolist(), firsts[by_place].tolist())]
+    verdict["per_row"] = [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p], "culprit": label[k],
+                           **({"gap_after": place[k][2], "gap_before": place[k][3]} if place[k][1] else {}),
+                           "in_err": float(in_err[k]), "out_err": float(out_err[k]), "amplification": float(amplification[k])}
+                          for p, k in zip(rows[by_place].tolist(), by_place.tolist())]
     verdict["bytes_read"] = int(a.reader().bytes_read + b.reader().bytes_read - read_before)
-    verdict["top_jumps"] = top_jumps(calls.take(~explained), names[~explained])  # a noise flip's O(1) jump is no margin
+    # a noise flip's O(1) jump is no margin; a gap's jump is listed before the call whose input shows it
+    kept = ~explained & (calls["gap_amplification"] > 0)
+    gap_cells = Columns({"amplification": calls["gap_amplification"][kept], "in_err": calls["before"][kept],
+                         "out_err": calls["in_err"][kept]})
+    jumps = top_jumps(calls.take(~explained), names[~explained]) + \
+        [{**jump, "gap": True} for jump in top_jumps(gap_cells, np.array([f"before {n}" for n in names[kept].tolist()],
+                                                                          dtype=object))]
+    verdict["top_jumps"] = sorted(jumps, key=lambda j: -j["amplification"])[:8]
     return verdict
+
+
+def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Columns, float_inputs: np.ndarray) -> Columns:
+    """Judge each call by what the dumped calls around it show, on its row (and, as for inputs,
+    on the earlier rows of its sequence):
+
+    - inside: the largest output error of the calls nested in it (pre < theirs < post). A call
+      with bit-identical inputs whose children are dumped is judged against them: a decoder
+      layer's error from such inputs is its kernels' noise compounded (float32: 36 epsilons,
+      no bug), not an error of its own; its own code is still named when its output jumps
+      beyond them.
+    - before: the largest error of what the code ahead of it was given (its parent's input and
+      the parent's children completed so far; with no such parent, every call completed before
+      it); a jump from that to its input error was made in code no hook saw (a parent's own
+      forward between its children, or modules DUMPER_FILTER left out): a gap.
+    - after: the cell of the call completed last before it starts (-1: none).
+
+    Adds inside, before, after, carried (in_err, or inside where in_err is 0), amplification (against
+    carried) and gap_amplification (0 where nothing completed before, or the call takes no
+    float input: an error that arrives from no dumped call cannot be judged)."""
+    pair = calls["pair"].astype(np.int64)
+    out_err, n = calls["out_err"], len(calls)
+    width = int(max(pre.max(initial=0), post.max(initial=0))) + 2
+    done = np.where(post >= 0, post, width - 1)  # never finished: after everything
+    # inside: a range maximum over the cells of the pair in start order
+    by_pre = np.lexsort((pre, pair))
+    keys = pair[by_pre] * width + pre[by_pre]
+    lo = np.searchsorted(keys, pair * width + pre, "right")
+    hi = np.searchsorted(keys, pair * width + done, "left")
+    inside = _range_max(out_err[by_pre], lo, hi)
+    # before: inside a dumped parent that takes a float input, the parent's input error and
+    # the output errors of its children completed so far (a call completing between the
+    # parent's start and this call's is inside the parent: calls nest); elsewhere every call
+    # completed before it on the row
+    by_post = np.lexsort((done, pair))
+    keys = pair[by_post] * width + done[by_post]
+    running = _running_max(out_err[by_post], np.zeros(n, np.int64), pair[by_post], done[by_post])
+    last = np.searchsorted(keys, pair * width + pre, "left") - 1
+    has_before = (last >= 0) & (pair[by_post][np.maximum(last, 0)] == pair) if n else np.zeros(0, bool)
+    after = np.where(has_before, by_post[np.maximum(last, 0)] if n else -1, -1)
+    seq, pos, ccode = pairs["seq"][pair], pairs["pos"][pair], calls["ccode"]
+    parent = _parents(pair, pre, done)
+    local = parent >= 0
+    local[local] = float_inputs[ccode[parent[local]]]
+    parent_at = np.maximum(parent, 0)
+    lo = np.searchsorted(keys, pair * width + pre[parent_at], "right")
+    within = _range_max(out_err[by_post], lo, np.maximum(last + 1, lo))
+    everything = np.where(has_before, running[np.maximum(last, 0)] if n else 0.0, 0.0)
+    before = np.where(local, np.maximum(within, calls["in_err"][parent_at] if n else 0.0), everything)
+    inside = _running_max(inside, ccode, seq, pos)
+    before = _running_max(before, ccode, seq, pos)
+    # A call with bit-identical inputs is judged against the calls inside it (a composite's
+    # clean-input error is its kernels' noise compounded); one that carries an error in, against
+    # that, as any call: the noise line is drawn from such cells, composites among them.
+    carried = np.where(calls["in_err"] > 0, calls["in_err"], inside)
+    # Where nothing before it differs, a gap inside such a parent is judged as a call with
+    # bit-identical inputs is (an attention whose own forward reads a corrupted cache after its
+    # v_proj); not where the error may come from whole modules no hook saw since the token ids
+    # (a filter that leaves out layers under a root that takes only ids).
+    clean_gap = float_inputs[ccode] & local & (before == 0)
+    judged = float_inputs[ccode] & ((before > 0) | clean_gap)
+    gap = np.where(judged, _ratio(calls["in_err"], np.maximum(before, calls["floor"])), 0.0)
+    return Columns({**{name: calls[name] for name in calls.names}, "inside": inside, "before": before, "after": after,
+                    "carried": carried, "amplification": _ratio(out_err, np.maximum(carried, calls["floor"])),
+                    "gap_amplification": gap, "clean_gap": clean_gap})
+
+
+def _parents(pair: np.ndarray, pre: np.ndarray, done: np.ndarray) -> np.ndarray:
+    """Per cell, the innermost cell of its pair that encloses it (-1: none): calls nest, so a
+    stack over the cells in start order."""
+    parent = np.full(len(pair), -1, np.int64)
+    pairs, starts, ends = pair.tolist(), pre.tolist(), done.tolist()
+    stack, current = [], None
+    for i in np.lexsort((pre, pair)).tolist():
+        if pairs[i] != current:
+            stack, current = [], pairs[i]
+        while stack and ends[stack[-1]] < starts[i]:
+            stack.pop()
+        if stack:
+            parent[i] = stack[-1]
+        stack.append(i)
+    return parent
+
+
+def _enclosing(pair: np.ndarray, pre: np.ndarray, post: np.ndarray, cell: int, after: int) -> int:
+    """The innermost cell of the same pair that started before the gap (after the cell ``after``
+    completed, before ``cell`` started) and had not completed when it ended; -1 if none."""
+    start = post[after] if after >= 0 else pre[cell]
+    done = np.where(post >= 0, post, np.iinfo(np.int64).max)
+    around = np.nonzero((pair == pair[cell]) & (pre < start) & (done > pre[cell]))[0]
+    return int(around[np.argmax(pre[around])]) if len(around) else -1
+
+
+def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """max(values[lo:hi]) for each (lo, hi); 0 where the range is empty."""
+    if not len(values):
+        return np.zeros(len(lo))
+    bounds = np.stack([lo, hi], axis=1).reshape(-1)
+    found = np.maximum.reduceat(np.r_[values, 0.0], bounds)[::2]
+    return np.where(hi > lo, found, 0.0)
 
 
 def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flips, line: float) -> np.ndarray:

@@ -12,7 +12,7 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .report import NOISE_ONLY, fmt_num, unstored_text
+from .report import GAP_CODE, NOISE_ONLY, fmt_num, noise_place, unstored_text
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -169,7 +169,9 @@ def noise_rule(noise: dict) -> str:
                + (f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons" if rule.get("min_ulps") else "")
                + (f"; a call with bit-identical inputs and a 16-bit output, above {fmt_num(rule['clean_input_16bit'])} "
                   "epsilons (another float32 summation order moves it an ulp or two)"
-                  if rule.get("clean_input_16bit") else ""))
+                  if rule.get("clean_input_16bit") else "")
+               + (f"; in code no hook saw (between dumped calls), a jump above {fmt_num(rule['gap_amplification'])}x"
+                  if rule.get("gap_amplification") else ""))
     if rule.get("floor_from_repeat"):
         how += "; each call's noise floor from a repeat run of the reference"
     return how
@@ -186,6 +188,20 @@ def kinds_text(kinds: Dict[str, int]) -> str:
 
 
 NO_NOISE_CULPRIT = f"No call introduces an error beyond float noise: {NOISE_ONLY}"
+
+
+def gap_note(culprit: dict) -> str:
+    """After a gap culprit's call name: that the error is in its input, made by code not dumped."""
+    if not culprit.get("gap_before"):
+        return ""
+    return f" (in {noise_place(culprit)}: {GAP_CODE})"
+
+
+def input_error(culprit: dict) -> str:
+    """The 'input error' cell: a gap's is the error before it; a parent's, with its children's."""
+    if culprit.get("inside_err"):
+        return f"{fmt_num(culprit['in_err'])} (calls inside it: up to {fmt_num(culprit['inside_err'])})"
+    return fmt_num(culprit["in_err"])
 
 
 # ---- MoE routing flips ---------------------------------------------------------------------

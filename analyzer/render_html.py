@@ -73,7 +73,8 @@ def noise_section(result: dict, rank: str, verdict: dict) -> str:
            "<dl>" + "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in items) + "</dl>"]
     if noise["culprits"]:
         out.append(table(["call", "class", "rows", "input error", "output error", "amplification", "sample rows"], (
-            [code(c["call"]), code(c["cls"]), f"{c['rows']} ({esc(rc.kinds_text(c['kinds']))})", esc(rc.fmt_num(c["in_err"])),
+            [code(c["call"]) + esc(rc.gap_note(c)), code(c["cls"]), f"{c['rows']} ({esc(rc.kinds_text(c['kinds']))})",
+             esc(rc.input_error(c)),
              esc(rc.fmt_num(c["out_err"])), f"&ge; {esc(rc.fmt_num(c['amplification']))}x",
              ", ".join(code(rc.row_name(r)) for r in c.get("sample_rows", []))] for c in noise["culprits"]),
             len(noise["culprits"]), "calls"))

@@ -101,8 +101,8 @@ def noise_section(result: dict, rank: str, verdict: dict) -> List[str]:
     if noise["culprits"]:
         items, more = capped(noise["culprits"], "calls")
         out += table(["call", "class", "rows", "input error", "output error", "amplification", "sample rows"],
-                     [[code(c["call"], True), code(c["cls"], True), f"{c['rows']} ({text(rc.kinds_text(c['kinds']))})",
-                       text(rc.fmt_num(c["in_err"])), text(rc.fmt_num(c["out_err"])),
+                     [[code(c["call"], True) + text(rc.gap_note(c)), code(c["cls"], True),
+                       f"{c['rows']} ({text(rc.kinds_text(c['kinds']))})", text(rc.input_error(c)), text(rc.fmt_num(c["out_err"])),
                        f"≥ {text(rc.fmt_num(c['amplification']))}x",
                        ", ".join(code(rc.row_name(r), True) for r in c.get("sample_rows", []))] for c in items]) + more
     else:

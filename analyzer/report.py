@@ -11,6 +11,31 @@ NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not
               "the row in bfloat16), which cannot be told from noise.")
 
 
+# Where a gap (an error made between dumped calls) can be: said by every report alike.
+GAP_CODE = "a module's own forward between its children, or modules left out by DUMPER_FILTER"
+
+
+def noise_place(culprit: dict) -> str:
+    """Where a noise-aware culprit introduces its error: the call, or the code no hook saw
+    between the call completed last and the call whose input shows the error."""
+    if culprit.get("gap_before"):
+        inside = f" inside {culprit['call']}" if culprit["call"] != culprit["gap_before"] else ""
+        between = (f"between {culprit['gap_after']} and {culprit['gap_before']}" if culprit.get("gap_after")
+                   else f"before {culprit['gap_before']}")
+        return f"code not dumped{inside}, {between}"
+    return culprit["call"]
+
+
+def noise_errors(culprit: dict) -> str:
+    """A culprit's figures in words."""
+    if culprit.get("gap_before"):
+        return (f"error of what that code was given {fmt_num(culprit['in_err'])}, of what it made "
+                f"{fmt_num(culprit['out_err'])} (the input of {culprit['gap_before']}), amplification >= {fmt_num(culprit['amplification'])}x")
+    inside = f" (calls inside it: up to {fmt_num(culprit['inside_err'])})" if culprit.get("inside_err") else ""
+    return (f"input error {fmt_num(culprit['in_err'])}{inside}, output error {fmt_num(culprit['out_err'])}, "
+            f"amplification >= {fmt_num(culprit['amplification'])}x")
+
+
 def to_json(result: dict) -> str:
     return json.dumps(result, indent=2, default=str, ensure_ascii=True)
 
@@ -71,15 +96,18 @@ def noise_lines(noise: dict) -> List[str]:
         how = f"amplification > {rule['amplification']:.3g}x (derived from {rule['samples']} call errors of this run" + \
               (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")" + \
               (f"; from bit-identical inputs, a 16-bit output > {rule['clean_input_16bit']:.3g} epsilons"
-               if rule.get("clean_input_16bit") else "")
+               if rule.get("clean_input_16bit") else "") + \
+              (f"; between dumped calls > {rule['gap_amplification']:.3g}x" if rule.get("gap_amplification") else "")
     sampled = "" if noise["rows_examined"] == noise["rows_total"] else f", {noise['rows_examined']} of {noise['rows_total']} rows sampled"
     lines = [f"noise-aware verdict ({how}{sampled}):"]
     if not noise["culprits"]:
         lines.append("  no call introduces an error beyond float noise")
     for c in noise["culprits"]:
         kinds = ", ".join(f"{n} {k}" for k, n in c["kinds"].items())
-        lines.append(f"  introduced at {c['call']}  [{c['cls']}]: {c['rows']} rows ({kinds}); input error {fmt_num(c['in_err'])}, "
-                     f"output error {fmt_num(c['out_err'])}, amplification >= {fmt_num(c['amplification'])}x")
+        where = f"in {noise_place(c)}" if c.get("gap_before") else f"at {c['call']}  [{c['cls']}]"
+        lines.append(f"  introduced {where}: {c['rows']} rows ({kinds}); {noise_errors(c)}")
+        if c.get("gap_before"):
+            lines.append(f"    (code no hook saw: {GAP_CODE})")
     if noise.get("top_jumps"):
         jumps = ", ".join(f"{j['call']} {fmt_num(j['amplification'])}x" for j in noise["top_jumps"][:4])
         lines.append(f"  largest amplifications seen: {jumps}")

@@ -444,7 +444,7 @@ def test_row_keys_follow_branches_and_refuse_a_position_computed_twice_in_one_pa
     keys = straight[0]["key"].tolist()
     assert keys[5] == chain[5] and keys[8:] == chain[6:]  # the accepted branch pairs
     assert keys[6] not in chain and keys[7] not in chain  # the rejected draft's rows pair with nothing
-    tree, notes = row_keys(_TokensOnly(prompt + [(1, 0, "q", 5, 20, "extend", 1, 2), (1, 1, "q", 6, 21, "extend", 1, 2),
+    tree, notes, _ = row_keys(_TokensOnly(prompt + [(1, 0, "q", 5, 20, "extend", 1, 2), (1, 1, "q", 6, 21, "extend", 1, 2),
                                                  (1, 2, "q", 6, 31, "extend", 1, 2), (1, 3, "q", 7, 32, "extend", 1, 2)]))
     assert tree["key"].tolist()[5:7] == chain[5:6] + [keys[6]] and tree["key"].tolist()[7:] == [None, None]
     assert any("computes position 6 of sequence q twice" in n for n in notes)

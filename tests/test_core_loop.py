@@ -125,23 +125,35 @@ def test_row_selection_that_keeps_no_paired_row_is_an_error_not_a_clean_run(llam
                    "nothing was compared" if trust else "no token rows in common")
 
 
-def test_a_decode_run_whose_positions_jump_is_named_as_such(llama_dir, tmp_path):
-    """An engine that feeds position+1 to its decode steps: the decode rows have no known prefix,
-    so none has a partner. The error says the decode run's positions jump, not that the
-    reference lacks the generated tokens (which it holds)."""
-    from dump_surgery import one_line_error
-    model = load_model(llama_dir, torch.bfloat16)
-    prepare = model.prepare_inputs_for_generation
+def _shift_decode_positions(model, from_step: int):
+    """An engine bug: position+1 fed to generate's decode steps from the from_step-th on."""
+    prepare, decode_steps = model.prepare_inputs_for_generation, []
 
     def shifted(*args, **kwargs):
         inputs = prepare(*args, **kwargs)
         if inputs["input_ids"].shape[-1] == 1 and inputs.get("position_ids") is not None:
-            inputs["position_ids"] = inputs["position_ids"] + 1
+            decode_steps.append(1)
+            if len(decode_steps) >= from_step:
+                inputs["position_ids"] = inputs["position_ids"] + 1
         return inputs
     model.prepare_inputs_for_generation = shifted
+
+
+@pytest.mark.parametrize("from_step, said", [
+    (1, ("none of the 5 decode/extend rows", "has no row at position 24 but has rows at 25")),
+    (3, ("3 token rows of dec cannot be paired", "has no row at position 26 but has rows at 27",
+         "no verdict is given over the other rows")),
+], ids=["every-step", "after-two-paired"])
+def test_a_decode_run_whose_positions_jump_is_named_as_such(llama_dir, tmp_path, from_step, said):
+    """An engine that feeds position+1 to its decode steps: those rows have no known prefix, so
+    none has a partner. The error says the decode run's positions jump, not that the reference
+    lacks the generated tokens (which it holds). From the third step on, the first decode rows
+    pair: the verdict over them alone ("float noise", exit 1) passed the jump off as clean."""
+    from dump_surgery import one_line_error
+    model = load_model(llama_dir, torch.float32)
+    _shift_decode_positions(model, from_step)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6)
-    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"),
-                   "none of the 5 decode/extend rows", "has no row at position 24 but has rows at 25",
+    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"), *said,
                    "between consecutive engine steps", "positions jump")
 
 
