@@ -45,6 +45,8 @@ class Alignment:
     proof: List[str] = dataclasses.field(default_factory=list)  # what was checked, in words
     history_notes_b: List[str] = dataclasses.field(default_factory=list)  # why rows of B have no key (row_keys)
     positions_jump_b: bool = False  # a sequence of B skips positions between consecutive engine steps
+    ambiguous_b: int = 0  # rows of B whose key several reference sequences hold with other values
+    ambiguous_note: Optional[str] = None  # why (the first tensor that tells them apart)
 
     @functools.cached_property
     def pairs(self):
@@ -167,9 +169,11 @@ def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str
 def align(a: Index, b: Index) -> Alignment:
     (keys_a, _, _), (keys_b, notes_b, jumped_b) = row_keys(a), row_keys(b)
     last_in_a = {key: i for i, key in enumerate(keys_a["key"].tolist()) if key is not None}  # the last row wins
+    ambiguous, told_by = _ambiguous_keys(a, keys_a)
     keyed_b = np.array([key is not None for key in keys_b["key"].tolist()], dtype=bool)
-    partner = np.array([last_in_a.get(key, -1) if key is not None else -1 for key in keys_b["key"].tolist()],
-                       dtype=np.int64)
+    partner = np.array([last_in_a.get(key, -1) if key is not None and key not in ambiguous else -1
+                        for key in keys_b["key"].tolist()], dtype=np.int64)
+    n_ambiguous = sum(key in ambiguous for key in keys_b["key"].tolist()) if ambiguous else 0
     at_b = np.nonzero(partner >= 0)[0]  # B is in (pass, row) order already
     at_a = partner[at_b]
     cols = Columns({"pair": np.arange(len(at_b)), "pass_a": keys_a["pass"][at_a], "row_a": keys_a["row"][at_a],
@@ -183,17 +187,65 @@ def align(a: Index, b: Index) -> Alignment:
     decode_b = sum(mode == "decode" for mode in keys_b["mode"].tolist())
     return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
                      rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
-                     history_notes_b=notes_b, positions_jump_b=jumped_b, cached_a=cached_a, decode_a=decode_a, decode_b=decode_b,
+                     history_notes_b=notes_b, positions_jump_b=jumped_b, ambiguous_b=n_ambiguous,
+                     ambiguous_note=told_by and (f"the reference holds several sequences with the same token ids whose "
+                                                 f"values differ (first at {told_by}): the model takes inputs besides "
+                                                 "the token ids (an encoder's output, an image), so which one a row "
+                                                 "pairs with cannot be told; dump one such request per run, or give "
+                                                 "them distinct ids"),
+                     cached_a=cached_a, decode_a=decode_a, decode_b=decode_b,
                      unkeyed_a=unkeyed_a)
+
+
+def _ambiguous_keys(index: Index, keys: Columns) -> Tuple[set, Optional[str]]:
+    """Keys that several reference rows hold with other values, computed in passes of the same
+    shape (where batch-variance cannot explain them): their context is more than their token
+    ids (an encoder-decoder's source, an image). Also the first tensor that tells them apart."""
+    rows_of: Dict[bytes, list] = {}
+    for at, key in enumerate(keys["key"].tolist()):
+        if key is not None:
+            rows_of.setdefault(key, []).append(at)
+    repeated = {key: at for key, at in rows_of.items() if len(at) > 1}
+    if not repeated:
+        return set(), None
+    passes, counts = np.unique(keys["pass"], return_counts=True)  # token rows per pass: its shape
+    size_of = dict(zip(passes.tolist(), counts.tolist()))
+    where = [(int(keys["pass"][at]), int(keys["row"][at])) for ats in repeated.values() for at in ats]
+    table = index.cols("rows")
+    width = int(table["row"].max(initial=0)) + 1
+    wanted = np.isin(table["pass"].astype(np.int64) * width + table["row"],
+                     np.array([p * width + r for p, r in where], dtype=np.int64))
+    values: Dict[tuple, Dict[str, int]] = {}
+    for p, r, tensor, fp in zip(table["pass"][wanted].tolist(), table["row"][wanted].tolist(),
+                                table["tensor"][wanted].tolist(), table["fp"][wanted].tolist()):
+        values.setdefault((int(p), int(r)), {})[tensor] = fp
+    ambiguous, told_by = set(), None
+    for key, ats in repeated.items():
+        first = (int(keys["pass"][ats[0]]), int(keys["row"][ats[0]]))
+        for at in ats[1:]:
+            other = (int(keys["pass"][at]), int(keys["row"][at]))
+            if size_of[other[0]] != size_of[first[0]]:
+                continue
+            mine, theirs = values.get(first, {}), values.get(other, {})
+            differ = [t for t in mine if t in theirs and mine[t] != theirs[t]]
+            if differ:
+                ambiguous.add(key)
+                told_by = told_by or differ[0]
+                break
+    return ambiguous, told_by
 
 
 def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, trust: bool = False) -> Alignment:
     """Check the alignment; raise DumpError (exit 2) with the reason when it does not hold."""
     pairs = alignment.cols
     why = "".join(f"; {label_b}: {note}" for note in alignment.history_notes_b)
+    if alignment.ambiguous_b:
+        why += f"; {alignment.ambiguous_b} rows of {label_b}: {alignment.ambiguous_note}"
     if alignment.cached_a and alignment.unkeyed_a:  # rows after a cached prefix it does not hold: unpairable
         why += (f"; {label_a} holds {alignment.cached_a} rows computed on a cache (extend or decode passes), not one "
                 "prefill: flush the engine's cache before dumping the reference (sglang: POST /flush_cache)")
+    if not len(pairs) and alignment.ambiguous_b:
+        raise DumpError(f"no token row of {label_b} can be paired: {alignment.ambiguous_note}")
     if not len(pairs) and alignment.history_notes_b and alignment.unkeyed_b == alignment.rows_b:
         raise DumpError(f"no token row of {label_b} can be paired (the ids before its rows are unknown): "
                         + "; ".join(alignment.history_notes_b))  # not another prompt: say what is missing

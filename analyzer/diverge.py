@@ -64,6 +64,9 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         _check_cut_off_reference(dump_a, dump_b, alignment, r)
         _warn_cached_reference(result, dump_a, alignment, r)
         _check_unknown_prefixes(result, dump_b, alignment)
+        if alignment.ambiguous_b:
+            _warn(result, f"{alignment.ambiguous_b} token rows of {show(dump_b.label)} are not compared: "
+                  f"{alignment.ambiguous_note}")
         table = row_table(alignment, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean

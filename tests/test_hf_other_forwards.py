@@ -30,16 +30,23 @@ def _tiny_t5():
     return model
 
 
-def _dump_encoder_decoder(model, root):
-    source = torch.randint(2, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+def _generate_then_prefill(model, root, prompt, new_tokens, reference):
+    """Dump 'dec' (generate) and 'ref' (``reference(generated)``, one prefill); the generated ids."""
     handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec"))
     try:
         with torch.no_grad():
-            out = model.generate(source, max_new_tokens=6, do_sample=False)  # runs the encoder itself
+            out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
             handle.configure(exp_name="ref")
-            model(input_ids=source, decoder_input_ids=out)  # one prefill of the whole decoder sequence
+            reference(out)
     finally:
         handle.remove()
+    return out
+
+
+def _dump_encoder_decoder(model, root):
+    source = torch.randint(2, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    # generate runs the encoder itself; the reference is one prefill of the whole decoder sequence
+    out = _generate_then_prefill(model, root, source, 6, lambda out: model(input_ids=source, decoder_input_ids=out))
     return root / "ref", root / "dec", out
 
 
@@ -74,14 +81,7 @@ def test_multimodal_rope_positions_are_read(tmp_path):
     model.generation_config.eos_token_id = None
     _one_row_error(model.model.language_model.layers[1].mlp)
     prompt = torch.randint(3, 499, (1, 10), generator=torch.Generator().manual_seed(2))
-    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
-    try:
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=5, do_sample=False)
-            handle.configure(exp_name="ref")
-            model(out)
-    finally:
-        handle.remove()
+    _generate_then_prefill(model, tmp_path, prompt, 5, model)
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
     verdict = result["ranks"]["0"]
     assert code == 1 and verdict["alignment"]["unaligned_b"] == 0 and verdict["alignment"]["rows_b"] == 14
@@ -105,14 +105,7 @@ def test_a_patched_forward_with_any_catch_all_name(tmp_path):
     del patched.__wrapped__
     model.forward = patched
     prompt = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(3))
-    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
-    try:
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=4, do_sample=False)
-            handle.configure(exp_name="ref")
-            model(input_ids=out)
-    finally:
-        handle.remove()
+    _generate_then_prefill(model, tmp_path, prompt, 4, lambda out: model(input_ids=out))
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
     assert code in (0, 1) and result["ranks"]["0"]["alignment"]["unaligned_b"] == 0
     assert result["ranks"]["0"]["alignment"]["rows_b"] == 10
@@ -145,3 +138,21 @@ def test_an_adapter_failure_never_fails_the_model_call(tmp_path, caplog):
             handle.remove()
     assert torch.equal(got, expected)
     assert "forward not dumped" in caplog.text and "RuntimeError: shape '[-1, 7]' is invalid" in caplog.text
+
+
+def test_sequences_told_apart_only_by_their_encoder_input_are_not_paired_by_guess(tmp_path):
+    """Two source sentences in one batch: both decoders start with the same token, so each first
+    decoder row has a twin in the reference with the same token id and another encoder output.
+    The last one used to win, and the other sequence's row was compared with it: "a real error
+    at the cross-attention, 1e6x", with no bug. Rows whose partner cannot be told are not
+    compared, and the report says why."""
+    model = _tiny_t5()
+    sources = torch.randint(2, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    out = _generate_then_prefill(model, tmp_path, sources, 5, lambda out: model(input_ids=sources, decoder_input_ids=out))
+    assert out[0, 1] != out[1, 1]  # the sequences part after the start token
+    code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
+    verdict = result["ranks"]["0"]
+    said = [w for w in result["warnings"] if "inputs besides the token ids" in w]
+    assert said and said[0].startswith("2 token rows of dec are not compared"), result["warnings"]
+    assert verdict["alignment"]["rows_b"] - verdict["rows_compared"] == 2
+    assert verdict["noise"]["culprits"] == []
