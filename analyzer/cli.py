@@ -216,10 +216,11 @@ def headline(result: dict) -> str:
     if not result["divergence"]:
         return "no divergence"
     strict = result.get("culprit") or {}
-    found = [c for v in result["ranks"].values() for c in (v.get("noise") or {}).get("culprits", [])]
+    from .render_common import noise_culprit
+    from .report import noise_place_parts
+    real = noise_culprit(result)
     words = "divergence" + (f", first at {strict['call']}" if strict.get("call") else "")
-    from .report import noise_place
-    return words + (f", error introduced {'in' if found[0].get('gap_before') else 'at'} {noise_place(found[0])}" if found else "")
+    return words + (", error introduced " + "".join(piece for piece, _ in noise_place_parts(real)) if real else "")
 
 
 def _report_command() -> click.Command:

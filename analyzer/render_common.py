@@ -12,7 +12,7 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .report import GAP_CODE, NOISE_ONLY, fmt_num, noise_place, unstored_text
+from .report import GAP_CODE, NOISE_ONLY, fmt_num, noise_place, noise_place_parts, unstored_text
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -48,16 +48,27 @@ def culprit_rank(result: dict) -> Optional[Tuple[str, dict]]:
     return None
 
 
+def noise_culprit(result: dict) -> Optional[dict]:
+    """The first noise-aware culprit of the first rank that has one: the error a ticket is about."""
+    return next((c for v in result["ranks"].values() for c in (v.get("noise") or {}).get("culprits", [])), None)
+
+
 def verdict_parts(result: dict) -> List[Tuple[str, bool]]:
-    """The answer in one sentence, as (text, is_name) pieces: renderers show names as code."""
+    """The answer in one sentence, as (text, is_name) pieces: renderers show names as code. A
+    real error beyond float noise leads: it is what the ticket is about, the first bit flip
+    may be batch-variance only."""
     found = culprit_rank(result)
     if found:
         rank, verdict = found
         c = verdict["culprit"]
-        return [("DIVERGENCE: first divergent operator ", False), (c["call"], True), (" [", False), (c["cls"], True),
-                (f"]{rank_label(result, rank)}, {c['n_rows']} of {verdict['rows_compared']} compared "
-                 f"token rows; {verdict['rows_differing']} rows differ in all; max abs error {fmt_num(c.get('max_abs'))}",
-                 False)]
+        real = noise_culprit(result)
+        lead = [("DIVERGENCE: a real error introduced ", False), *noise_place_parts(real),
+                (f" on {real['rows']} rows (beyond float noise); first bit flip at ", False)] if real else \
+            [("DIVERGENCE: first divergent operator ", False)]
+        return lead + [(c["call"], True), (" [", False), (c["cls"], True),
+                       (f"]{rank_label(result, rank)}, {c['n_rows']} of {verdict['rows_compared']} compared "
+                        f"token rows; {verdict['rows_differing']} rows differ in all; max abs error "
+                        f"{fmt_num(c.get('max_abs'))}", False)]
     compared = sum(v["rows_compared"] for v in result["ranks"].values())
     differing = sum(v["rows_differing"] for v in result["ranks"].values())
     if result["divergence"]:

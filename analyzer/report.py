@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import List
+from typing import List, Tuple
 
 # What a divergence with no call beyond float noise is (the summary and every report say it alike).
 NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
@@ -15,15 +15,24 @@ NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not
 GAP_CODE = "a module's own forward between its children, or modules left out by DUMPER_FILTER"
 
 
+def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
+    """Where a noise-aware culprit introduces its error, as (text, is_name) pieces: at the call,
+    or in the code no hook saw between the call completed last and the one whose input shows it."""
+    if not c.get("gap_before"):
+        return [("at ", False), (c["call"], True), (" [", False), (c["cls"], True), ("]", False)]
+    parts = [("in code not dumped", False)]
+    if c["call"] != c["gap_before"]:
+        parts += [(" inside ", False), (c["call"], True)]
+    if c.get("gap_after"):
+        return parts + [(", between ", False), (c["gap_after"], True), (" and ", False), (c["gap_before"], True)]
+    return parts + [(", before ", False), (c["gap_before"], True)]
+
+
 def noise_place(culprit: dict) -> str:
-    """Where a noise-aware culprit introduces its error: the call, or the code no hook saw
-    between the call completed last and the call whose input shows the error."""
-    if culprit.get("gap_before"):
-        inside = f" inside {culprit['call']}" if culprit["call"] != culprit["gap_before"] else ""
-        between = (f"between {culprit['gap_after']} and {culprit['gap_before']}" if culprit.get("gap_after")
-                   else f"before {culprit['gap_before']}")
-        return f"code not dumped{inside}, {between}"
-    return culprit["call"]
+    """noise_place_parts in plain words, without the at/in: the call, or the code not dumped."""
+    if not culprit.get("gap_before"):
+        return culprit["call"]
+    return "".join(piece for piece, _ in noise_place_parts(culprit))[len("in "):]
 
 
 def noise_errors(culprit: dict) -> str:

@@ -171,5 +171,9 @@ def test_an_error_made_in_code_no_hook_saw_is_named_between_the_dumped_calls(lla
     assert gap[0]["kinds"] == {"decode": 4} and gap[0]["amplification"] > 100
     assert "code not dumped, between model.layers.1.post_attention_layernorm#0 and model.layers.2.input_layernorm#0" \
         in verdict["summary"] and "DUMPER_FILTER" in verdict["summary"]
+    # a ticket's title and verdict lead with the real error, not the first bit flip (batch-variance)
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "md")
-    assert "code not dumped" in out
+    assert out.splitlines()[0] == "## dumpdiff first-divergence: DIVERGENCE in `model.layers.2.input_layernorm#0`"
+    assert "**Verdict:** DIVERGENCE: a real error introduced in code not dumped, between " in out
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "html")
+    assert "<title>dumpdiff: DIVERGENCE in model.layers.2.input_layernorm#0</title>" in out
