@@ -133,8 +133,10 @@ def summarize_helper(name: str, prompts: list, threshold: float, *, cache_applic
     return result
 
 
-def classify(helpers: dict) -> dict:
-    """The two-condition verdict over helper summaries keyed by name."""
+def classify(helpers: dict, uncalibrated: bool = False) -> dict:
+    """The two-condition verdict over helper summaries keyed by name. ``uncalibrated``: the
+    threshold is the default, not one measured on this server: a cache-hit helper far dirtier
+    than match, yet under it, is then no pass."""
     status = {name: h["status"] for name, h in helpers.items()}
     dirty = [n for n in HELPERS if status.get(n) == "dirty"]
     clean = [n for n in HELPERS if status.get(n) == "clean"]
@@ -153,6 +155,13 @@ def classify(helpers: dict) -> dict:
             kind = INCONCLUSIVE
             text = "every helper that ran is within its threshold, but " + _chunked_text(
                 helpers, chunked, "a cache bug runs in the reference as in the decode run, and the two can cancel out")
+        elif uncalibrated and _dirtier_than_match(helpers):
+            kind = INCONCLUSIVE  # a state bug under a threshold nobody measured: a real one passed here
+            text = ("every helper is within the default threshold, which was not calibrated for this server, but "
+                    + "; ".join(f"{name} is {ratio:.3g}x dirtier than match (no cache)"
+                                for name, ratio in _dirtier_than_match(helpers).items())
+                    + ": a state bug in that cache path is likely; calibrate on a known-good build (`dumpdiff kl "
+                    "calibrate`) or pass --threshold, and rerun")
         else:
             kind, text = PASS, f"every helper that ran is within its threshold ({', '.join(clean)})"
     elif status.get("match") not in ("clean", "dirty"):
@@ -186,8 +195,16 @@ def classify(helpers: dict) -> dict:
                 + "; ".join(_path_of(n) for n in dirty) + "). Localize it with `dumpdiff localize` (noise-aware culprit).")
     if chunked and kind not in (INCONCLUSIVE, UNCLASSIFIED):
         notes.append(_chunked_text(helpers, chunked, "a cache bug runs in those references too"))
+    suspects = list(_dirtier_than_match(helpers)) if kind == INCONCLUSIVE and uncalibrated else []
     return {"kind": kind, "text": text, "dirty": dirty, "clean": clean, "lacking": lacking, "notes": notes,
-            "chunked_references": chunked, "localize": _localize_choice(kind, helpers, dirty)}
+            "chunked_references": chunked, "localize": _localize_choice(kind, helpers, dirty or suspects)}
+
+
+def _dirtier_than_match(helpers: dict) -> dict:
+    """Cache-hit helpers STATE_ON_TOP_FACTOR or more times match's avg_kl_div: name -> ratio."""
+    base = helpers.get("match", {}).get("avg_kl_div") or 0.0
+    ratios = {name: (helpers.get(name, {}).get("avg_kl_div") or 0.0) / base for name in CACHE_HELPERS} if base > 0 else {}
+    return {name: ratio for name, ratio in ratios.items() if ratio >= STATE_ON_TOP_FACTOR}
 
 
 def _dirty_unchunked(helper: dict) -> bool:
@@ -211,14 +228,9 @@ def _path_of(name: str) -> str:
 
 
 def _state_on_top(helpers: dict, dirty: list) -> list:
-    base = helpers.get("match", {}).get("avg_kl_div") or 0.0
-    out = []
-    for name in CACHE_HELPERS:
-        value = helpers.get(name, {}).get("avg_kl_div")
-        if name in dirty and value and base > 0 and value / base >= STATE_ON_TOP_FACTOR:
-            out.append(f"{name} is {value / base:.3g}x dirtier than match: beyond batch-variance, a state bug in its "
-                       "cache path is likely too (localize with --helper " + name + ")")
-    return out
+    return [f"{name} is {ratio:.3g}x dirtier than match: beyond batch-variance, a state bug in its cache path is "
+            f"likely too (localize with --helper {name})" for name, ratio in _dirtier_than_match(helpers).items()
+            if name in dirty]
 
 
 def _localize_choice(kind: str, helpers: dict, dirty: list) -> Optional[dict]:
@@ -227,8 +239,8 @@ def _localize_choice(kind: str, helpers: dict, dirty: list) -> Optional[dict]:
         candidates = [n for n in CACHE_HELPERS if n in dirty]
     elif kind in (BATCH, MIXED):
         candidates = ["match"]
-    elif kind == UNCLASSIFIED:
-        candidates = dirty
+    elif kind in (UNCLASSIFIED, INCONCLUSIVE) and dirty:
+        candidates = dirty  # over the threshold, or suspects under an uncalibrated one
     else:
         return None
     name = max(candidates, key=lambda n: helpers[n].get("avg_kl_div") or 0.0)

@@ -502,7 +502,7 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
     if ctx.quirks:
         notes.append(f"{ctx.quirks} logprob entries reported token id 0 for the last vocabulary id (a known sglang "
                      "off-by-one in its logprob ids; tokens were aligned by position, values are right)")
-    result["verdict"] = kl.classify(result["helpers"])
+    result["verdict"] = kl.classify(result["helpers"], uncalibrated=limits["source"] == "default")
     return result
 
 

@@ -230,5 +230,5 @@ def check_model(model, prompts: Iterable, *, max_new_tokens: int = 32, helpers: 
         result["timings"][name] = round(time.monotonic() - t0, 3)
         result["helpers"][name] = summary
         log(f"kl: {name}: {summary['status']} avg_kl_div={summary['avg_kl_div']}")
-    result["verdict"] = kl.classify(result["helpers"])
+    result["verdict"] = kl.classify(result["helpers"], uncalibrated=limits["source"] == "default")
     return result

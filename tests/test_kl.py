@@ -400,3 +400,19 @@ def test_pytest_plugin_loads_in_a_user_suite(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=120)
     assert "--kl-url" in proc.stdout and "--kl-thresholds" in proc.stdout
+
+
+def test_a_cache_path_far_dirtier_than_match_is_no_pass_under_an_uncalibrated_threshold():
+    """Measured on the real server (Gemma-2, a planted cache-restore bug at layer 0): match
+    2.8e-14, prefill_cache_hit 8.1e-7, decode_cache_hit 1.9e-14, all under the default 1e-3:
+    "pass", exit 0, over a state bug. With the default threshold, a cache-hit helper 100x
+    dirtier than match is inconclusive (exit 2), and localize is pointed at it."""
+    values = {"match": 2.84e-14, "prefill_cache_hit": 8.11e-7, "decode_cache_hit": 1.89e-14}
+    helpers = {name: {**_helper("clean"), "avg_kl_div": value, "worst": 1} for name, value in values.items()}
+    verdict = kl.classify(helpers, uncalibrated=True)
+    assert verdict["kind"] == kl.INCONCLUSIVE and kl.exit_status(verdict) == 2
+    assert "prefill_cache_hit is 2.86e+07x dirtier than match" in verdict["text"] and "calibrate" in verdict["text"]
+    assert verdict["localize"] == {"helper": "prefill_cache_hit", "prompt": 1}
+    assert kl.classify(helpers)["kind"] == kl.PASS  # a calibrated threshold was measured on this server: it decides
+    helpers["prefill_cache_hit"]["avg_kl_div"] = 2.0e-13  # a clean engine's helpers stay within a small factor
+    assert kl.classify(helpers, uncalibrated=True)["kind"] == kl.PASS
