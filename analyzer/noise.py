@@ -218,7 +218,10 @@ def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, traits: tu
     n = len(cells)
     is_in, is_out, rel = errors["is_in"], errors["is_out"], errors["rel"]
     in_err, out_err, out_eps = np.zeros(n), np.zeros(n), np.full(n, np.nan)
-    np.maximum.at(in_err, cell_of[is_in], rel[is_in])
+    # Integer inputs are metadata (an engine's cache slot per token row differs from run to run
+    # by design): an error enters a call through its float inputs only.
+    floating = is_in & ~(errors["eps"] == 0)
+    np.maximum.at(in_err, cell_of[floating], rel[floating])
     np.maximum.at(out_err, cell_of[is_out], rel[is_out])
     np.fmax.at(out_eps, cell_of[is_out], errors["eps"][is_out])  # NaN (not read) never wins
     pair, ccode = np.divmod(cells, n_calls)

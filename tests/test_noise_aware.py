@@ -177,3 +177,30 @@ def test_an_error_made_in_code_no_hook_saw_is_named_between_the_dumped_calls(lla
     assert "**Verdict:** DIVERGENCE: a real error introduced in code not dumped, between " in out
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "html")
     assert "<title>dumpdiff: DIVERGENCE in model.layers.2.input_layernorm#0</title>" in out
+
+
+def test_integer_inputs_that_differ_by_design_do_not_hide_the_state_bug(llama_dir, tmp_path):
+    """An engine hands its attention each token row's cache slot, an integer that differs from
+    run to run by design (a paged cache vs the reference's fresh one). Counted as an input error,
+    it made every attention's input "differ": a stale key was blamed on the layer around it, and
+    on a clean run the slots alone were a 1.0 "error" out of nowhere. Integer inputs are metadata."""
+    model = load_model(llama_dir, torch.float32)
+    plant_stale_kv(model, layer=1, position=2)
+    run = {"offset": 0}
+
+    def hand_slots(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        rows = torch.arange(hidden.shape[1]).expand(hidden.shape[0], -1)
+        return args, {**kwargs, "slots": rows + run["offset"]}  # LlamaAttention takes **kwargs
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(hand_slots, with_kwargs=True)
+
+    def count_passes(module, args, kwargs):
+        run["offset"] += 1000  # another slot for every pass: a paged cache's allocation
+    model.register_forward_pre_hook(count_passes, with_kwargs=True)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=5)
+    code, result = first_divergence_json(ref, dec)
+    culprits = result["ranks"]["0"]["noise"]["culprits"]
+    assert [(c["call"], c.get("gap_after"), c.get("gap_before")) for c in culprits] == [
+        ("model.layers.1.self_attn#0", "model.layers.1.self_attn.v_proj#0", "model.layers.1.self_attn.o_proj#0")]
+    assert culprits[0]["kinds"] == {"decode": 4}
