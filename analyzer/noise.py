@@ -265,10 +265,10 @@ def _earlier_rows_max(values: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> n
 def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray,
                  exclusive: bool = False) -> np.ndarray:
     """Per (call, sequence), the running maximum of values in position order (``exclusive``: over
-    the earlier rows only; 0 on a sequence's first row)."""
+    the earlier rows only; 0 on a sequence's first row). ``seq``: names, or integer codes."""
     if not len(values):
         return values
-    _, seq_code = np.unique(seq.astype(str), return_inverse=True)
+    seq_code = seq if np.issubdtype(seq.dtype, np.integer) else np.unique(seq.astype(str), return_inverse=True)[1]
     order = np.lexsort((pos, seq_code.reshape(-1), ccode))
     group = ccode[order].astype(np.int64) * (int(seq_code.max()) + 1) + seq_code.reshape(-1)[order]
     segment = np.cumsum(np.r_[0, np.diff(group) != 0])  # 0, 0, 1, 1, 1, 2 ...
@@ -486,7 +486,8 @@ def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Colum
     last = np.searchsorted(keys, pair * width + pre, "left") - 1
     has_before = (last >= 0) & (pair[by_post][np.maximum(last, 0)] == pair) if n else np.zeros(0, bool)
     after = np.where(has_before, by_post[np.maximum(last, 0)] if n else -1, -1)
-    seq, pos, ccode = pairs["seq"][pair], pairs["pos"][pair], calls["ccode"]
+    seq_of_pair = np.unique(pairs["seq"].astype(str), return_inverse=True)[1].reshape(-1) if n else pair
+    seq, pos, ccode = seq_of_pair[pair], pairs["pos"][pair], calls["ccode"]
     parent = _parents(pair, pre, done)
     local = parent >= 0
     local[local] = float_inputs[ccode[parent[local]]]
