@@ -197,19 +197,35 @@ def align(a: Index, b: Index) -> Alignment:
                      unkeyed_a=unkeyed_a)
 
 
+MAX_AMBIGUITY_KEYS = 4096  # repeated keys checked (a context that differs shows on every shared row)
+
+
 def _ambiguous_keys(index: Index, keys: Columns) -> Tuple[set, Optional[str]]:
-    """Keys that several reference rows hold with other values, computed in passes of the same
-    shape (where batch-variance cannot explain them): their context is more than their token
-    ids (an encoder-decoder's source, an image). Also the first tensor that tells them apart."""
+    """Keys that several reference rows hold with other values, computed in different passes of
+    the same shape (where batch-variance cannot explain them): their context is more than their
+    token ids (an encoder-decoder's source, an image). Rows of one pass are not compared: in a
+    left-padded batch a shared prefix sits at other offsets, and its bits differ by batch-variance.
+    Also the first tensor that tells them apart."""
     rows_of: Dict[bytes, list] = {}
     for at, key in enumerate(keys["key"].tolist()):
         if key is not None:
             rows_of.setdefault(key, []).append(at)
-    repeated = {key: at for key, at in rows_of.items() if len(at) > 1}
-    if not repeated:
-        return set(), None
     passes, counts = np.unique(keys["pass"], return_counts=True)  # token rows per pass: its shape
     size_of = dict(zip(passes.tolist(), counts.tolist()))
+    pass_of = keys["pass"].tolist()
+    repeated = {}
+    for key, ats in rows_of.items():  # per key, its first row in two passes of one size (bounded work:
+        firsts = list({pass_of[at]: at for at in reversed(ats)}.values())  # N prompts sharing a system prompt)
+        by_size: Dict[int, list] = {}
+        for at in firsts:
+            by_size.setdefault(size_of[pass_of[at]], []).append(at)
+        kept = next((ats[:2] for ats in by_size.values() if len(ats) > 1), None)
+        if kept:
+            repeated[key] = kept
+            if len(repeated) == MAX_AMBIGUITY_KEYS:
+                break
+    if not repeated:
+        return set(), None
     where = [(int(keys["pass"][at]), int(keys["row"][at])) for ats in repeated.values() for at in ats]
     table = index.cols("rows")
     width = int(table["row"].max(initial=0)) + 1
@@ -221,16 +237,18 @@ def _ambiguous_keys(index: Index, keys: Columns) -> Tuple[set, Optional[str]]:
         values.setdefault((int(p), int(r)), {})[tensor] = fp
     ambiguous, told_by = set(), None
     for key, ats in repeated.items():
-        first = (int(keys["pass"][ats[0]]), int(keys["row"][ats[0]]))
-        for at in ats[1:]:
-            other = (int(keys["pass"][at]), int(keys["row"][at]))
-            if size_of[other[0]] != size_of[first[0]]:
-                continue
-            mine, theirs = values.get(first, {}), values.get(other, {})
-            differ = [t for t in mine if t in theirs and mine[t] != theirs[t]]
-            if differ:
-                ambiguous.add(key)
-                told_by = told_by or differ[0]
+        where = [(int(keys["pass"][at]), int(keys["row"][at])) for at in ats]
+        for i, first in enumerate(where):
+            for other in where[i + 1:]:
+                if size_of[other[0]] != size_of[first[0]]:
+                    continue
+                mine, theirs = values.get(first, {}), values.get(other, {})
+                differ = [t for t in mine if t in theirs and mine[t] != theirs[t]]
+                if differ:
+                    ambiguous.add(key)
+                    told_by = told_by or differ[0]
+                    break
+            if key in ambiguous:
                 break
     return ambiguous, told_by
 

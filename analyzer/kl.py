@@ -201,9 +201,13 @@ def classify(helpers: dict, uncalibrated: bool = False) -> dict:
 
 
 def _dirtier_than_match(helpers: dict) -> dict:
-    """Cache-hit helpers STATE_ON_TOP_FACTOR or more times match's avg_kl_div: name -> ratio."""
-    base = helpers.get("match", {}).get("avg_kl_div") or 0.0
-    ratios = {name: (helpers.get(name, {}).get("avg_kl_div") or 0.0) / base for name in CACHE_HELPERS} if base > 0 else {}
+    """Cache-hit helpers STATE_ON_TOP_FACTOR or more times match's avg_kl_div: name -> ratio. A
+    match of 0 (every token bit-identical) counts as 1e-15, calibrate's floor: below it, float32
+    stray ulps averaged over many tokens."""
+    if helpers.get("match", {}).get("avg_kl_div") is None:
+        return {}
+    base = max(helpers["match"]["avg_kl_div"], 1e-15)
+    ratios = {name: (helpers.get(name, {}).get("avg_kl_div") or 0.0) / base for name in CACHE_HELPERS}
     return {name: ratio for name, ratio in ratios.items() if ratio >= STATE_ON_TOP_FACTOR}
 
 

@@ -144,10 +144,8 @@ def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, t
     n = ref.shape[0]
     test_dtype = test_dtype or dtype
     if not (dtype.floating and test_dtype.floating):
-        # Integer rows that hold the same values in another order are the same choice: a router's
-        # top-k expert ids, two of them swapped by float noise at a near tie, pick the same experts.
-        differ = ((np.sort(ref.reshape(n, -1), axis=1) != np.sort(test.reshape(n, -1), axis=1)).any(axis=1)
-                  if dtype == test_dtype else np.ones(n, dtype=bool))
+        differ = _int_rows_differ(ref.reshape(n, -1), test.reshape(n, -1)) if dtype == test_dtype \
+            else np.ones(n, dtype=bool)
         return differ.astype(float), differ.astype(float), differ, 0.0
     tolerances = atol is not None or rtol is not None
     if dtype.size <= 4 and test_dtype.size <= 4 and not tolerances:
@@ -172,6 +170,17 @@ def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, t
     if tolerances:
         exceeds = (diff > (atol or 0.0) + (rtol or 0.0) * np.abs(r)).any(axis=1)
     return absolute / scale, absolute, exceeds, max(eps(dtype), eps(test_dtype))
+
+
+def _int_rows_differ(ref: np.ndarray, test: np.ndarray) -> np.ndarray:
+    """Per row, whether two integer rows differ. Rows of distinct values that hold the same
+    values in another order are the same choice: a router's top-k expert ids, two of them
+    swapped by float noise at a near tie, pick the same experts. Not so a one-hot or mask row
+    (repeated values), whose order is the choice."""
+    differ = (ref != test).any(axis=1)
+    sorted_ref, sorted_test = np.sort(ref, axis=1), np.sort(test, axis=1)
+    distinct = (np.diff(sorted_ref, axis=1) != 0).all(axis=1) & (np.diff(sorted_test, axis=1) != 0).all(axis=1)
+    return np.where(distinct, (sorted_ref != sorted_test).any(axis=1), differ)
 
 
 def _finite_rows_in_float32(ref: np.ndarray, test: np.ndarray, dtype: DType, test_dtype: DType):
@@ -409,9 +418,11 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     in_err = np.where(first_gap, calls["before"][firsts], calls["in_err"][firsts])
     out_err = np.where(first_gap, calls["in_err"][firsts], calls["out_err"][firsts])
     amplification = np.where(first_gap, calls["gap_amplification"][firsts], calls["amplification"][firsts])
-    # A gap is owned by the innermost dumped call around it (an attention module whose own
-    # forward reads the KV cache between v_proj and o_proj); a call's error, by the call.
-    owner = np.array([_enclosing(calls["pair"], pre, post, f, calls["after"][f]) if g else f
+    # A gap is owned by the parent it was measured in (an attention module whose own forward
+    # reads the KV cache between v_proj and o_proj), else by the innermost dumped call around
+    # it; a call's error, by the call.
+    owner = np.array([f if not g else calls["parent"][f] if calls["parent"][f] >= 0 else
+                      _enclosing(calls["pair"], pre, post, f, calls["after"][f])
                       for f, g in zip(firsts.tolist(), first_gap.tolist())], dtype=np.int64)
     after = np.where(first_gap, calls["after"][firsts], -1)
     label = [names[o] if o >= 0 else names[f] for o, f in zip(owner.tolist(), firsts.tolist())]
@@ -468,7 +479,8 @@ def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Colum
       forward between its children, or modules DUMPER_FILTER left out): a gap.
     - after: the cell of the call completed last before it starts (-1: none).
 
-    Adds inside, before, after, carried (in_err, or inside where in_err is 0), amplification (against
+    Adds inside, before, after, parent (the cell 'before' was measured in; -1: none), carried
+    (in_err, or inside where in_err is 0), amplification (against
     carried) and gap_amplification (0 where nothing completed before, or the call takes no
     float input: an error that arrives from no dumped call cannot be judged)."""
     pair = calls["pair"].astype(np.int64)
@@ -516,7 +528,7 @@ def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Colum
     gap = np.where(judged, _ratio(calls["in_err"], np.maximum(before, calls["floor"])), 0.0)
     return Columns({**{name: calls[name] for name in calls.names}, "inside": inside, "before": before, "after": after,
                     "carried": carried, "amplification": _ratio(out_err, np.maximum(carried, calls["floor"])),
-                    "gap_amplification": gap, "clean_gap": clean_gap})
+                    "gap_amplification": gap, "clean_gap": clean_gap, "parent": np.where(local, parent, -1)})
 
 
 def _parents(pair: np.ndarray, pre: np.ndarray, done: np.ndarray) -> np.ndarray:

@@ -53,6 +53,17 @@ def noise_culprit(result: dict) -> Optional[dict]:
     return next((c for v in result["ranks"].values() for c in (v.get("noise") or {}).get("culprits", [])), None)
 
 
+def title_place(result: dict) -> Optional[Tuple[str, str]]:
+    """(word, call) for a report's title: the call the real error is in, else the first bit flip;
+    a gap no dumped call encloses is "before" the call whose input shows it."""
+    found, real = culprit_rank(result), noise_culprit(result)
+    if not found:
+        return None
+    if real is None:
+        return "in", found[1]["culprit"]["call"]
+    return ("before" if real.get("gap_before") == real["call"] else "in"), real["call"]
+
+
 def verdict_parts(result: dict) -> List[Tuple[str, bool]]:
     """The answer in one sentence, as (text, is_name) pieces: renderers show names as code. A
     real error beyond float noise leads: it is what the ticket is about, the first bit flip

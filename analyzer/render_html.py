@@ -161,8 +161,8 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> str:
 
 def to_html(result: dict) -> str:
     head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
-    found, real = rc.culprit_rank(result), rc.noise_culprit(result)
-    title = f"dumpdiff: {head}" + (f" in {(real or found[1]['culprit'])['call']}" if found else "")
+    place = rc.title_place(result)
+    title = f"dumpdiff: {head}" + (f" {place[0]} {place[1]}" if place else "")
     verdict = "".join(code(piece) if is_name else esc(piece) for piece, is_name in rc.verdict_parts(result))
     body = [f"<h1>dumpdiff first-divergence: {head}</h1>",
             f'<p class="verdict{"" if result["divergence"] else " ok"}">{verdict}</p>']

@@ -165,8 +165,8 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
 
 
 def to_markdown(result: dict) -> str:
-    found, real = rc.culprit_rank(result), rc.noise_culprit(result)
-    title = f"in {code((real or found[1]['culprit'])['call'])}" if found else ""
+    place = rc.title_place(result)
+    title = f"{place[0]} {code(place[1])}" if place else ""
     head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
     out = [f"## dumpdiff first-divergence: {head} {title}".rstrip(), "", f"**Verdict:** {verdict_md(result)}", ""]
     out += [f"> **Warning:** {text(w)}" for w in result.get("warnings", [])]

@@ -40,13 +40,20 @@ def dump_pair(model, root, prompt, new_tokens: int = 6, setup=None, **config):
     return os.path.join(root, "ref"), os.path.join(root, "dec"), output
 
 
+def left_padded(prompts):
+    """(ids, attention mask) of token-id lists left-padded with id 0 to one width."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    return ids, mask
+
+
 def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, **generate_kwargs):
     """Dump 'dec' (one left-padded batch of prompts of these lengths, pad id 0, generated
     together) and 'ref' (each prompt+output alone, unpadded). Returns (prompts, ref, dec)."""
     prompts = [prompt_ids(n, seed=n)[0].tolist() for n in lengths]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec"))
     try:
         with torch.no_grad():

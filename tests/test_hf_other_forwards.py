@@ -148,7 +148,10 @@ def test_sequences_told_apart_only_by_their_encoder_input_are_not_paired_by_gues
     compared, and the report says why."""
     model = _tiny_t5()
     sources = torch.randint(2, 256, (2, 9), generator=torch.Generator().manual_seed(4))
-    out = _generate_then_prefill(model, tmp_path, sources, 5, lambda out: model(input_ids=sources, decoder_input_ids=out))
+    # the reference: one prefill per source, as for any batch (rows of one pass are not compared
+    # with each other: in a left-padded batch, batch-variance makes a shared prefix differ)
+    out = _generate_then_prefill(model, tmp_path, sources, 5, lambda out: [
+        model(input_ids=sources[i:i + 1], decoder_input_ids=out[i:i + 1]) for i in range(len(sources))])
     assert out[0, 1] != out[1, 1]  # the sequences part after the start token
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
     verdict = result["ranks"]["0"]
@@ -156,3 +159,27 @@ def test_sequences_told_apart_only_by_their_encoder_input_are_not_paired_by_gues
     assert said and said[0].startswith("2 token rows of dec are not compared"), result["warnings"]
     assert verdict["alignment"]["rows_b"] - verdict["rows_compared"] == 2
     assert verdict["noise"]["culprits"] == []
+
+
+def test_a_shared_prefix_in_one_padded_reference_batch_is_not_ambiguous(tmp_path):
+    """Two prompts sharing a 12-token prefix, left-padded and prefilled as one reference batch:
+    the prefix sits at other offsets, so its rows differ in the last bits (batch-variance), not
+    in context. They were taken for "inputs besides the token ids" and 22 of 42 rows went
+    uncompared. Rows of one pass are not compared with each other."""
+    from helpers import left_padded, load_model, make_tiny_llama
+    model = load_model(make_tiny_llama(tmp_path / "model"))
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 1000, (12,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (3, 7)]
+    ids, mask = left_padded(prompts)
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+            handle.configure(exp_name="ref")
+            model(out, attention_mask=torch.cat([mask, torch.ones(2, 5, dtype=torch.long)], 1))
+    finally:
+        handle.remove()
+    code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
+    assert not [w for w in result["warnings"] if "inputs besides the token ids" in w], result["warnings"]
+    assert result["ranks"]["0"]["rows_compared"] == 42

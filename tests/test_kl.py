@@ -414,5 +414,7 @@ def test_a_cache_path_far_dirtier_than_match_is_no_pass_under_an_uncalibrated_th
     assert "prefill_cache_hit is 2.86e+07x dirtier than match" in verdict["text"] and "calibrate" in verdict["text"]
     assert verdict["localize"] == {"helper": "prefill_cache_hit", "prompt": 1}
     assert kl.classify(helpers)["kind"] == kl.PASS  # a calibrated threshold was measured on this server: it decides
+    helpers["match"]["avg_kl_div"] = 0.0  # every no-cache token bit-identical: infinitely cleaner, not "no ratio"
+    assert kl.classify(helpers, uncalibrated=True)["kind"] == kl.INCONCLUSIVE
     helpers["prefill_cache_hit"]["avg_kl_div"] = 2.0e-13  # a clean engine's helpers stay within a small factor
     assert kl.classify(helpers, uncalibrated=True)["kind"] == kl.PASS

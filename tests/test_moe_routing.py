@@ -171,3 +171,7 @@ def test_top_k_ids_in_another_order_are_the_same_choice():
     test = np.array([[1, 3], [0, 2], [5, 6]], dtype=np.int64).view(np.uint64)  # swapped / same / another expert
     rel, _, _, _ = _compare_rows(ref, test, int64, None, None)
     assert rel.tolist() == [0.0, 0.0, 1.0]
+    # a one-hot row (SwitchTransformers' expert_index) repeats values: its order is the choice
+    one_hot = np.array([[1, 0, 0, 0]], dtype=np.int64).view(np.uint64)
+    other = np.array([[0, 1, 0, 0]], dtype=np.int64).view(np.uint64)
+    assert _compare_rows(one_hot, other, int64, None, None)[0].tolist() == [1.0]

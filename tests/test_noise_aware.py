@@ -188,10 +188,10 @@ def test_an_error_made_in_code_no_hook_saw_is_named_between_the_dumped_calls(lla
         in verdict["summary"] and "DUMPER_FILTER" in verdict["summary"]
     # a ticket's title and verdict lead with the real error, not the first bit flip (batch-variance)
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "md")
-    assert out.splitlines()[0] == "## dumpdiff first-divergence: DIVERGENCE in `model.layers.2.input_layernorm#0`"
+    assert out.splitlines()[0] == "## dumpdiff first-divergence: DIVERGENCE before `model.layers.2.input_layernorm#0`"
     assert "**Verdict:** DIVERGENCE: a real error introduced in code not dumped, between " in out
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "html")
-    assert "<title>dumpdiff: DIVERGENCE in model.layers.2.input_layernorm#0</title>" in out
+    assert "<title>dumpdiff: DIVERGENCE before model.layers.2.input_layernorm#0</title>" in out
 
 
 def test_integer_inputs_that_differ_by_design_do_not_hide_the_state_bug(llama_dir, tmp_path):
