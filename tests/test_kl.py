@@ -416,5 +416,6 @@ def test_a_cache_path_far_dirtier_than_match_is_no_pass_under_an_uncalibrated_th
     assert kl.classify(helpers)["kind"] == kl.PASS  # a calibrated threshold was measured on this server: it decides
     helpers["match"]["avg_kl_div"] = 0.0  # every no-cache token bit-identical: infinitely cleaner, not "no ratio"
     assert kl.classify(helpers, uncalibrated=True)["kind"] == kl.INCONCLUSIVE
+    helpers["match"]["avg_kl_div"] = 2.84e-14
     helpers["prefill_cache_hit"]["avg_kl_div"] = 2.0e-13  # a clean engine's helpers stay within a small factor
     assert kl.classify(helpers, uncalibrated=True)["kind"] == kl.PASS
