@@ -212,21 +212,21 @@ def _ambiguous_keys(index: Index, keys: Columns) -> Tuple[set, Optional[str]]:
             rows_of.setdefault(key, []).append(at)
     passes, counts = np.unique(keys["pass"], return_counts=True)  # token rows per pass: its shape
     size_of = dict(zip(passes.tolist(), counts.tolist()))
-    pass_of = keys["pass"].tolist()
-    repeated = {}
+    pass_of, row_of = keys["pass"].tolist(), keys["row"].tolist()
+    repeated: Dict[bytes, list] = {}
     for key, ats in rows_of.items():  # per key, its first row in two passes of one size (bounded work:
         firsts = list({pass_of[at]: at for at in reversed(ats)}.values())  # N prompts sharing a system prompt)
         by_size: Dict[int, list] = {}
         for at in firsts:
             by_size.setdefault(size_of[pass_of[at]], []).append(at)
-        kept = next((ats[:2] for ats in by_size.values() if len(ats) > 1), None)
-        if kept:
-            repeated[key] = kept
+        two = next((ats[:2] for ats in by_size.values() if len(ats) > 1), None)
+        if two:
+            repeated[key] = [(int(pass_of[at]), int(row_of[at])) for at in two]
             if len(repeated) == MAX_AMBIGUITY_KEYS:
                 break
     if not repeated:
         return set(), None
-    where = [(int(keys["pass"][at]), int(keys["row"][at])) for ats in repeated.values() for at in ats]
+    where = [place for places in repeated.values() for place in places]
     table = index.cols("rows")
     width = int(table["row"].max(initial=0)) + 1
     wanted = np.isin(table["pass"].astype(np.int64) * width + table["row"],
@@ -236,20 +236,12 @@ def _ambiguous_keys(index: Index, keys: Columns) -> Tuple[set, Optional[str]]:
                                 table["tensor"][wanted].tolist(), table["fp"][wanted].tolist()):
         values.setdefault((int(p), int(r)), {})[tensor] = fp
     ambiguous, told_by = set(), None
-    for key, ats in repeated.items():
-        where = [(int(keys["pass"][at]), int(keys["row"][at])) for at in ats]
-        for i, first in enumerate(where):
-            for other in where[i + 1:]:
-                if size_of[other[0]] != size_of[first[0]]:
-                    continue
-                mine, theirs = values.get(first, {}), values.get(other, {})
-                differ = [t for t in mine if t in theirs and mine[t] != theirs[t]]
-                if differ:
-                    ambiguous.add(key)
-                    told_by = told_by or differ[0]
-                    break
-            if key in ambiguous:
-                break
+    for key, (first, other) in repeated.items():
+        mine, theirs = values.get(first, {}), values.get(other, {})
+        differ = [t for t in mine if t in theirs and mine[t] != theirs[t]]
+        if differ:
+            ambiguous.add(key)
+            told_by = told_by or differ[0]
     return ambiguous, told_by
 
 

@@ -143,6 +143,7 @@ def classify(helpers: dict, uncalibrated: bool = False) -> dict:
     lacking = [n for n in HELPERS if status.get(n) in ("no_cache_hit", "empty")]
     chunked = {n: helpers[n]["chunked_references"] for n in HELPERS
                if status.get(n) in ("clean", "dirty") and helpers[n].get("chunked_references")}
+    suspects = _dirtier_than_match(helpers) if uncalibrated else {}
     notes = []
     if not dirty:
         if lacking:
@@ -155,11 +156,10 @@ def classify(helpers: dict, uncalibrated: bool = False) -> dict:
             kind = INCONCLUSIVE
             text = "every helper that ran is within its threshold, but " + _chunked_text(
                 helpers, chunked, "a cache bug runs in the reference as in the decode run, and the two can cancel out")
-        elif uncalibrated and _dirtier_than_match(helpers):
+        elif suspects:
             kind = INCONCLUSIVE  # a state bug under a threshold nobody measured: a real one passed here
             text = ("every helper is within the default threshold, which was not calibrated for this server, but "
-                    + "; ".join(f"{name} is {ratio:.3g}x dirtier than match (no cache)"
-                                for name, ratio in _dirtier_than_match(helpers).items())
+                    + "; ".join(f"{name} is {ratio:.3g}x dirtier than match (no cache)" for name, ratio in suspects.items())
                     + ": a state bug in that cache path is likely; calibrate on a known-good build (`dumpdiff kl "
                     "calibrate`) or pass --threshold, and rerun")
         else:
@@ -195,9 +195,9 @@ def classify(helpers: dict, uncalibrated: bool = False) -> dict:
                 + "; ".join(_path_of(n) for n in dirty) + "). Localize it with `dumpdiff localize` (noise-aware culprit).")
     if chunked and kind not in (INCONCLUSIVE, UNCLASSIFIED):
         notes.append(_chunked_text(helpers, chunked, "a cache bug runs in those references too"))
-    suspects = list(_dirtier_than_match(helpers)) if kind == INCONCLUSIVE and uncalibrated else []
+    chosen = dirty or (list(suspects) if kind == INCONCLUSIVE else [])
     return {"kind": kind, "text": text, "dirty": dirty, "clean": clean, "lacking": lacking, "notes": notes,
-            "chunked_references": chunked, "localize": _localize_choice(kind, helpers, dirty or suspects)}
+            "chunked_references": chunked, "localize": _localize_choice(kind, helpers, chosen)}
 
 
 def _dirtier_than_match(helpers: dict) -> dict:

@@ -382,15 +382,12 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
             rule["clean_input_16bit"] = float(clean_input_line(rule["amplification"], eps(BY_NAME["bfloat16"])))
         # carried noise gets the line; bit-identical inputs (and children within an epsilon of
         # them: a bfloat16 attention whose o_proj moved under an ulp) the line in epsilons
-        carried = (calls["in_err"] > 0) | (calls["inside"] > calls["floor"])
-        line = np.where(carried, rule["amplification"],
-                        np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])))
+        clean_line = np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"]))
+        line = np.where(calls["carries"], rule["amplification"], clean_line)
         introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
         # a 16-bit gap from bit-identical values: the rounding argument of clean_input_line holds
         rule["gap_amplification"] = max(rule["amplification"], MIN_GAP_AMPLIFICATION)
-        gap_line = np.where(calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE),
-                            np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])),
-                            rule["gap_amplification"])
+        gap_line = np.where(calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE), clean_line, rule["gap_amplification"])
         gaps = (calls["gap_amplification"] > gap_line) & (calls["in_err"] > MIN_ULPS * calls["eps"])
     rule["floor_from_repeat"] = bool(floor_by_call)
     explained = _flipped_by_noise(calls, table, calls_b["module"][at_calls], flips,
@@ -413,8 +410,8 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     verdict = {"rule": rule, "rows_examined": int(len(pair_ids)), "rows_total": int(len(pairs)),
                "culprits": [], "per_row": []}
     seq, pos, kind = pairs["seq"], pairs["pos"], pairs["mode_b"]
-    # A gap's figures are the error before it (every call completed earlier) and after it (the
-    # input of the call that follows it).
+    # A gap's figures are the error of what its code was given ('before') and of what it made
+    # (the input of the call that follows it).
     in_err = np.where(first_gap, calls["before"][firsts], calls["in_err"][firsts])
     out_err = np.where(first_gap, calls["in_err"][firsts], calls["out_err"][firsts])
     amplification = np.where(first_gap, calls["gap_amplification"][firsts], calls["amplification"][firsts])
@@ -422,7 +419,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     # reads the KV cache between v_proj and o_proj), else by the innermost dumped call around
     # it; a call's error, by the call.
     owner = np.array([f if not g else calls["parent"][f] if calls["parent"][f] >= 0 else
-                      _enclosing(calls["pair"], pre, post, f, calls["after"][f])
+                      _enclosing(calls["pair"], pre, calls["done"], f, calls["after"][f])
                       for f, g in zip(firsts.tolist(), first_gap.tolist())], dtype=np.int64)
     after = np.where(first_gap, calls["after"][firsts], -1)
     label = [names[o] if o >= 0 else names[f] for o, f in zip(owner.tolist(), firsts.tolist())]
@@ -443,7 +440,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
         }
         if key[1]:
             culprit.update(gap_after=key[2], gap_before=key[3])
-        elif culprit["in_err"] == 0 and (calls["inside"][group] > calls["floor"][group]).any():  # against its children
+        elif culprit["in_err"] == 0 and calls["carries"][group].any():  # judged against its children
             culprit["inside_err"] = float(calls["inside"][group].max())
         verdict["culprits"].append(culprit)
     rows = calls["pair"][firsts]
@@ -480,9 +477,10 @@ def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Colum
     - after: the cell of the call completed last before it starts (-1: none).
 
     Adds inside, before, after, parent (the cell 'before' was measured in; -1: none), carried
-    (in_err, or inside where in_err is 0), amplification (against
-    carried) and gap_amplification (0 where nothing completed before, or the call takes no
-    float input: an error that arrives from no dumped call cannot be judged)."""
+    (in_err, or inside where in_err is 0), carries (whether the line for carried noise judges
+    it, not the line in epsilons), amplification (against carried), gap_amplification (0 where
+    nothing completed before, or the call takes no float input: an error that arrives from no
+    dumped call cannot be judged), clean_gap and done (completion order; never finished: last)."""
     pair = calls["pair"].astype(np.int64)
     out_err, n = calls["out_err"], len(calls)
     width = int(max(pre.max(initial=0), post.max(initial=0))) + 2
@@ -519,6 +517,7 @@ def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Colum
     # clean-input error is its kernels' noise compounded); one that carries an error in, against
     # that, as any call: the noise line is drawn from such cells, composites among them.
     carried = np.where(calls["in_err"] > 0, calls["in_err"], inside)
+    carries = (calls["in_err"] > 0) | (inside > calls["floor"])  # judged by the line, not in epsilons
     # Where nothing before it differs, a gap inside such a parent is judged as a call with
     # bit-identical inputs is (an attention whose own forward reads a corrupted cache after its
     # v_proj); not where the error may come from whole modules no hook saw since the token ids
@@ -528,7 +527,8 @@ def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Colum
     gap = np.where(judged, _ratio(calls["in_err"], np.maximum(before, calls["floor"])), 0.0)
     return Columns({**{name: calls[name] for name in calls.names}, "inside": inside, "before": before, "after": after,
                     "carried": carried, "amplification": _ratio(out_err, np.maximum(carried, calls["floor"])),
-                    "gap_amplification": gap, "clean_gap": clean_gap, "parent": np.where(local, parent, -1)})
+                    "gap_amplification": gap, "clean_gap": clean_gap, "parent": np.where(local, parent, -1),
+                    "carries": carries, "done": done})
 
 
 def _parents(pair: np.ndarray, pre: np.ndarray, done: np.ndarray) -> np.ndarray:
@@ -548,11 +548,10 @@ def _parents(pair: np.ndarray, pre: np.ndarray, done: np.ndarray) -> np.ndarray:
     return parent
 
 
-def _enclosing(pair: np.ndarray, pre: np.ndarray, post: np.ndarray, cell: int, after: int) -> int:
+def _enclosing(pair: np.ndarray, pre: np.ndarray, done: np.ndarray, cell: int, after: int) -> int:
     """The innermost cell of the same pair that started before the gap (after the cell ``after``
     completed, before ``cell`` started) and had not completed when it ended; -1 if none."""
-    start = post[after] if after >= 0 else pre[cell]
-    done = np.where(post >= 0, post, np.iinfo(np.int64).max)
+    start = done[after] if after >= 0 else pre[cell]
     around = np.nonzero((pair == pair[cell]) & (pre < start) & (done > pre[cell]))[0]
     return int(around[np.argmax(pre[around])]) if len(around) else -1
 

@@ -12,7 +12,8 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .report import GAP_CODE, NOISE_ONLY, fmt_num, noise_place, noise_place_parts, unstored_text
+from .report import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, fmt_num, input_error, noise_place,  # noqa: F401
+                     noise_place_parts, unstored_text)
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -217,13 +218,6 @@ def gap_note(culprit: dict) -> str:
     if not culprit.get("gap_before"):
         return ""
     return f" (in {noise_place(culprit)}: {GAP_CODE})"
-
-
-def input_error(culprit: dict) -> str:
-    """The 'input error' cell: a gap's is the error before it; a parent's, with its children's."""
-    if culprit.get("inside_err"):
-        return f"{fmt_num(culprit['in_err'])} (calls inside it: up to {fmt_num(culprit['inside_err'])})"
-    return fmt_num(culprit["in_err"])
 
 
 # ---- MoE routing flips ---------------------------------------------------------------------

@@ -148,7 +148,7 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> str:
             len(groups), "culprit groups"))
     if verdict["not_comparable"]:
         items = verdict["not_comparable"]
-        out.append(f"<h2>Not comparable{suffix} ({len(items)} calls: the tensors named are not compared row by row; a call is judged on the rest, if any)</h2>" + table(
+        out.append(f"<h2>Not comparable{suffix} ({len(items)} calls: {esc(rc.NOT_COMPARABLE_NOTE)})</h2>" + table(
             ["call", "why"], ([code(n["call"]), code(n["why"])] for n in items), len(items), "calls"))
     if verdict["nonfinite"]:
         items = verdict["nonfinite"]

@@ -153,7 +153,7 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
                      [[str(g["rows"]), code(g["call"], True), code(g["cls"], True)] for g in groups]) + more + [""]
     if verdict["not_comparable"]:
         items, more = capped(verdict["not_comparable"], "calls")
-        out += [f"### Not comparable{suffix} ({len(verdict['not_comparable'])} calls: the tensors named are not compared row by row; a call is judged on the rest, if any)", ""]
+        out += [f"### Not comparable{suffix} ({len(verdict['not_comparable'])} calls: {rc.NOT_COMPARABLE_NOTE})", ""]
         out += table(["call", "why"], [[code(n["call"], True), code(n["why"], True)] for n in items]) + more + [""]
     if verdict["nonfinite"]:
         items, more = capped(verdict["nonfinite"], "tensors")

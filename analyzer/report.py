@@ -20,7 +20,12 @@ def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
     or in the code no hook saw between the call completed last and the one whose input shows it."""
     if not c.get("gap_before"):
         return [("at ", False), (c["call"], True), (" [", False), (c["cls"], True), ("]", False)]
-    parts = [("in code not dumped", False)]
+    return [("in ", False), *_gap_parts(c)]
+
+
+def _gap_parts(c: dict) -> List[Tuple[str, bool]]:
+    """'code not dumped[ inside P], between A and B' (or 'before B') as (text, is_name) pieces."""
+    parts = [("code not dumped", False)]
     if c["call"] != c["gap_before"]:
         parts += [(" inside ", False), (c["call"], True)]
     if c.get("gap_after"):
@@ -29,20 +34,31 @@ def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
 
 
 def noise_place(culprit: dict) -> str:
-    """noise_place_parts in plain words, without the at/in: the call, or the code not dumped."""
+    """Where a culprit's error is, in plain words without at/in: the call, or the code not dumped."""
     if not culprit.get("gap_before"):
         return culprit["call"]
-    return "".join(piece for piece, _ in noise_place_parts(culprit))[len("in "):]
+    return "".join(piece for piece, _ in _gap_parts(culprit))
+
+
+def input_error(culprit: dict) -> str:
+    """A culprit's input error; a call judged against its children's errors says those too."""
+    if culprit.get("inside_err"):
+        return f"{fmt_num(culprit['in_err'])} (calls inside it: up to {fmt_num(culprit['inside_err'])})"
+    return fmt_num(culprit["in_err"])
 
 
 def noise_errors(culprit: dict) -> str:
     """A culprit's figures in words."""
     if culprit.get("gap_before"):
         return (f"error of what that code was given {fmt_num(culprit['in_err'])}, of what it made "
-                f"{fmt_num(culprit['out_err'])} (the input of {culprit['gap_before']}), amplification >= {fmt_num(culprit['amplification'])}x")
-    inside = f" (calls inside it: up to {fmt_num(culprit['inside_err'])})" if culprit.get("inside_err") else ""
-    return (f"input error {fmt_num(culprit['in_err'])}{inside}, output error {fmt_num(culprit['out_err'])}, "
+                f"{fmt_num(culprit['out_err'])} (the input of {culprit['gap_before']}), "
+                f"amplification >= {fmt_num(culprit['amplification'])}x")
+    return (f"input error {input_error(culprit)}, output error {fmt_num(culprit['out_err'])}, "
             f"amplification >= {fmt_num(culprit['amplification'])}x")
+
+
+# Said after the count of calls that could not be compared, in every report alike.
+NOT_COMPARABLE_NOTE = "the tensors named are not compared row by row; a call is judged on the rest, if any"
 
 
 def to_json(result: dict) -> str:
@@ -172,7 +188,7 @@ def to_text(result: dict) -> str:
         if verdict.get("routing_flips"):
             out += routing_lines(verdict["routing_flips"])
         if verdict["not_comparable"]:
-            out.append(f"not comparable ({len(verdict['not_comparable'])} calls: the tensors named are not compared row by row; a call is judged on the rest, if any):")
+            out.append(f"not comparable ({len(verdict['not_comparable'])} calls: {NOT_COMPARABLE_NOTE}):")
             out += [f"  {n['call']}: {n['why']}" for n in verdict["not_comparable"][:8]]
         if verdict["nonfinite"]:
             out.append("non-finite values (NaN/Inf), compared bit by bit:")

@@ -131,7 +131,8 @@ class HFAdapter:
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
-        bound.update(bound.pop(self._var_keyword, None) or {} if self._var_keyword else {})
+        if self._var_keyword:  # names passed through the forward's **catch-all
+            bound.update(bound.pop(self._var_keyword, None) or {})
         # an encoder-decoder's rows are its decoder's: generate runs the encoder itself, then
         # calls forward with decoder_input_ids and encoder_outputs only
         decoder = bound.get("decoder_input_ids") is not None
