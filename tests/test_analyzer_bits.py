@@ -448,3 +448,44 @@ def test_row_keys_follow_branches_and_refuse_a_position_computed_twice_in_one_pa
                                                  (1, 2, "q", 6, 31, "extend", 1, 2), (1, 3, "q", 7, 32, "extend", 1, 2)]))
     assert tree["key"].tolist()[5:7] == chain[5:6] + [keys[6]] and tree["key"].tolist()[7:] == [None, None]
     assert any("computes position 6 of sequence q twice" in n for n in notes)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.isdir("/proc/self/fd"), reason="Linux read-ahead hints")
+def test_index_build_asks_for_the_passes_it_will_read_first_and_no_more(tmp_path, monkeypatch):
+    """While the command imports numpy and pyarrow, the kernel is asked for the first bytes of
+    the dumps to index, in the order the build reads them (pass 10 after pass 9), within a byte
+    budget; a dump whose index is saved is left alone unless it is rebuilt."""
+    from analyzer import readahead
+    from analyzer.indexfiles import STAMP_FILE, index_folder
+    sizes = {("ref", 0, 0): 300, ("ref", 0, 9): 100, ("ref", 0, 10): 100, ("ref", 1, 0): 100, ("dec", 0, 0): 100}
+    for (dump, rank, n), size in sizes.items():
+        folder = tmp_path / dump / f"rank{rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"pass-{n:06d}.safetensors").write_bytes(b"\0" * size)
+    (tmp_path / "ref" / "rank0" / "manifest.jsonl").write_text("")
+    (tmp_path / "ref" / "rank0" / ".pass-000011.safetensors.tmp").write_bytes(b"\0" * 100)
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, advice: asked.append(
+        (os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path), at, n, advice)))
+    readahead.passes_ahead([str(tmp_path / "ref"), str(tmp_path / "dec")], budget=550).join()
+    need = os.POSIX_FADV_WILLNEED
+    assert asked == [("ref/rank0/pass-000000.safetensors", 0, 300, need), ("ref/rank0/pass-000009.safetensors", 0, 100, need),
+                     ("ref/rank0/pass-000010.safetensors", 0, 100, need), ("ref/rank1/pass-000000.safetensors", 0, 50, need)]
+    stamp = os.path.join(index_folder(str(tmp_path / "ref")), STAMP_FILE)
+    os.makedirs(os.path.dirname(stamp))
+    open(stamp, "w").close()
+    asked.clear()
+    readahead.passes_ahead([str(tmp_path / "ref"), str(tmp_path / "dec")], budget=550).join()
+    assert [path for path, *_ in asked] == ["dec/rank0/pass-000000.safetensors"]
+    assert readahead.passes_ahead([str(tmp_path / "ref")]) is None
+    asked.clear()
+    readahead.passes_ahead([str(tmp_path / "ref")], rebuild=True, budget=150).join()
+    assert asked == [("ref/rank0/pass-000000.safetensors", 0, 150, need)]
+    # the commands that build an index ask before they import the build
+    from click.testing import CliRunner
+    from analyzer.cli import main
+    called = []
+    monkeypatch.setattr(readahead, "passes_ahead", lambda dumps, rebuild=False: called.append((list(dumps), rebuild)))
+    for args in (["index", "--rebuild", "A", "B"], ["first-divergence", "A", "B", "--noise", "C"]):
+        CliRunner().invoke(main, args)
+    assert called == [(["A", "B"], True), (["A", "B", "C"], False)]
