@@ -196,9 +196,8 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
     """
     fmt = output_format(fmt, output)
     from .indexfiles import saved_index_files
-    from .readahead import passes_ahead, will_need
+    from .readahead import will_need
     will_need(saved_index_files([reference, test]))  # fetched from storage while numpy and pyarrow import
-    passes_ahead([reference, test, *([noise_repeat] if noise_repeat else [])], rebuild=rebuild_index)
     from .diverge import first_divergence
     result = first_divergence(reference, test, trust_alignment=trust_alignment, allow_mismatch=allow_mismatch,
                               progress=not no_progress, rebuild_index=rebuild_index, rank=rank, atol=atol, rtol=rtol,
@@ -267,8 +266,6 @@ def index_cmd(dumps, rebuild, no_progress):
     Exit status: 0 indexed, 2 trouble (a damaged dump: one line on stderr).
     Example: dumpdiff index /tmp/dumper/ref /tmp/dumper/dec
     """
-    from .readahead import passes_ahead
-    passes_ahead(dumps, rebuild=rebuild)  # the disk reads while numpy and pyarrow import
     from .index import load_indexes
     from .load import open_dump, show
     opened = [open_dump(dump) for dump in dumps]
