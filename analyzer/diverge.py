@@ -14,7 +14,7 @@ from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
 from .errors import DumpError
 from .index import load_indexes
 from .load import Dump, open_dump, show
-from .report import GAP_CODE, NOISE_ONLY, noise_place
+from .report import GAP_CODE, NOISE_ONLY, input_error, noise_place
 from .memtune import keep_freed_memory
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
@@ -218,8 +218,7 @@ def summarize(verdict: dict) -> str:
             why = (f"output error {top['out_err']:.3g} from bit-identical inputs, {top['amplification']:.3g} {unit}, "
                    "beyond what another summation order makes")
         else:
-            inside = f" (the calls inside it: up to {top['inside_err']:.3g})" if top.get("inside_err") else ""
-            why = (f"output error {top['out_err']:.3g} from input error {top['in_err']:.3g}{inside}, "
+            why = (f"output error {top['out_err']:.3g} from input error {input_error(top)}, "
                    f"{top['amplification']:.3g}x amplification, far beyond float noise")
         if top.get("gap_before"):
             parts.append(f"A real error is introduced in {noise_place(top)} on {top['rows']} rows{sampled} ({kinds}): "
