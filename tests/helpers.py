@@ -48,10 +48,11 @@ def left_padded(prompts):
     return ids, mask
 
 
-def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, **generate_kwargs):
-    """Dump 'dec' (one left-padded batch of prompts of these lengths, pad id 0, generated
-    together) and 'ref' (each prompt+output alone, unpadded). Returns (prompts, ref, dec)."""
-    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in lengths]
+def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prompts=None, **generate_kwargs):
+    """Dump 'dec' (one left-padded batch of prompts of these lengths, or these token-id lists;
+    pad id 0, generated together) and 'ref' (each prompt+output alone, unpadded). Returns
+    (prompts, ref, dec)."""
+    prompts = prompts or [prompt_ids(n, seed=n)[0].tolist() for n in lengths]
     ids, mask = left_padded(prompts)
     width = ids.shape[1]
     handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec"))
