@@ -21,8 +21,10 @@ LENGTHS = (33, 53, 96)  # left-padded to 96: slot 80 holds a real token in every
 
 
 def python_source() -> torch.Tensor:
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    paths = sysconfig.get_paths()  # the standard library's sources, then the installed packages' (an image may strip one)
+    files = sorted(glob.glob(os.path.join(paths["stdlib"], "*.py"))) + sorted(glob.glob(os.path.join(paths["purelib"], "*", "*.py")))
     text = b"".join(open(path, "rb").read() for path in files)[:4_000_000]
+    assert len(text) > 1_000_000, "too little Python source on this machine to train on"
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() + BYTE_OFFSET
 
 
