@@ -90,6 +90,20 @@ def find_token_dims(shape: Sequence[int], token_shape: Sequence[int], n_seqs: in
     return None, None, f"no dim matches the pass's token layout {list(token_shape)}"
 
 
+def rows_per_token(shape: Sequence[int], token_shape: Sequence[int], cls: str) -> Optional[int]:
+    """k when a norm's tensor holds k rows per token row, token-major: a flat-token engine's
+    per-head norm (sglang's Qwen3 q_norm and k_norm take q.reshape(-1, head_dim), [T*heads, D]).
+    A norm works on each row alone, so the only reason for it to see k*T rows is that reshape
+    of a [T, ...] tensor, whose rows stay token by token. Limited to norm modules: elsewhere a
+    k*T-row tensor may be a buffer sorted another way (MoE tokens grouped by expert)."""
+    if len(token_shape) != 1 or len(shape) < 2 or "Norm" not in cls:
+        return None
+    tokens, first = token_shape[0], shape[0]
+    if tokens <= 0 or first <= tokens or first % tokens:
+        return None
+    return first // tokens
+
+
 def storage_key(tensor: torch.Tensor):
     """Identity of a tensor's current contents: equal keys mean equal bytes (PyTorch counts every
     in-place write in the version; one that bypasses it, through .data or a numpy view, is not

@@ -71,7 +71,9 @@ def tensor_name(call: str, io: str, slot: str) -> str:
 #   token_dims: the dims that, moved to the front and flattened, give one row per token row.
 #   rows "last": the tensor has one row per sequence, its last token row (e.g. logits kept
 #   only for the last position).  alias: identical to an earlier captured tensor of the same
-#   pass (same storage, same version), stored once under that name.
+#   pass (same storage, same version), stored once under that name.  held_as: the shape the
+#   module saw, when it is not "shape": a flat engine's per-head norm gets [T*k, D], k rows
+#   per token row in token order, and is stored as the view [T, k, D] (token_dims [0]).
 PASS_KEYS = ("pass", "step", "rank", "mode", "tokens", "seqs", "token_shape", "calls")
 
 MODES = ("prefill", "extend", "decode", "mixed", "unknown")

@@ -371,12 +371,20 @@ class Dumper:
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
         info = current.info
+        key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
         dims, rows, why = capture.find_token_dims(tensor.shape, info.token_shape, current.n_seqs)
+        held_as = None
+        if dims is None:
+            per_token = capture.rows_per_token(tensor.shape, info.token_shape, call.cls)
+            if per_token:  # stored as [T, k, ...] (a view): one row per token row, like any other tensor
+                held_as, tensor = list(tensor.shape), tensor.unflatten(0, (-1, per_token))
+                dims, rows = [0], "all"
         meta = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
                 "token_dims": dims, "rows": rows}
         if dims is None:
             meta["why"] = why
-        key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
+        if held_as is not None:
+            meta["held_as"] = held_as
         alias, ref = current.seen.get(key, (None, None))  # None is never stored: no alias then
         if alias is not None and ref() is not None:
             meta["alias"] = alias

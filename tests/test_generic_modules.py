@@ -364,3 +364,103 @@ def test_removing_a_handle_twice_leaves_a_newer_install_alone(tmp_path):
         model(torch.tensor([[3, 4]]))
     second.remove()
     assert (tmp_path / "second" / "rank0" / fmt.pass_file_name(0)).is_file()
+
+
+HEADS = 4
+
+
+class HeadNorm(torch.nn.RMSNorm):
+    """RMSNorm over one head's features; ``bug``: wrong on one-token (decode) passes."""
+    bug = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * 1.01 if self.bug and x.shape[0] == HEADS else y
+
+
+class FlatAttn(torch.nn.Module):
+    """Attention over flat token rows [T, D] with per-head q/k norms applied as sglang's Qwen3
+    does: to q.reshape(-1, head_dim), [T*heads, head_dim]."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.q_norm, self.k_norm = HeadNorm(dim // HEADS), HeadNorm(dim // HEADS)
+
+    def forward(self, x, cache, positions):
+        tokens, dim = x.shape
+        q, k, v = self.qkv(x).split(dim, -1)
+        q = self.q_norm(q.reshape(-1, dim // HEADS)).view(tokens, dim)
+        k = self.k_norm(k.reshape(-1, dim // HEADS)).view(tokens, dim)
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k]), torch.cat([cache["v"], v])
+            cache["k"], cache["v"] = k, v
+        heads = lambda t: t.view(t.shape[0], HEADS, -1).transpose(0, 1)  # noqa: E731
+        scores = heads(q) @ heads(k).transpose(1, 2) / math.sqrt(dim // HEADS)
+        hidden = torch.arange(k.shape[0])[None, :] > positions[:, None]  # cache slot j holds position j
+        out = scores.masked_fill(hidden, float("-inf")).softmax(-1) @ heads(v)
+        return self.o(out.transpose(0, 1).reshape(tokens, dim))
+
+
+class FlatLM(torch.nn.Module):
+    """An engine-style model: one sequence as flat token rows, forward(ids [T], positions [T], caches)."""
+
+    def __init__(self, dim=32, layers=2):
+        super().__init__()
+        self.embed, self.pos = torch.nn.Embedding(V, dim), torch.nn.Embedding(64, dim)
+        self.norms = torch.nn.ModuleList([torch.nn.RMSNorm(dim) for _ in range(layers)])
+        self.attns = torch.nn.ModuleList([FlatAttn(dim) for _ in range(layers)])
+        self.head = torch.nn.Linear(dim, V)
+
+    def forward(self, ids, positions, caches=None):
+        x = self.embed(ids) + self.pos(positions)
+        for i, (norm, attn) in enumerate(zip(self.norms, self.attns)):
+            x = x + attn(norm(x), None if caches is None else caches[i], positions)
+        return self.head(x)
+
+
+def flat_generate_and_reference(model, root, prompt, new_tokens, **config):
+    handle = dumper.install(model, DumperConfig(dir=str(root), cleanup_previous=True, **config))
+    try:
+        with torch.no_grad():
+            handle.configure(enable=True, exp_name="dec")
+            caches = [{} for _ in model.attns]
+            out = prompt
+            logits = model(prompt, torch.arange(len(prompt)), caches)
+            for _ in range(new_tokens):
+                out = torch.cat([out, logits[-1:].argmax(-1)])
+                logits = model(out[-1:], torch.tensor([len(out) - 1]), caches)
+            handle.configure(exp_name="ref")
+            model(out, torch.arange(len(out)))
+    finally:
+        handle.remove()
+    return root / "ref", root / "dec"
+
+
+@pytest.mark.parametrize("config", [{}, {"last_rows": 5}], ids=["all rows", "last rows"])
+def test_a_per_head_norm_of_a_flat_engine_is_compared_token_by_token(tmp_path, config):
+    """sglang's Qwen3 normalizes q and k per head on [T*heads, head_dim]: no dim has the pass's
+    T rows, and the norms were listed as not comparable, so a bug in them was blamed on code
+    around them. A norm's k*T rows are held as [T, k, head_dim], one row per token row: a
+    decode-only error in layer 1's q_norm is named there, and a clean run names nothing."""
+    torch.manual_seed(0)
+    model = FlatLM().eval()
+    prompt = torch.randint(0, V, (12,))
+    ref, dec = flat_generate_and_reference(model, tmp_path / "clean", prompt, 5, **config)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert not any("q_norm" in c or "k_norm" in c for c in verdict["not_comparable"]), verdict["not_comparable"]
+    assert verdict["noise"]["culprits"] == [], verdict["summary"]
+    meta, stored = read_pass(str(dec / "rank0" / "pass-000000.safetensors"))
+    q_norm = next(c for c in meta["calls"] if c["call"] == "attns.0.q_norm#0")["tensors"]["attns.0.q_norm#0.in.0"]
+    assert q_norm["held_as"] == [12 * HEADS, 8] and q_norm["shape"] == [12, HEADS, 8] and q_norm["token_dims"] == [0]
+    kept = 5 if config else 12  # last_rows keeps the prefill's last 5 token rows, each with all its heads
+    assert list(stored["attns.0.q_norm#0.in.0"].shape) == [kept, HEADS, 8]
+
+    model.attns[1].q_norm.bug = True
+    ref, dec = flat_generate_and_reference(model, tmp_path / "bug", prompt, 5, **config)
+    code, result = first_divergence_json(ref, dec)
+    culprits = result["ranks"]["0"]["noise"]["culprits"]
+    assert code == 1 and [c["call"] for c in culprits] == ["attns.1.q_norm#0"], result["ranks"]["0"]["summary"]
+    assert culprits[0]["kinds"] == {"decode": 5}
