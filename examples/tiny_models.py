@@ -21,6 +21,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -73,6 +75,11 @@ def make_tiny_llama(path, seed: int = 0, dtype: str = "float32", **overrides) ->
     """Write a random 2-layer Llama (GQA 4 query / 2 kv heads) to `path`; any LlamaConfig
     field can be overridden, e.g. num_hidden_layers=4.  Returns the path."""
     return _save(LlamaForCausalLM, LlamaConfig(**{**_SMALL, **overrides}), path, seed, dtype)
+
+
+def make_tiny_qwen3(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """Write a random 2-layer dense Qwen3 (per-head q_norm and k_norm) to `path`; runs on sglang CPU."""
+    return _save(Qwen3ForCausalLM, Qwen3Config(**{**_SMALL, "head_dim": 16, **overrides}), path, seed, dtype)
 
 
 def make_tiny_qwen3_moe(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:

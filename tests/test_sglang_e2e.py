@@ -16,6 +16,7 @@ import os
 import pytest
 
 from helpers import dumpdiff, first_divergence_json, make_tiny_llama, prompt_ids
+from tiny_models import make_tiny_qwen3
 from sglang_server import sglang_fixture
 
 pytestmark = pytest.mark.sglang
@@ -114,3 +115,23 @@ def test_tensor_parallel_two_ranks(sglang, model_dir, tmp_path):
     for verdict in result["ranks"].values():
         assert verdict["alignment"]["unaligned_b"] == 0 and "bit-identical" in verdict["alignment"]["proof"][1]
     assert result["diverged_ranks"] == sorted(int(r) for r, v in result["ranks"].items() if v["rows_differing"])
+
+
+def test_a_per_head_norm_bug_in_qwen3_is_named_at_the_norm(sglang, tmp_path):
+    """sglang's Qwen3 applies q_norm and k_norm to [T*heads, head_dim]. They are compared token
+    by token (held as [T, heads, head_dim]), so a decode-only error in layer 1's q_norm is named
+    there, not blamed on the attention around it, and nothing else is named."""
+    model = make_tiny_qwen3(tmp_path / "qwen3", num_hidden_layers=2)
+    dumps = tmp_path / "dumps"
+    server = sglang(model, env=workflow_env(dumps, DUMPDIFF_PLANT="q_norm:1"))
+    try:
+        dump_decode_and_reference(server, [prompt_ids(n, seed=n)[0].tolist() for n in (7, 12)])
+    finally:
+        server.stop()  # one server less held until the module's end
+    code, result = first_divergence_json(dumps / "ref", dumps / "dec")
+    verdict = result["ranks"]["0"]
+    assert code == 1 and verdict["alignment"]["unaligned_b"] == 0
+    assert not any("_norm" in n["call"] for n in verdict["not_comparable"]), verdict["not_comparable"]
+    culprits = verdict["noise"]["culprits"]
+    assert [c["call"] for c in culprits] == ["model.layers.1.self_attn.q_norm#0"], verdict["summary"]
+    assert culprits[0]["kinds"] == {"decode": 2 * 5}  # every decode row: 6 new tokens, the last never fed back

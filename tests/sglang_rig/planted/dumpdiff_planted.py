@@ -6,6 +6,9 @@ DUMPDIFF_PLANT=prefix_kv:L       a cache-restore bug: when an extend pass restor
 DUMPDIFF_PLANT=batch_variant:L   a batch-variant kernel: layer L's mlp.down_proj output is
                                  computed differently (scaled by 1 + 2**-9) when the pass has
                                  exactly one token row, as a GEMM kernel chosen by M would.
+DUMPDIFF_PLANT=q_norm:L          a decode-only error in a per-head norm: layer L's
+                                 self_attn.q_norm output (Qwen3: [T*heads, head_dim]) is scaled
+                                 by 1 + 2**-7 in decode passes.
 
 Without DUMPDIFF_PLANT the plugin does nothing.
 """
@@ -20,8 +23,8 @@ def load():
     if not spec:
         return
     kind, _, layer = spec.partition(":")
-    if kind not in ("prefix_kv", "batch_variant") or not layer.isdigit():
-        raise ValueError(f"DUMPDIFF_PLANT={spec!r}: expected prefix_kv:<layer> or batch_variant:<layer>")
+    if kind not in ("prefix_kv", "batch_variant", "q_norm") or not layer.isdigit():
+        raise ValueError(f"DUMPDIFF_PLANT={spec!r}: expected prefix_kv:<layer>, batch_variant:<layer> or q_norm:<layer>")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def after_load(result, model_runner, *args, **kwargs):
@@ -29,6 +32,10 @@ def load():
         if kind == "prefix_kv":
             model_layer.self_attn.attn.register_forward_pre_hook(_corrupt_restored_prefix(model_runner, int(layer)),
                                                                  with_kwargs=True)
+        elif kind == "q_norm":
+            decoding = _decode_flag(model_runner.model.model)  # the runner calls the outer model's forward: no hooks run
+            model_layer.self_attn.q_norm.register_forward_hook(
+                lambda module, args, output: output * (1 + 2 ** -7) if decoding[0] else None)
         else:
             model_layer.mlp.down_proj.register_forward_hook(_batch_variant)
         return result
@@ -57,6 +64,17 @@ def _corrupt_restored_prefix(model_runner, layer):
                     corrupted[slot] = keys[slot].clone()
 
     return hook
+
+
+def _decode_flag(model):
+    """[whether the pass running now is a decode pass], kept by a pre-hook on the decoder stack."""
+    flag = [False]
+
+    def hook(module, args, kwargs):
+        batch = kwargs.get("forward_batch") or next((a for a in args if hasattr(a, "forward_mode")), None)
+        flag[0] = batch is not None and batch.forward_mode.is_decode()
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return flag
 
 
 def _batch_variant(module, args, output):
