@@ -57,6 +57,7 @@ class _Pass:
         self.exp_dir = exp_dir
         self.calls: List[_Call] = []
         self.open: Dict[str, List[_Call]] = {}
+        self.nesting: List[_Call] = []  # the calls open now, outermost first
         self.counts: Dict[str, int] = {}
         self.order = 0
         self.tensors: Dict[str, torch.Tensor] = {}
@@ -81,6 +82,12 @@ class Dumper:
         self._hook_handles: list = []
         self._hooked_filter: Optional[str] = None
         self._paths = {module: path for path, module in model.named_modules()}
+        # A module object registered under several parents (sglang builds one rotary_emb per
+        # shape and gives it to every layer) is named after the parent whose call it runs in.
+        self._shared: Dict[torch.nn.Module, List[str]] = {}
+        for path, module in model.named_modules(remove_duplicate=False):
+            if path != self._paths.get(module):
+                self._shared.setdefault(module, [self._paths[module]]).append(path)
         self._cleaned: set = set()
         self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
@@ -333,12 +340,15 @@ class Dumper:
         if current is None or self._pass_thread != threading.get_ident():
             return
         path = self._paths.get(module, "")
+        if module in self._shared:
+            path = self._placed(current, self._shared[module], path)
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
         call = _Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
         current.order += 1
         current.calls.append(call)
         current.open.setdefault(path, []).append(call)
+        current.nesting.append(call)
         self._capture(current, call, "in", list(capture.unique_slots(
             list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))))
 
@@ -347,12 +357,28 @@ class Dumper:
         if current is None or self._pass_thread != threading.get_ident():
             return
         stack = current.open.get(self._paths.get(module, ""))
+        if module in self._shared:  # the name its pre-hook chose: the latest call open under any of its names
+            stack = max((current.open.get(p) or [] for p in self._shared[module]),
+                        key=lambda open_calls: open_calls[-1].pre if open_calls else -1)
         if not stack:
             return
         call = stack.pop()
+        if current.nesting and current.nesting[-1] is call:
+            current.nesting.pop()
+        elif call in current.nesting:  # a call that ended out of order (an exception inside it)
+            current.nesting.remove(call)
         call.post = current.order
         current.order += 1
         self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output, output=True))))
+
+    @staticmethod
+    def _placed(current: "_Pass", names: List[str], first: str) -> str:
+        """Of a shared module's names, the one under the innermost open call that holds one; else its first."""
+        for call in reversed(current.nesting):  # the innermost first: a filter may leave the direct parent out
+            under = [name for name in names if name.startswith(call.module + ".")]
+            if under:
+                return under[0]
+        return first
 
     def _capture(self, current: _Pass, call: _Call, io: str, leaves):
         for slot, value in leaves:

@@ -464,3 +464,20 @@ def test_a_per_head_norm_of_a_flat_engine_is_compared_token_by_token(tmp_path, c
     culprits = result["ranks"]["0"]["noise"]["culprits"]
     assert code == 1 and [c["call"] for c in culprits] == ["attns.1.q_norm#0"], result["ranks"]["0"]["summary"]
     assert culprits[0]["kinds"] == {"decode": 5}
+
+
+def test_a_module_shared_by_layers_is_named_after_the_layer_it_runs_in(tmp_path):
+    """One module object given to every layer (sglang builds one rotary_emb per shape) used to
+    be named after the first layer: layer 1's call read 'attns.0.q_norm#1'. It is named under the
+    call it runs in, so a report's names say which layer ran it."""
+    torch.manual_seed(0)
+    model = FlatLM().eval()
+    shared = HeadNorm(8)
+    for attn in model.attns:
+        attn.q_norm = shared
+    ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 3)
+    meta, _ = read_pass(str(dec / "rank0" / "pass-000000.safetensors"))
+    names = [c["call"] for c in meta["calls"] if "q_norm" in c["call"]]
+    assert names == ["attns.0.q_norm#0", "attns.1.q_norm#0"]
+    code, result = first_divergence_json(ref, dec)
+    assert code in (0, 1) and result["ranks"]["0"]["alignment"]["unaligned_b"] == 0
