@@ -47,6 +47,13 @@ class _Call:
         return meta
 
 
+def _names_under(path: str) -> Dict[str, str]:
+    """{each ancestor's path: path}: 'a.b.c' -> {'a.b': 'a.b.c', 'a': 'a.b.c'} (a filter may
+    leave the direct parent unhooked, so any open ancestor places the call)."""
+    parts = path.split(".")
+    return {".".join(parts[:i]): path for i in range(len(parts) - 1, 0, -1)}
+
+
 class _Pass:
     """Everything captured during one forward pass of the root module."""
 
@@ -84,10 +91,13 @@ class Dumper:
         self._paths = {module: path for path, module in model.named_modules()}
         # A module object registered under several parents (sglang builds one rotary_emb per
         # shape and gives it to every layer) is named after the parent whose call it runs in.
-        self._shared: Dict[torch.nn.Module, List[str]] = {}
+        # module -> {the path of each of its parents and their ancestors: its name under it}
+        self._shared: Dict[torch.nn.Module, Dict[str, str]] = {}
         for path, module in model.named_modules(remove_duplicate=False):
             if path != self._paths.get(module):
-                self._shared.setdefault(module, [self._paths[module]]).append(path)
+                under = self._shared.setdefault(module, _names_under(self._paths[module]))
+                for prefix, name in _names_under(path).items():
+                    under.setdefault(prefix, name)
         self._cleaned: set = set()
         self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
@@ -340,8 +350,9 @@ class Dumper:
         if current is None or self._pass_thread != threading.get_ident():
             return
         path = self._paths.get(module, "")
-        if module in self._shared:
-            path = self._placed(current, self._shared[module], path)
+        if module in self._shared:  # named under the innermost open call that holds one of its paths
+            under = self._shared[module]
+            path = next((under[c.module] for c in reversed(current.nesting) if c.module in under), path)
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
         call = _Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
@@ -357,9 +368,10 @@ class Dumper:
         if current is None or self._pass_thread != threading.get_ident():
             return
         stack = current.open.get(self._paths.get(module, ""))
-        if module in self._shared:  # the name its pre-hook chose: the latest call open under any of its names
-            stack = max((current.open.get(p) or [] for p in self._shared[module]),
-                        key=lambda open_calls: open_calls[-1].pre if open_calls else -1)
+        if module in self._shared:  # the name its pre-hook chose: its innermost open call's
+            names = {*self._shared[module].values(), self._paths[module]}
+            opened = next((c for c in reversed(current.nesting) if c.module in names), None)
+            stack = current.open.get(opened.module) if opened is not None else None
         if not stack:
             return
         call = stack.pop()
@@ -370,15 +382,6 @@ class Dumper:
         call.post = current.order
         current.order += 1
         self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output, output=True))))
-
-    @staticmethod
-    def _placed(current: "_Pass", names: List[str], first: str) -> str:
-        """Of a shared module's names, the one under the innermost open call that holds one; else its first."""
-        for call in reversed(current.nesting):  # the innermost first: a filter may leave the direct parent out
-            under = [name for name in names if name.startswith(call.module + ".")]
-            if under:
-                return under[0]
-        return first
 
     def _capture(self, current: _Pass, call: _Call, io: str, leaves):
         for slot, value in leaves:

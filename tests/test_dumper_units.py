@@ -367,3 +367,34 @@ def test_an_output_dataclass_of_any_size_is_opened_an_input_state_object_is_not(
     assert call["tensors"]["logits#0.out.next_token_logits"]["alias"] == "logits.head#0.out.0"  # stored once
     assert torch.equal(tensors["logits.head#0.out.0"], out.next_token_logits)
     assert call["skipped"] == {"in.1": "WideState"}
+
+
+def test_a_module_shared_at_the_top_level_and_deeper_keeps_every_call_closed(tmp_path):
+    """A module registered both at the root's top level and under a block is named under the
+    block when the block calls it, under its top-level name otherwise; every call is closed."""
+    class Block(torch.nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.act = act
+
+        def forward(self, x):
+            return self.act(x)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = torch.nn.Tanh()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.block = Block(self.act)
+
+        def forward(self, input_ids):
+            return self.block(self.act(self.emb(input_ids)))
+
+    model = Net().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="x"))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    handle.remove()
+    meta, _ = read_pass(str(tmp_path / "x" / "rank0" / "pass-000000.safetensors"))
+    calls = {c["call"]: c for c in meta["calls"]}
+    assert {"act#0", "block.act#0"} <= set(calls) and all(c["post"] is not None for c in calls.values())
