@@ -357,8 +357,11 @@ def _call_info(b: Index, names) -> Dict[str, tuple]:
     return info
 
 
-def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[RowTable] = None) -> dict:
+def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[RowTable] = None,
+                   uncompared: Optional[Dict[str, str]] = None) -> dict:
+    """``uncompared``: uncompared_calls' answer, when the caller has it."""
     table = row_table(alignment, a, b) if table is None else table
+    uncompared = uncompared_calls(table, a, b) if uncompared is None else uncompared
     pairs = alignment.cols
     calls = table.calls
     per_call = _per_call(table, b)
@@ -368,7 +371,8 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
 
     compared = int(np.count_nonzero(np.diff(table["pair"])) + 1) if len(table["pair"]) else 0  # ordered by pair
     verdict = {"rows_compared": compared, "rows_unstored": int(len(pairs)) - compared, "rows_differing": int(len(first_dirty)),
-               "not_comparable": not_comparable(table, a, b), "nonfinite": nonfinite(table),
+               "not_comparable": [{"call": c, "why": w} for c, w in list(uncompared.items())[:MAX_LISTED * 5]],
+               "nonfinite": nonfinite(table),
                "culprit": None, "per_row": [], "groups": []}
     verdict.update(calls_timeline(per_call, calls, b))
     if not len(row_culprit):
@@ -582,9 +586,9 @@ def ulp_distance(ref: np.ndarray, test: np.ndarray, dtype: DType, finite: np.nda
     return max(abs(int(x) - int(y)) for x, y in zip(ordered(ref), ordered(test)))  # beyond int64: Python ints
 
 
-def not_comparable(table: RowTable, a: Index, b: Index) -> List[dict]:
-    """Calls with tensors that cannot be compared row by row, and why."""
-    found = {}
+def uncompared_calls(table: RowTable, a: Index, b: Index) -> Dict[str, str]:
+    """Every call with a tensor that cannot be compared row by row -> why (its first such tensor)."""
+    found: Dict[str, str] = {}
     mismatched = table.entries(~table["comparable"])
     seen = set()
     for tensor, call, shape_a, shape_b in mismatched.rows(("tensor", "call", "rowshape_a", "rowshape_b")):
@@ -597,7 +601,7 @@ def not_comparable(table: RowTable, a: Index, b: Index) -> List[dict]:
             if why is not None and why == why and tensor not in seen:  # why == why: not NaN
                 seen.add(tensor)
                 found.setdefault(call, f"{tensor}: {why}")
-    return [{"call": c, "why": w} for c, w in list(found.items())[:MAX_LISTED * 5]]
+    return found
 
 
 def nonfinite(table: RowTable) -> List[dict]:

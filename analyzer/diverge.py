@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 
 from .align import align, metadata_only, prove, row_selection_hint
-from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict
+from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict, uncompared_calls
 from .errors import DumpError
 from .index import load_indexes
 from .load import Dump, open_dump, show
@@ -68,7 +68,8 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             _warn(result, f"{alignment.ambiguous_b} token rows of {show(dump_b.label)} are not compared: "
                   f"{alignment.ambiguous_note}")
         table = row_table(alignment, ia, ib)
-        verdict = strict_verdict(alignment, ia, ib, table)
+        uncompared = uncompared_calls(table, ia, ib)
+        verdict = strict_verdict(alignment, ia, ib, table, uncompared)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean
             raise DumpError(_nothing_compared(len(alignment.cols), ia, ib))
         if verdict.get("unattributed"):
@@ -83,7 +84,8 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             flips = routing_flips(alignment, ia, ib, table, dump_a.run, flipped_rows)
             if flips:
                 verdict["routing_flips"] = flips
-            verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r), flipped_rows)
+            verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r), flipped_rows,
+                                             set(uncompared))
             verdict["summary"] = summarize(verdict)
         verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
                                 "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,

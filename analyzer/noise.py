@@ -356,9 +356,10 @@ def derive_threshold(calls: Columns) -> dict:
 
 
 def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
-                  floor_by_call: Optional[Dict[str, float]] = None, flips=()) -> dict:
+                  floor_by_call: Optional[Dict[str, float]] = None, flips=(), uncompared=frozenset()) -> dict:
     """``flips``: (router call, MoE block module, paired rows whose experts flipped at a near tie,
-    their logits' relative errors), from analyzer/moe.py."""
+    their logits' relative errors), from analyzer/moe.py. ``uncompared``: the names of calls with
+    a tensor that cannot be compared row by row (a gap that holds one names it)."""
     pair_ids = sample_pairs(alignment.cols)
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
@@ -440,6 +441,9 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
         }
         if key[1]:
             culprit.update(gap_after=key[2], gap_before=key[3])
+            held = _uncompared_in_gap(calls_b, culprit, uncompared)
+            if held:
+                culprit["gap_uncompared"] = held
         elif culprit["in_err"] == 0 and calls["carries"][group].any():  # judged against its children
             culprit["inside_err"] = float(calls["inside"][group].max())
         verdict["culprits"].append(culprit)
@@ -459,6 +463,30 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
                                                                           dtype=object))]
     verdict["top_jumps"] = sorted(jumps, key=lambda j: -j["amplification"])[:8]
     return verdict
+
+
+def _uncompared_in_gap(calls_b: Columns, culprit: dict, uncompared) -> list:
+    """The dumped calls that could not be compared and ran before a gap's 'before' call, inside
+    the call that holds the gap (else after its 'after' call), in B's first pass that has the
+    'before' call. Not only those after 'after': an error made on one path (q) shows only where
+    the paths meet (o_proj), after calls on another path (k_norm) completed clean."""
+    if not uncompared:
+        return []
+    names = calls_b["call"]
+    first = np.nonzero(names == culprit["gap_before"])[0]
+    if not len(first):
+        return []
+    here = np.nonzero(calls_b["pass"] == calls_b["pass"][first[0]])[0]
+    at = dict(zip(names[here].tolist(), here.tolist()))
+    pre, post = calls_b["pre"], calls_b["post"]
+    if culprit["call"] != culprit["gap_before"] and culprit["call"] in at:
+        start = pre[at[culprit["call"]]]
+    elif culprit.get("gap_after") in at:
+        start = post[at[culprit["gap_after"]]]
+    else:
+        start = -1
+    end = pre[at[culprit["gap_before"]]]
+    return [name for name, i in at.items() if name in uncompared and start < pre[i] and 0 <= post[i] < end][:MAX_LISTED]
 
 
 def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Columns, float_inputs: np.ndarray) -> Columns:

@@ -12,7 +12,8 @@ NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not
 
 
 # Where a gap (an error made between dumped calls) can be: said by every report alike.
-GAP_CODE = "a module's own forward between its children, or modules left out by DUMPER_FILTER"
+GAP_CODE = ("a module's own forward between its children, modules left out by DUMPER_FILTER, or a dumped call "
+            "that could not be compared")
 
 
 def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
@@ -24,8 +25,14 @@ def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
 
 
 def _gap_parts(c: dict) -> List[Tuple[str, bool]]:
-    """'code not dumped[ inside P], between A and B' (or 'before B') as (text, is_name) pieces."""
+    """'code not dumped[ or not compared (X, Y)][ inside P], between A and B' (or 'before B') as
+    (text, is_name) pieces."""
     parts = [("code not dumped", False)]
+    if c.get("gap_uncompared"):
+        parts += [(" or not compared (", False)]
+        for k, name in enumerate(c["gap_uncompared"]):
+            parts += [(", ", False)] * bool(k) + [(name, True)]
+        parts += [(")", False)]
     if c["call"] != c["gap_before"]:
         parts += [(" inside ", False), (c["call"], True)]
     if c.get("gap_after"):

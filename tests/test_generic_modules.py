@@ -390,7 +390,8 @@ class FlatAttn(torch.nn.Module):
     def forward(self, x, cache, positions):
         tokens, dim = x.shape
         q, k, v = self.qkv(x).split(dim, -1)
-        q = self.q_norm(q.reshape(-1, dim // HEADS)).view(tokens, dim)
+        q = self.q_norm(q.reshape(-1, dim // HEADS))
+        q = (self.q_scale(q) if hasattr(self, "q_scale") else q).view(tokens, dim)
         k = self.k_norm(k.reshape(-1, dim // HEADS)).view(tokens, dim)
         if cache is not None:
             if "k" in cache:
@@ -481,3 +482,27 @@ def test_a_module_shared_by_layers_is_named_after_the_layer_it_runs_in(tmp_path)
     assert names == ["attns.0.q_norm#0", "attns.1.q_norm#0"]
     code, result = first_divergence_json(ref, dec)
     assert code in (0, 1) and result["ranks"]["0"]["alignment"]["unaligned_b"] == 0
+
+
+class HeadScale(torch.nn.Module):
+    """Not a norm: its [T*heads, head_dim] rows are not compared. ``bug``: wrong on decode passes."""
+    bug = False
+
+    def forward(self, x):
+        return x * 1.01 if self.bug and x.shape[0] == HEADS else x
+
+
+def test_a_gap_that_holds_a_call_not_compared_names_it(tmp_path):
+    """An error made in a dumped call that cannot be compared row by row shows as a gap between
+    the compared calls around it; the report names that call, not only 'code not dumped'."""
+    torch.manual_seed(0)
+    model = FlatLM().eval()
+    model.attns[1].q_scale = HeadScale()  # runs on q_norm's output, [T*heads, head_dim]
+    model.attns[1].q_scale.bug = True
+    ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 5)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert any(n["call"] == "attns.1.q_scale#0" for n in verdict["not_comparable"])
+    culprits = verdict["noise"]["culprits"]
+    assert [c.get("gap_uncompared") for c in culprits] == [["attns.1.q_scale#0"]], verdict["summary"]
+    assert "code not dumped or not compared (attns.1.q_scale#0)" in verdict["summary"]
