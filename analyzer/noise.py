@@ -43,6 +43,11 @@ MAD_FACTOR = 8.0
 # than a call (a corrupted KV cache read there: 2e4x; a 0.1% error in an unhooked MLP: 1e3x).
 MIN_GAP_AMPLIFICATION = 100.0
 MIN_ULPS = 8.0  # an introduced error must be at least this many epsilons of its row's magnitude
+# A float32 output from bit-identical inputs: another reduction order moves it by tens of
+# epsilons where a reduction cancels (a decode kernel sums attention keys in another order than
+# the prefill one: 17.7 epsilons on a trained tiny Llama on the real sglang server, growing with
+# |q||k|, head size and context). Such a call is judged as code no hook saw is.
+MIN_CLEAN_FLOAT32 = MIN_GAP_AMPLIFICATION
 EPS_ACCUMULATE = eps(BY_NAME["float32"])  # kernels accumulate in float32 whatever they output
 
 
@@ -382,8 +387,14 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
         if (calls["eps"] > EPS_ACCUMULATE).any():  # the rule for 16-bit outputs, said where there are some
             rule["clean_input_16bit"] = float(clean_input_line(rule["amplification"], eps(BY_NAME["bfloat16"])))
         # carried noise gets the line; bit-identical inputs (and children within an epsilon of
-        # them: a bfloat16 attention whose o_proj moved under an ulp) the line in epsilons
-        clean_line = np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"]))
+        # them: a bfloat16 attention whose o_proj moved under an ulp) the line in epsilons, 8 for a
+        # 16-bit output, MIN_CLEAN_FLOAT32 for a float32 one
+        float32_line = max(rule["amplification"], MIN_CLEAN_FLOAT32)
+        if (calls["eps"] <= EPS_ACCUMULATE).any():
+            rule["clean_input_float32"] = float32_line
+        clean_line = np.where(calls["eps"] > EPS_ACCUMULATE,
+                              np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])),
+                              float32_line)
         line = np.where(calls["carries"], rule["amplification"], clean_line)
         introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
         # a 16-bit gap from bit-identical values: the rounding argument of clean_input_line holds

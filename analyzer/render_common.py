@@ -193,6 +193,9 @@ def noise_rule(noise: dict) -> str:
                + (f"; a call with bit-identical inputs and a 16-bit output, above {fmt_num(rule['clean_input_16bit'])} "
                   "epsilons (another float32 summation order moves it an ulp or two)"
                   if rule.get("clean_input_16bit") else "")
+               + (f"; a call with bit-identical inputs and a float32 output, above {fmt_num(rule['clean_input_float32'])} "
+                  "epsilons (another order of a reduction that cancels moves it by tens)"
+                  if rule.get("clean_input_float32") else "")
                + (f"; in code no hook saw (between dumped calls), a jump above {fmt_num(rule['gap_amplification'])}x"
                   if rule.get("gap_amplification") else ""))
     if rule.get("floor_from_repeat"):

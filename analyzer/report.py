@@ -8,7 +8,7 @@ from typing import List, Tuple
 # What a divergence with no call beyond float noise is (the summary and every report say it alike).
 NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
               "the line (30x or more its input error; from bit-identical inputs, 8 epsilons of a 16-bit output, 6% of "
-              "the row in bfloat16), which cannot be told from noise.")
+              "the row in bfloat16, or 100 of a float32 one), which cannot be told from noise.")
 
 
 # Where a gap (an error made between dumped calls) can be: said by every report alike.
@@ -129,6 +129,8 @@ def noise_lines(noise: dict) -> List[str]:
               (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")" + \
               (f"; from bit-identical inputs, a 16-bit output > {rule['clean_input_16bit']:.3g} epsilons"
                if rule.get("clean_input_16bit") else "") + \
+              (f"; from bit-identical inputs, a float32 output > {rule['clean_input_float32']:.3g} epsilons"
+               if rule.get("clean_input_float32") else "") + \
               (f"; between dumped calls > {rule['gap_amplification']:.3g}x" if rule.get("gap_amplification") else "")
     sampled = "" if noise["rows_examined"] == noise["rows_total"] else f", {noise['rows_examined']} of {noise['rows_total']} rows sampled"
     lines = [f"noise-aware verdict ({how}{sampled}):"]
