@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -359,9 +359,9 @@ def _call_info(b: Index, names) -> Dict[str, tuple]:
 
 def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[RowTable] = None,
                    uncompared: Optional[Dict[str, str]] = None) -> dict:
-    """``uncompared``: uncompared_calls' answer, when the caller has it."""
+    """``uncompared``: uncompared_calls' first answer, when the caller has it."""
     table = row_table(alignment, a, b) if table is None else table
-    uncompared = uncompared_calls(table, a, b) if uncompared is None else uncompared
+    uncompared = uncompared_calls(table, a, b)[0] if uncompared is None else uncompared
     pairs = alignment.cols
     calls = table.calls
     per_call = _per_call(table, b)
@@ -586,22 +586,29 @@ def ulp_distance(ref: np.ndarray, test: np.ndarray, dtype: DType, finite: np.nda
     return max(abs(int(x) - int(y)) for x, y in zip(ordered(ref), ordered(test)))  # beyond int64: Python ints
 
 
-def uncompared_calls(table: RowTable, a: Index, b: Index) -> Dict[str, str]:
-    """Every call with a tensor that cannot be compared row by row -> why (its first such tensor)."""
+def uncompared_calls(table: RowTable, a: Index, b: Index) -> Tuple[Dict[str, str], Set[str]]:
+    """Every call with a tensor that cannot be compared row by row -> why (its first such
+    tensor), and the calls among them with such an output (whose own error cannot be seen)."""
     found: Dict[str, str] = {}
+    outputs: Set[str] = set()
+
+    def add(tensor: str, call: str, why: str):
+        found.setdefault(call, f"{tensor}: {why}")
+        if tensor.startswith(call + ".out."):
+            outputs.add(call)
     mismatched = table.entries(~table["comparable"])
     seen = set()
     for tensor, call, shape_a, shape_b in mismatched.rows(("tensor", "call", "rowshape_a", "rowshape_b")):
         if tensor not in seen:
             seen.add(tensor)
-            found.setdefault(call, f"{tensor}: row shape {shape_a} vs {shape_b}")
+            add(tensor, call, f"row shape {shape_a} vs {shape_b}")
     for index in (b, a):
         seen = set()
         for tensor, call, why in index.cols("tensors").rows(("tensor", "call", "why")):
             if why is not None and why == why and tensor not in seen:  # why == why: not NaN
                 seen.add(tensor)
-                found.setdefault(call, f"{tensor}: {why}")
-    return found
+                add(tensor, call, why)
+    return found, outputs
 
 
 def nonfinite(table: RowTable) -> List[dict]:

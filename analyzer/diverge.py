@@ -68,7 +68,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             _warn(result, f"{alignment.ambiguous_b} token rows of {show(dump_b.label)} are not compared: "
                   f"{alignment.ambiguous_note}")
         table = row_table(alignment, ia, ib)
-        uncompared = uncompared_calls(table, ia, ib)
+        uncompared, unseen_outputs = uncompared_calls(table, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table, uncompared)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean
             raise DumpError(_nothing_compared(len(alignment.cols), ia, ib))
@@ -85,7 +85,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             if flips:
                 verdict["routing_flips"] = flips
             verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r), flipped_rows,
-                                             set(uncompared))
+                                             unseen_outputs)
             verdict["summary"] = summarize(verdict)
         verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
                                 "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,

@@ -247,14 +247,16 @@ def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, traits: tu
     # outputs may cover the last row only, as generate's logits do).
     in_err = np.where(float_inputs[ccode], _running_max(in_err, ccode, seq, pos),
                       np.maximum(in_err, _earlier_rows_max(out_err, seq, pos)))
-    out_eps = np.fmax(np.where(np.isnan(out_eps), eps(BY_NAME["float32"]), out_eps), precision[ccode])
+    float_out = ~np.isnan(out_eps)
+    out_eps = np.fmax(np.where(float_out, out_eps, eps(BY_NAME["float32"])), precision[ccode])
     floors = np.array([floor_by_call.get(c, 0.0) for c in table.calls.tolist()] or [0.0])
     floor = np.maximum(out_eps, floors[ccode])
     return Columns({
         "pair": pair, "ccode": ccode, "in_err": in_err, "out_err": out_err,
         "in_exceeds": np.bincount(cell_of[is_in & errors["exceeds"]], minlength=n) > 0,
         "out_exceeds": np.bincount(cell_of[is_out & errors["exceeds"]], minlength=n) > 0,
-        "eps": out_eps, "floor": floor, "amplification": _ratio(out_err, np.maximum(in_err, floor))})
+        "eps": out_eps, "float_out": float_out, "floor": floor,
+        "amplification": _ratio(out_err, np.maximum(in_err, floor))})
 
 
 def _ratio(out_err: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -364,7 +366,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
                   floor_by_call: Optional[Dict[str, float]] = None, flips=(), uncompared=frozenset()) -> dict:
     """``flips``: (router call, MoE block module, paired rows whose experts flipped at a near tie,
     their logits' relative errors), from analyzer/moe.py. ``uncompared``: the names of calls with
-    a tensor that cannot be compared row by row (a gap that holds one names it)."""
+    an output that cannot be compared row by row (a gap that holds one names it)."""
     pair_ids = sample_pairs(alignment.cols)
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
@@ -390,7 +392,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
         # them: a bfloat16 attention whose o_proj moved under an ulp) the line in epsilons, 8 for a
         # 16-bit output, MIN_CLEAN_FLOAT32 for a float32 one
         float32_line = max(rule["amplification"], MIN_CLEAN_FLOAT32)
-        if (calls["eps"] <= EPS_ACCUMULATE).any():
+        if ((calls["eps"] <= EPS_ACCUMULATE) & calls["float_out"]).any():  # said where there are float32 outputs
             rule["clean_input_float32"] = float32_line
         clean_line = np.where(calls["eps"] > EPS_ACCUMULATE,
                               np.minimum(rule["amplification"], clean_input_line(rule["amplification"], calls["eps"])),
@@ -452,7 +454,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
         }
         if key[1]:
             culprit.update(gap_after=key[2], gap_before=key[3])
-            held = _uncompared_in_gap(calls_b, culprit, uncompared)
+            held = _uncompared_in_gap(calls_b, int(pairs["pass_b"][rows[0]]), culprit, uncompared)
             if held:
                 culprit["gap_uncompared"] = held
         elif culprit["in_err"] == 0 and calls["carries"][group].any():  # judged against its children
@@ -476,19 +478,17 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     return verdict
 
 
-def _uncompared_in_gap(calls_b: Columns, culprit: dict, uncompared) -> list:
-    """The dumped calls that could not be compared and ran before a gap's 'before' call, inside
-    the call that holds the gap (else after its 'after' call), in B's first pass that has the
-    'before' call. Not only those after 'after': an error made on one path (q) shows only where
-    the paths meet (o_proj), after calls on another path (k_norm) completed clean."""
+def _uncompared_in_gap(calls_b: Columns, pass_b: int, culprit: dict, uncompared) -> list:
+    """The dumped calls whose output could not be compared and that ran before a gap's 'before'
+    call, inside the call that holds the gap (else after its 'after' call), in the pass of B
+    where the gap was first seen. Not only those after 'after': an error made on one path (q)
+    shows only where the paths meet (o_proj), after calls on another path (k_norm) ran clean."""
     if not uncompared:
         return []
-    names = calls_b["call"]
-    first = np.nonzero(names == culprit["gap_before"])[0]
-    if not len(first):
+    here = np.nonzero(calls_b["pass"] == pass_b)[0]
+    at = dict(zip(calls_b["call"][here].tolist(), here.tolist()))
+    if culprit["gap_before"] not in at:
         return []
-    here = np.nonzero(calls_b["pass"] == calls_b["pass"][first[0]])[0]
-    at = dict(zip(names[here].tolist(), here.tolist()))
     pre, post = calls_b["pre"], calls_b["post"]
     if culprit["call"] != culprit["gap_before"] and culprit["call"] in at:
         start = pre[at[culprit["call"]]]

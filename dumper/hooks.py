@@ -91,11 +91,16 @@ class Dumper:
         self._paths = {module: path for path, module in model.named_modules()}
         # A module object registered under several parents (sglang builds one rotary_emb per
         # shape and gives it to every layer) is named after the parent whose call it runs in.
-        # module -> {the path of each of its parents and their ancestors: its name under it}
-        self._shared: Dict[torch.nn.Module, Dict[str, str]] = {}
-        for path, module in model.named_modules(remove_duplicate=False):
+        # module -> ({the path of each of its parents and their ancestors: its name under it}, its names)
+        self._shared: Dict[torch.nn.Module, tuple] = {}
+        try:
+            every_path = list(model.named_modules(remove_duplicate=False))
+        except RecursionError:  # a module that contains itself: each keeps its first name
+            every_path = []
+        for path, module in every_path:
             if path != self._paths.get(module):
-                under = self._shared.setdefault(module, _names_under(self._paths[module]))
+                under, names = self._shared.setdefault(module, (_names_under(self._paths[module]), {self._paths[module]}))
+                names.add(path)
                 for prefix, name in _names_under(path).items():
                     under.setdefault(prefix, name)
         self._cleaned: set = set()
@@ -351,7 +356,7 @@ class Dumper:
             return
         path = self._paths.get(module, "")
         if module in self._shared:  # named under the innermost open call that holds one of its paths
-            under = self._shared[module]
+            under = self._shared[module][0]
             path = next((under[c.module] for c in reversed(current.nesting) if c.module in under), path)
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
@@ -369,7 +374,7 @@ class Dumper:
             return
         stack = current.open.get(self._paths.get(module, ""))
         if module in self._shared:  # the name its pre-hook chose: its innermost open call's
-            names = {*self._shared[module].values(), self._paths[module]}
+            names = self._shared[module][1]
             opened = next((c for c in reversed(current.nesting) if c.module in names), None)
             stack = current.open.get(opened.module) if opened is not None else None
         if not stack:
@@ -400,7 +405,6 @@ class Dumper:
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
         info = current.info
-        key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
         dims, rows, why = capture.find_token_dims(tensor.shape, info.token_shape, current.n_seqs)
         held_as = None
         if dims is None:
@@ -414,6 +418,9 @@ class Dumper:
             meta["why"] = why
         if held_as is not None:
             meta["held_as"] = held_as
+        # of the tensor as stored (its shape is in the key): a norm's [T, k, ...] view is never
+        # taken for an earlier capture of the same [T*k, ...] storage, whose rows are laid out otherwise
+        key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
         alias, ref = current.seen.get(key, (None, None))  # None is never stored: no alias then
         if alias is not None and ref() is not None:
             meta["alias"] = alias

@@ -398,3 +398,25 @@ def test_a_module_shared_at_the_top_level_and_deeper_keeps_every_call_closed(tmp
     meta, _ = read_pass(str(tmp_path / "x" / "rank0" / "pass-000000.safetensors"))
     calls = {c["call"]: c for c in meta["calls"]}
     assert {"act#0", "block.act#0"} <= set(calls) and all(c["post"] is not None for c in calls.values())
+
+
+def test_a_model_that_contains_itself_installs_and_dumps(tmp_path):
+    """A submodule holding its parent (a cycle) makes named_modules(remove_duplicate=False)
+    recurse without end; the shared-module naming gives up and every module keeps its first name."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.back = torch.nn.Module()
+
+        def forward(self, input_ids):
+            return self.emb(input_ids)
+
+    model = Net().eval()
+    model.back.net = model
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="x"))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    handle.remove()
+    meta, _ = read_pass(str(tmp_path / "x" / "rank0" / "pass-000000.safetensors"))
+    assert [c["call"] for c in meta["calls"]] == ["<root>#0", "emb#0"]

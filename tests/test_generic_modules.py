@@ -390,8 +390,9 @@ class FlatAttn(torch.nn.Module):
     def forward(self, x, cache, positions):
         tokens, dim = x.shape
         q, k, v = self.qkv(x).split(dim, -1)
-        q = self.q_norm(q.reshape(-1, dim // HEADS))
-        q = (self.q_scale(q) if hasattr(self, "q_scale") else q).view(tokens, dim)
+        q = self.q_norm(self.split(q) if hasattr(self, "split") else q.reshape(-1, dim // HEADS))
+        scaled = hasattr(self, "q_scale") and (tokens == 1 or not self.q_scale.decode_only)
+        q = (self.q_scale(q) if scaled else q).view(tokens, dim)
         k = self.k_norm(k.reshape(-1, dim // HEADS)).view(tokens, dim)
         if cache is not None:
             if "k" in cache:
@@ -485,20 +486,24 @@ def test_a_module_shared_by_layers_is_named_after_the_layer_it_runs_in(tmp_path)
 
 
 class HeadScale(torch.nn.Module):
-    """Not a norm: its [T*heads, head_dim] rows are not compared. ``bug``: wrong on decode passes."""
-    bug = False
+    """Not a norm: its [T*heads, head_dim] rows are not compared. ``bug``: wrong on decode passes;
+    ``decode_only``: called in decode passes only."""
+    bug = decode_only = False
 
     def forward(self, x):
         return x * 1.01 if self.bug and x.shape[0] == HEADS else x
 
 
-def test_a_gap_that_holds_a_call_not_compared_names_it(tmp_path):
+@pytest.mark.parametrize("decode_only", [False, True], ids=["every pass", "decode passes only"])
+def test_a_gap_that_holds_a_call_not_compared_names_it(tmp_path, decode_only):
     """An error made in a dumped call that cannot be compared row by row shows as a gap between
-    the compared calls around it; the report names that call, not only 'code not dumped'."""
+    the compared calls around it; the report names that call, not only 'code not dumped', also
+    when it runs in decode passes only (the gap's calls are read from the pass it was seen in)."""
     torch.manual_seed(0)
     model = FlatLM().eval()
     model.attns[1].q_scale = HeadScale()  # runs on q_norm's output, [T*heads, head_dim]
     model.attns[1].q_scale.bug = True
+    model.attns[1].q_scale.decode_only = decode_only
     ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 5)
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
@@ -506,3 +511,54 @@ def test_a_gap_that_holds_a_call_not_compared_names_it(tmp_path):
     culprits = verdict["noise"]["culprits"]
     assert [c.get("gap_uncompared") for c in culprits] == [["attns.1.q_scale#0"]], verdict["summary"]
     assert "code not dumped or not compared (attns.1.q_scale#0)" in verdict["summary"]
+
+
+class Split(torch.nn.Module):
+    """Not a norm: returns its input as [T*heads, head_dim] rows. ``bug``: wrong on decode passes."""
+    bug = False
+
+    def forward(self, q):
+        rows = q.reshape(-1, q.shape[-1] // HEADS)
+        return rows * 1.01 if self.bug and q.shape[0] == 1 else rows
+
+
+def test_a_norms_grouped_input_is_not_taken_for_the_same_rows_captured_ungrouped(tmp_path):
+    """A hooked module hands the norm its [T*heads, d] output: the same storage, captured first
+    ungrouped. The norm's grouped input was stored as an alias of it, read as [T, heads, d] rows
+    it does not have, and the norm was named for the error its input already carried."""
+    torch.manual_seed(0)
+    model = FlatLM().eval()
+    for attn in model.attns:
+        attn.split = Split()
+    model.attns[1].split.bug = True
+    ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 5)
+    code, result = first_divergence_json(ref, dec)
+    calls = [c["call"] for c in result["ranks"]["0"]["noise"]["culprits"]]
+    assert code == 1 and "attns.1.q_norm#0" not in calls, result["ranks"]["0"]["summary"]
+    meta, _ = read_pass(str(dec / "rank0" / "pass-000000.safetensors"))
+    q_norm = next(c for c in meta["calls"] if c["call"] == "attns.0.q_norm#0")["tensors"]["attns.0.q_norm#0.in.0"]
+    assert "alias" not in q_norm and q_norm["held_as"] == [12 * HEADS, 8]
+
+
+class BetweenLayersLM(FlatLM):
+    """A decode-only error in the model's own code between its layers."""
+
+    def forward(self, ids, positions, caches=None):
+        x = self.embed(ids) + self.pos(positions)
+        for i, (norm, attn) in enumerate(zip(self.norms, self.attns)):
+            x = x + attn(norm(x), None if caches is None else caches[i], positions)
+            x = x * 1.01 if i == 0 and len(ids) == 1 else x
+        return self.head(x)
+
+
+def test_a_gap_does_not_name_a_call_whose_output_was_compared(tmp_path):
+    """A layer takes its KV cache as a tensor that cannot be compared, but its output is compared:
+    it is the gap's last clean call, not a call the gap holds."""
+    torch.manual_seed(0)
+    model = BetweenLayersLM().eval()
+    ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 5)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert any(n["call"] == "attns.0#0" for n in verdict["not_comparable"])  # its cache input
+    culprits = verdict["noise"]["culprits"]
+    assert [(c.get("gap_after"), c.get("gap_uncompared")) for c in culprits] == [("attns.0#0", None)], verdict["summary"]
