@@ -12,7 +12,7 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .report import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, fmt_num, input_error, noise_place,  # noqa: F401
+from .report import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, clean_unit, fmt_num, input_error, noise_place,  # noqa: F401
                      noise_place_parts, unstored_text)
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
@@ -191,10 +191,10 @@ def noise_rule(noise: dict) -> str:
                + (f" (median {fmt_num(rule['median'])}x)" if rule.get("median") is not None else "")
                + (f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons" if rule.get("min_ulps") else "")
                + (f"; a call with bit-identical inputs and a 16-bit output, above {fmt_num(rule['clean_input_16bit'])} "
-                  "epsilons (another float32 summation order moves it an ulp or two)"
+                  f"{clean_unit(rule)} (another float32 summation order moves it an ulp or two)"
                   if rule.get("clean_input_16bit") else "")
                + (f"; a call with bit-identical inputs and a float32 output, above {fmt_num(rule['clean_input_float32'])} "
-                  "epsilons (another order of a reduction that cancels moves it by tens)"
+                  f"{clean_unit(rule)} (another order of a reduction that cancels moves it by tens)"
                   if rule.get("clean_input_float32") else "")
                + (f"; in code no hook saw (between dumped calls), a jump above {fmt_num(rule['gap_amplification'])}x"
                   if rule.get("gap_amplification") else ""))

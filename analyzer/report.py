@@ -47,6 +47,12 @@ def noise_place(culprit: dict) -> str:
     return "".join(piece for piece, _ in _gap_parts(culprit))
 
 
+def clean_unit(rule: dict) -> str:
+    """What a line for calls with bit-identical inputs counts: epsilons of the output, or the
+    repeat run's floor of the call where one is given (--noise) and larger."""
+    return "epsilons (or repeat-run floors, if larger)" if rule.get("floor_from_repeat") else "epsilons"
+
+
 def input_error(culprit: dict) -> str:
     """A culprit's input error; a call judged against its children's errors says those too."""
     if culprit.get("inside_err"):
@@ -127,9 +133,9 @@ def noise_lines(noise: dict) -> List[str]:
     else:
         how = f"amplification > {rule['amplification']:.3g}x (derived from {rule['samples']} call errors of this run" + \
               (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")" + \
-              (f"; from bit-identical inputs, a 16-bit output > {rule['clean_input_16bit']:.3g} epsilons"
+              (f"; from bit-identical inputs, a 16-bit output > {rule['clean_input_16bit']:.3g} {clean_unit(rule)}"
                if rule.get("clean_input_16bit") else "") + \
-              (f"; from bit-identical inputs, a float32 output > {rule['clean_input_float32']:.3g} epsilons"
+              (f"; from bit-identical inputs, a float32 output > {rule['clean_input_float32']:.3g} {clean_unit(rule)}"
                if rule.get("clean_input_float32") else "") + \
               (f"; between dumped calls > {rule['gap_amplification']:.3g}x" if rule.get("gap_amplification") else "")
     sampled = "" if noise["rows_examined"] == noise["rows_total"] else f", {noise['rows_examined']} of {noise['rows_total']} rows sampled"

@@ -82,6 +82,8 @@ def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
     code, result = first_divergence_json(ref, dec, "--noise", tmp_path / "ref2")
     noise = result["ranks"]["0"]["noise"]
     assert noise["rule"]["floor_from_repeat"] and [c["call"] for c in noise["culprits"]] == ["model.layers.1.self_attn#0"]
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", tmp_path / "ref2", "--no-progress")
+    assert "a float32 output > 100 epsilons (or repeat-run floors, if larger)" in out  # the line's unit with a floor
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
     # the stale key is read in the attention's own forward, between its dumped children
     assert "noise-aware verdict" in out and ("introduced in code not dumped inside model.layers.1.self_attn#0, between "
