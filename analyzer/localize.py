@@ -190,7 +190,8 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
             "replay": figures, "threshold": threshold, "notes": notes, "pass_modes": modes,
             "divergence": diverge["divergence"], "strict_culprit": diverge.get("culprit"),
             "noise_culprits": noise, "summary": next((v.get("summary") for v in ranks if v.get("summary")), None),
-            "reading": reading(helper, diverge.get("culprit"), noise, figures["hit"], modes),
+            "reading": reading(helper, diverge.get("culprit"), noise, figures["hit"], modes,
+                               dtype=(diverge.get("b") or {}).get("dtype")),
             "timings": {"replay": round(replay_seconds, 3), "first_divergence": round(time.monotonic() - t1, 3)},
             "kl": _kl_brief(check) if check else None, "first_divergence": diverge}
 
@@ -205,11 +206,11 @@ def pass_modes(path: str) -> dict:
 
 
 def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True,
-            modes: Optional[dict] = None) -> Optional[str]:
+            modes: Optional[dict] = None, dtype: Optional[str] = None) -> Optional[str]:
     """Which culprit to look at first, and what the dumped path says about it. ``modes``: the
     pass modes of each dump ({"dec": {...}, "ref": {...}}, see pass_modes); an extend pass read a
     cached prefix. Without them the replay stands in (``hit``: the helper's cache state was
-    restored; match restores none)."""
+    restored; match restores none). ``dtype``: the decode run's model dtype."""
     if modes is None:
         dec_extend, ref_extend = (0 if helper == "match" or not hit else None), 0
     else:
@@ -239,7 +240,13 @@ def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True,
             text += f"; {strict['call']} (strict) is only where bits first flip, within float noise"
         return text
     if strict:
-        return f"no op adds an error beyond float noise: {strict['call']} is where batch-variance starts{caveat}"
+        text = f"no op adds an error beyond float noise: {strict['call']} is where batch-variance starts{caveat}"
+        if dtype in ("bfloat16", "float16") and helper != "match":
+            # past layer 0 the noise is about an epsilon of a 16-bit type: a cached key a little off hides under it
+            text += (f"; in {dtype} a state bug smaller than the noise already there cannot be seen (a stale cached "
+                     "key moved a trained model's attention by 0.29 epsilon under 0.8 of noise): if this helper is "
+                     "dirty, restart the server in float32 (--dtype float32) and localize again")
+        return text
     return None
 
 

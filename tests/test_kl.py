@@ -193,6 +193,9 @@ def test_localize_reading_follows_the_dumped_passes():
     hit = {"dec": {"extend": 1, "decode": 15}, "ref": {"prefill": 1}}
     assert "on the decode run's cache path (1 of its passes" in reading("prefill_cache_hit", strict, noise, True, hit)
     assert "not cache-free" in reading("match", strict, [], True, chunked)  # strict-only reading too
+    # a cache-hit helper dirty, nothing beyond noise in bfloat16: the bug may hide under 16-bit noise
+    assert "restart the server in float32" in reading("prefill_cache_hit", strict, [], True, hit, dtype="bfloat16")
+    assert "float32" not in reading("prefill_cache_hit", strict, [], True, hit, dtype="float32")
 
 
 def test_batch_variance_with_a_state_bug_on_top_is_noted():
