@@ -93,9 +93,10 @@ def find_token_dims(shape: Sequence[int], token_shape: Sequence[int], n_seqs: in
 def rows_per_token(shape: Sequence[int], token_shape: Sequence[int], cls: str) -> Optional[int]:
     """k when a norm's tensor holds k rows per token row, token-major: a flat-token engine's
     per-head norm (sglang's Qwen3 q_norm and k_norm take q.reshape(-1, head_dim), [T*heads, D]).
-    A norm works on each row alone, so the only reason for it to see k*T rows is that reshape
-    of a [T, ...] tensor, whose rows stay token by token. Limited to norm modules: elsewhere a
-    k*T-row tensor may be a buffer sorted another way (MoE tokens grouped by expert)."""
+    A norm works on each row alone, and in a flat engine its k*T rows come from that reshape of
+    a [T, ...] tensor, whose rows stay token by token (a head-major layout would be misread; none
+    is known). Limited to norm modules: elsewhere a k*T-row tensor may be a buffer sorted another
+    way (MoE tokens grouped by expert)."""
     if len(token_shape) != 1 or len(shape) < 2 or "Norm" not in cls:
         return None
     tokens, first = token_shape[0], shape[0]

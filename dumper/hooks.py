@@ -63,7 +63,6 @@ class _Pass:
         self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
         self.exp_dir = exp_dir
         self.calls: List[_Call] = []
-        self.open: Dict[str, List[_Call]] = {}
         self.nesting: List[_Call] = []  # the calls open now, outermost first
         self.counts: Dict[str, int] = {}
         self.order = 0
@@ -290,7 +289,7 @@ class Dumper:
 
     def _end_pass(self, output):
         current = self._pass
-        if self.config.non_intrusive_mode == "all" and current.open.get(""):
+        if self.config.non_intrusive_mode == "all" and any(c.module == "" for c in current.nesting):
             self._post(self.model, (), {}, output)
         self.adapter.after_pass(self.model, current.info, output)
         self._pass = self._pass_thread = None
@@ -363,7 +362,6 @@ class Dumper:
         call = _Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
         current.order += 1
         current.calls.append(call)
-        current.open.setdefault(path, []).append(call)
         current.nesting.append(call)
         self._capture(current, call, "in", list(capture.unique_slots(
             list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))))
@@ -372,17 +370,15 @@ class Dumper:
         current = self._pass
         if current is None or self._pass_thread != threading.get_ident():
             return
-        stack = current.open.get(self._paths.get(module, ""))
-        if module in self._shared:  # the name its pre-hook chose: its innermost open call's
-            names = self._shared[module][1]
-            opened = next((c for c in reversed(current.nesting) if c.module in names), None)
-            stack = current.open.get(opened.module) if opened is not None else None
-        if not stack:
+        # its innermost open call, under whichever of its names its pre-hook chose: the last one
+        # open, unless a call inside it ended without its post-hook
+        names = self._shared[module][1] if module in self._shared else (self._paths.get(module, ""),)
+        call = next((c for c in reversed(current.nesting) if c.module in names), None)
+        if call is None:
             return
-        call = stack.pop()
-        if current.nesting and current.nesting[-1] is call:
+        if current.nesting[-1] is call:
             current.nesting.pop()
-        elif call in current.nesting:  # a call that ended out of order (an exception inside it)
+        else:
             current.nesting.remove(call)
         call.post = current.order
         current.order += 1
