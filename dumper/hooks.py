@@ -64,6 +64,7 @@ class _Pass:
         self.exp_dir = exp_dir
         self.calls: List[_Call] = []
         self.nesting: List[_Call] = []  # the calls open now, outermost first
+        self.holders: List[str] = []  # the open calls of modules that place a shared module's calls
         self.counts: Dict[str, int] = {}
         self.order = 0
         self.tensors: Dict[str, torch.Tensor] = {}
@@ -87,6 +88,7 @@ class Dumper:
         self._pass: Optional[_Pass] = None
         self._hook_handles: list = []
         self._hooked_filter: Optional[str] = None
+        self._selected = compile_filter("")  # the hooked filter's predicate over (path, class name)
         self._paths = {module: path for path, module in model.named_modules()}
         # A module object registered under several parents (sglang builds one rotary_emb per
         # shape and gives it to every layer) is named after the parent whose call it runs in.
@@ -102,6 +104,14 @@ class Dumper:
                 names.add(path)
                 for prefix, name in _names_under(path).items():
                     under.setdefault(prefix, name)
+        # The modules whose open call places a shared module's call: hooked whatever the filter
+        # selects, so a filter that leaves layer k out still names (and leaves out) its call.
+        modules_at = dict(every_path)
+        self._holders: Dict[torch.nn.Module, str] = {}
+        for under, _ in self._shared.values():
+            for prefix in under:
+                if prefix in modules_at:
+                    self._holders.setdefault(modules_at[prefix], prefix)
         self._cleaned: set = set()
         self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
@@ -335,13 +345,29 @@ class Dumper:
 
     # --- module hooks ---------------------------------------------------------------------
     def _attach_hooks(self, filter_text: str):
-        selected = compile_filter(filter_text)
+        selected = self._selected = compile_filter(filter_text)
         for module, path in self._paths.items():
-            if module is self.model or not selected(path, type(module).__name__):
+            names = self._shared[module][1] if module in self._shared else (path,)
+            if module is self.model or not any(selected(name, type(module).__name__) for name in names):
                 continue
             self._hook_handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._hook_handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+        for module in self._holders:
+            self._hook_handles.append(module.register_forward_pre_hook(self._enter_holder))
+            self._hook_handles.append(module.register_forward_hook(self._leave_holder, always_call=True))
         self._hooked_filter = filter_text
+
+    def _enter_holder(self, module, args):
+        current = self._pass
+        if current is not None and self._pass_thread == threading.get_ident():
+            current.holders.append(self._holders[module])
+
+    def _leave_holder(self, module, args, output):
+        current = self._pass
+        if current is not None and self._pass_thread == threading.get_ident():
+            path = self._holders[module]
+            if path in current.holders:  # the last one: opened by this call
+                del current.holders[len(current.holders) - 1 - current.holders[::-1].index(path)]
 
     def _detach_hooks(self):
         for handle in self._hook_handles:
@@ -356,7 +382,9 @@ class Dumper:
         path = self._paths.get(module, "")
         if module in self._shared:  # named under the innermost open call that holds one of its paths
             under = self._shared[module][0]
-            path = next((under[c.module] for c in reversed(current.nesting) if c.module in under), path)
+            path = next((under[p] for p in reversed(current.holders) if p in under), path)
+            if not self._selected(path, type(module).__name__):  # hooked for another of its names
+                return
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
         call = _Call(fmt.call_name(path, index), path, type(module).__name__, current.order)

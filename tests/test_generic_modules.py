@@ -485,6 +485,23 @@ def test_a_module_shared_by_layers_is_named_after_the_layer_it_runs_in(tmp_path)
     assert code in (0, 1) and result["ranks"]["0"]["alignment"]["unaligned_b"] == 0
 
 
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_filter_selects_a_shared_modules_calls_by_the_layer_they_run_in(tmp_path, layer):
+    """DUMPER_FILTER matched a shared module by its first path only: a filter for layer 1 left
+    out layer 1's call of a norm first registered under layer 0, and a filter for layer 0
+    dumped layer 1's call too. Each call is selected by the name it runs under."""
+    torch.manual_seed(0)
+    model = FlatLM().eval()
+    shared = HeadNorm(8)
+    for attn in model.attns:
+        attn.q_norm = shared
+    ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 2,
+                                           filter=rf"attns\.{layer}\b")
+    for dump in (ref, dec):
+        meta, _ = read_pass(str(dump / "rank0" / "pass-000000.safetensors"))
+        assert [c["call"] for c in meta["calls"] if "q_norm" in c["call"]] == [f"attns.{layer}.q_norm#0"]
+
+
 class HeadScale(torch.nn.Module):
     """Not a norm: its [T*heads, head_dim] rows are not compared. ``bug``: wrong on decode passes;
     ``decode_only``: called in decode passes only."""
