@@ -188,6 +188,8 @@ def noise_rule(noise: dict) -> str:
     else:
         how = (f"amplification (output error / max(input error, floor)) above {fmt_num(rule['amplification'])}x, "
                f"derived from {rule['samples']} call errors of this run"
+               + (f" (leaving out {rule['left_out']} made after an error introduced on their row)"
+                  if rule.get("left_out") else "")
                + (f" (median {fmt_num(rule['median'])}x)" if rule.get("median") is not None else "")
                + (f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons" if rule.get("min_ulps") else "")
                + (f"; a call with bit-identical inputs and a 16-bit output, above {fmt_num(rule['clean_input_16bit'])} "

@@ -132,6 +132,7 @@ def noise_lines(noise: dict) -> List[str]:
         how = f"tolerance atol={rule['atol']} rtol={rule['rtol']}"
     else:
         how = f"amplification > {rule['amplification']:.3g}x (derived from {rule['samples']} call errors of this run" + \
+              (f", leaving out {rule['left_out']} made after an error introduced on their row" if rule.get("left_out") else "") + \
               (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")" + \
               (f"; from bit-identical inputs, a 16-bit output > {rule['clean_input_16bit']:.3g} {clean_unit(rule)}"
                if rule.get("clean_input_16bit") else "") + \

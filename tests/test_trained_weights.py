@@ -80,28 +80,36 @@ def test_clean_runs_of_a_trained_model_name_no_real_error(trained, tmp_path, dty
     assert "not a state bug" in verdict["summary"]
 
 
-def test_a_stale_cache_slot_in_a_trained_model_is_named(trained, tmp_path):
+@pytest.mark.parametrize("plant", ["stale", "perturbed"])
+def test_a_stale_cache_slot_in_a_trained_model_is_named(trained, tmp_path, plant):
     """At the first decode step, layer 1's cached key and value at slot 80 are overwritten by
-    slot 79's (a cache write that landed one slot off): every later row of every sequence reads
-    a wrong token there. The attention that reads the cache is named, behind layer-0 noise."""
+    slot 79's (a cache write that landed one slot off), or its key moves by 1% (a restore
+    that lost precision): every later row of every sequence reads a wrong token there. The
+    attention that reads the cache is named, behind layer-0 noise, on most decode rows: the
+    later layers' attention reads the damaged state too, and their jumps once raised the line
+    to 2600x, which left the 1% key named on 15 of 48 decode rows."""
     folder, prompts = trained
     model = load_model(folder, torch.float32)
 
-    def stale(module, args, kwargs):
+    def damage(module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # renamed in transformers 5.2x
         layer = getattr(cache, "layers", [None] * 2)[1] if cache is not None else None
         ids = kwargs.get("input_ids")
-        if layer is None or getattr(cache, "_stale", False) or ids is None or ids.shape[-1] != 1:
+        if layer is None or getattr(cache, "_damaged", False) or ids is None or ids.shape[-1] != 1:
             return
-        for tensor in (layer.keys, layer.values):
-            tensor[:, :, 80, :] = tensor[:, :, 79, :]
-        cache._stale = True
-    model.register_forward_pre_hook(stale, with_kwargs=True)
+        if plant == "stale":
+            for tensor in (layer.keys, layer.values):
+                tensor[:, :, 80, :] = tensor[:, :, 79, :]
+        else:
+            noise = torch.randn(layer.keys[:, :, 80, :].shape, generator=torch.Generator().manual_seed(0))
+            layer.keys[:, :, 80, :] *= 1 + 1e-2 * noise
+        cache._damaged = True
+    model.register_forward_pre_hook(damage, with_kwargs=True)
     _, ref, dec = dump_padded_batch(model, tmp_path, prompts=prompts, new_tokens=16)
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
     assert code == 1 and result["culprit"]["module"].startswith("model.layers.0.")  # strict: layer-0 batch variance
     culprits = verdict["noise"]["culprits"]
     assert [c["call"] for c in culprits] == ["model.layers.1.self_attn#0"], verdict["summary"]
-    decode_rows = [r for r in verdict["per_row"] if r["kind"] == "decode"]
-    assert culprits[0]["kinds"].get("decode", 0) >= len(decode_rows) // 2
+    decode_rows = len(prompts) * 16  # every decode step reads slot 80
+    assert culprits[0]["kinds"].get("decode", 0) >= 0.8 * decode_rows, (culprits[0]["kinds"], verdict["noise"]["rule"])
