@@ -19,7 +19,10 @@ from .config import ConfigError, DumperConfig
 log = logging.getLogger("dumper")
 
 METHODS = ("configure", "reset", "get_state")
-SETTABLE = tuple(f for f in DumperConfig.__dataclass_fields__ if f not in ("server_port", "queue_bytes"))
+# Not over HTTP: where the dumps go (DUMPER_DIR, fixed at launch: with DUMPER_SERVER_PORT=reuse
+# the route is on the engine's own port, which may listen beyond this host, and a request must
+# never make the server write, or clean up, files outside that folder) and the fixed resources.
+SETTABLE = tuple(f for f in DumperConfig.__dataclass_fields__ if f not in ("server_port", "queue_bytes", "dir"))
 
 
 def handle(dumper, method: str, body) -> dict:
@@ -30,6 +33,9 @@ def handle(dumper, method: str, body) -> dict:
         raise ConfigError("the request body must be a JSON object")
     if method == "configure":
         unknown = sorted(set(body) - set(SETTABLE))
+        if "dir" in body:
+            raise ConfigError("dir cannot be set at run time: set DUMPER_DIR before launching the server "
+                              "(a control request writes nothing outside it)")
         if unknown:
             raise ConfigError(f"unknown setting(s) {unknown}; settable: {', '.join(SETTABLE)}")
         return dumper.configure(**body)

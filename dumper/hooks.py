@@ -123,6 +123,8 @@ class Dumper:
         self._claim = threading.Lock()  # taken to claim a pass for a thread
         self._removed = False
         self._warned: set = set()  # warnings given once
+        # an engine's outputs whose rows are not its token rows though their count is (None: none known)
+        self._rows_not_aligned = getattr(adapter, "rows_not_aligned", lambda cls, name: None)
         self._wrap_root()
         self._announce()
 
@@ -430,6 +432,9 @@ class Dumper:
             return
         info = current.info
         dims, rows, why = capture.find_token_dims(tensor.shape, info.token_shape, current.n_seqs)
+        shifted = self._rows_not_aligned(call.cls, name) if dims is not None else None
+        if shifted:
+            dims, rows, why = None, None, shifted
         held_as = None
         if dims is None:
             per_token = capture.rows_per_token(tensor.shape, info.token_shape, call.cls)

@@ -37,6 +37,7 @@ def test_ctl_enables_dumping_and_rejects_bad_requests(tmp_path):
         assert state["passes_written"] == 1 and state["config"]["enable"] is True
         for bad, needle in ((["exp_name=../../etc"], "exp_name='../../etc' is not valid"),
                             (["colour=red"], "unknown setting(s) ['colour']"),
+                            ([f"dir={tmp_path / 'elsewhere'}"], "dir cannot be set at run time"),
                             (["enable=maybe"], "DUMPER_ENABLE='maybe' is not valid"),
                             (["filter=layer=3"], "DUMPER_FILTER='layer=3' is not valid")):  # was a regex matching nothing
             code, out, err = dumpdiff("ctl", "configure", *bad, url)
@@ -47,3 +48,4 @@ def test_ctl_enables_dumping_and_rejects_bad_requests(tmp_path):
         handle.remove()
     lines = open(tmp_path / "dumps" / "dec" / "rank0" / fmt.MANIFEST_FILE).read().splitlines()
     assert len(lines) == 1
+    assert not (tmp_path / "elsewhere").exists()  # a request never leads the dumps out of DUMPER_DIR

@@ -18,6 +18,7 @@ import pytest
 from helpers import dumpdiff, first_divergence_json, make_tiny_llama, prompt_ids
 from tiny_models import make_tiny_qwen3
 from sglang_server import sglang_fixture
+from test_dumper_units import read_pass
 
 pytestmark = pytest.mark.sglang
 sglang = sglang_fixture(scope="module")
@@ -39,17 +40,19 @@ def ctl(server, *settings, method="configure"):
     return json.loads(out)
 
 
-def dump_decode_and_reference(server, prompts, new_tokens=6, warm=False):
-    """dec: generate (after a warm-up of the prompts when warm=True); ref: flush, one prefill each."""
+def dump_decode_and_reference(server, prompts, new_tokens=6, warm=False, logprobs=False):
+    """dec: generate (after a warm-up of the prompts when warm=True); ref: flush, one prefill each.
+    ``logprobs``: both ask for every prompt token's logprob, as examples/sglang/workflow.sh does."""
+    asked = {"return_logprob": True, "logprob_start_len": 0} if logprobs else {}
     server.flush_cache()
     if warm:
         server.generate(prompts, max_new_tokens=1)  # fills the radix cache; not dumped
     ctl(server, "enable=true", "exp_name=dec")
-    results = server.generate(prompts, max_new_tokens=new_tokens)
+    results = server.generate(prompts, max_new_tokens=new_tokens, **asked)
     ctl(server, "exp_name=ref")
     server.flush_cache()
     full = [p + r["output_ids"] for p, r in zip(prompts, results)]
-    server.generate(full, max_new_tokens=0, logprob_start_len=0)
+    server.generate(full, max_new_tokens=0, **{"logprob_start_len": 0, **asked})
     ctl(server, "enable=false")
     return results
 
@@ -60,7 +63,7 @@ def test_workflow_clean_engine_batched_and_chunked(sglang, model_dir, tmp_path):
     assert not dumps.exists() or not os.listdir(dumps)  # warm-up at boot is never dumped
     assert "dumpdiff: dumper installed" in server.log_text()
     prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (7, 12, 30)]  # 30 > 16: chunked prefill
-    dump_decode_and_reference(server, prompts)
+    dump_decode_and_reference(server, prompts, logprobs=True)
     code, result = first_divergence_json(dumps / "ref", dumps / "dec")
     verdict = result["ranks"]["0"]
     align = verdict["alignment"]
@@ -73,6 +76,11 @@ def test_workflow_clean_engine_batched_and_chunked(sglang, model_dir, tmp_path):
     if code == 1:
         assert result["culprit"]["call"] and kinds <= {"prefill", "extend", "decode", "mixed"}
         assert verdict["noise"]["culprits"] == []  # natural float32 noise is not a state bug
+    # the prompt tokens' logprobs score token i+1 at row i: kept, never compared row by row
+    metas = [read_pass(str(path))[0] for path in sorted((dumps / "dec" / "rank0").glob("pass-*.safetensors"))]
+    scores = [t for meta in metas for c in meta["calls"] if c["cls"] == "LogitsProcessor"
+              for n, t in c["tensors"].items() if ".out.input_token_logprobs" in n]
+    assert scores and all(t["token_dims"] is None and "token i+1" in t["why"] for t in scores)
     state = ctl(server, method="get_state")
     assert state[0]["config"]["enable"] is False and state[0]["passes_written"] > 0
 

@@ -6,6 +6,8 @@
 # Starts a server with dumping installed but idle (warm-up is never dumped), dumps the decode
 # run of one prompt into exp "dec" and the reference prefill of prompt+output into exp "ref",
 # then runs dumpdiff first-divergence. On a GPU drop the CPU-only flags; keep CUDA graphs off.
+# Run it with the environment that has sglang and dumpdiff active (here: . .venv/bin/activate
+# after make test); the server's log goes to /tmp/sglang-dumpdiff.log.
 set -euo pipefail
 MODEL=${1:?usage: $0 MODEL_PATH [PORT]}
 PORT=${2:-30000}
@@ -19,7 +21,8 @@ if python -c 'import torch, sys; sys.exit(torch.cuda.is_available())'; then  # n
     # sglang imports the CUDA-only sgl_kernel at start-up: the stand-in of tests/sglang_rig/README.md
     export PYTHONPATH="$(cd "$(dirname "$0")/../.." && pwd)/tests/sglang_rig${PYTHONPATH:+:$PYTHONPATH}"
     CPU_FLAGS=(--device cpu --attention-backend torch_native --sampling-backend pytorch --grammar-backend none
-               --dtype float32 --mem-fraction-static 0.05 --max-total-tokens 4096)
+               --dtype float32 --mem-fraction-static 0.05 --max-total-tokens 4096
+               --sleep-on-idle)  # an idle scheduler would spin a whole core
 fi
 DUMPER_ENABLE=0 DUMPER_SERVER_PORT=reuse DUMPER_NON_INTRUSIVE_MODE=all \
     python -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 --port "$PORT" \
@@ -38,11 +41,12 @@ generate() {  # $1: input_ids JSON, $2: max_new_tokens
 
 # 2. the decode run (prefill + decode steps) into exp "dec"
 curl -sf -X POST "$URL/flush_cache" > /dev/null
-curl -sf -X POST "$URL/dumper/configure" -d '{"enable": true, "exp_name": "dec"}' > /dev/null
+# cleanup_previous: a rerun replaces the experiment's passes instead of adding to them
+curl -sf -X POST "$URL/dumper/configure" -d '{"enable": true, "exp_name": "dec", "cleanup_previous": true}' > /dev/null
 OUTPUT=$(generate "$PROMPT" 16 | python -c 'import json,sys; print(json.load(sys.stdin)["output_ids"])')
 
 # 3. the reference: one prefill of prompt+output, cache flushed, into exp "ref"
-curl -sf -X POST "$URL/dumper/configure" -d '{"exp_name": "ref"}' > /dev/null
+curl -sf -X POST "$URL/dumper/configure" -d '{"exp_name": "ref", "cleanup_previous": true}' > /dev/null
 curl -sf -X POST "$URL/flush_cache" > /dev/null
 FULL=$(python -c "import json; print(json.dumps($PROMPT + $OUTPUT))")
 generate "$FULL" 0 > /dev/null
