@@ -56,16 +56,24 @@ EXTENSION_FORMATS = {".md": "md", ".markdown": "md", ".json": "json", ".html": "
 
 def output_format(fmt: str, output: str = None) -> str:
     """The --format to write, after checking -o before any work (a long `kl` run must not end in
-    "cannot write"): the one given, else the one -o's extension names (r.html is html)."""
+    "cannot write"): the one given, else the one -o's extension names (r.html is html; r.foo is
+    an error), else the default."""
     if output is None or output == "-":
         return fmt
     _writable_target(output)
     ctx = click.get_current_context()
-    if ctx.get_parameter_source("fmt") == click.core.ParameterSource.DEFAULT:
-        choices = next((p.type.choices for p in ctx.command.params if p.name == "fmt"), ())
-        named = EXTENSION_FORMATS.get(os.path.splitext(output)[1].lower())
-        return named if named in choices else fmt
-    return fmt
+    if ctx.get_parameter_source("fmt") != click.core.ParameterSource.DEFAULT:
+        return fmt  # asked for by name: written whatever the file is called
+    choices = next((p.type.choices for p in ctx.command.params if p.name == "fmt"), ())
+    extension = os.path.splitext(output)[1].lower()
+    if not extension:
+        return fmt  # no extension claims a format: the command's own
+    named = EXTENSION_FORMATS.get(extension)
+    if named not in choices:  # writing another format than the name says would mislead whoever opens it
+        known = ", ".join(e for e, f in EXTENSION_FORMATS.items() if f in choices)
+        raise DumpError(f"-o {output}: the extension {extension} names no format of this command; use one of "
+                        f"{known}, or give --format")
+    return named
 
 
 def _writable_target(output: str) -> str:
@@ -149,13 +157,14 @@ def render(result: dict, fmt: str) -> str:
     return report.to_text(result)
 
 
-@main.command("first-divergence")
+# short_help: the line of the top-level list, which click would cut from the docstring mid-phrase
+@main.command("first-divergence", short_help="Name the first operator where prefill and decode disagree.")
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("test", type=click.Path(path_type=str))
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format.")
 @click.option("-o", "--output", default=None, metavar="FILE",
               help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
-                   "(.md, .json, .html, .txt) picks the format unless --format is given.")
+                   "(.md, .json, .html, .txt; another one is an error) picks the format unless --format is given.")
 @click.option("--rank", type=int, default=None, help="Compare only this rank (default: every rank).")
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
@@ -195,6 +204,7 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
     Example: dumpdiff first-divergence /tmp/dumper/ref /tmp/dumper/dec -o culprit.md
     """
     fmt = output_format(fmt, output)
+    _check_noise_repeat(noise_repeat, reference, test)
     from .indexfiles import saved_index_files
     from .readahead import will_need
     will_need(saved_index_files([reference, test]))  # fetched from storage while numpy and pyarrow import
@@ -209,6 +219,24 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
                          *(["--noise", noise_repeat] if noise_repeat else []), *(["--strict-only"] if strict_only else [])]
     emit(render(result, fmt), output, headline=headline(result))
     sys.exit(EXIT_DIFFERENT if result["divergence"] else EXIT_SAME)
+
+
+def _check_noise_repeat(noise_repeat, reference: str, test: str):
+    """--noise naming REFERENCE itself (or TEST) is refused, not warned about: its differences to
+    the reference would be all zero (or the divergence itself), so every floor would be zero (or
+    hide the culprit), and a report saying "floors from a repeat run" would mislead; a warning
+    scrolls past while the report is kept. A byte-identical copy is not refused: an independent,
+    deterministic repeat run is byte-identical too, and its zero floors are the truth."""
+    if not noise_repeat:
+        return
+    for path, role in ((reference, "REFERENCE"), (test, "TEST")):
+        try:
+            same = os.path.samefile(noise_repeat, path)
+        except OSError:  # a path that is not there: said by the comparison itself
+            continue
+        if same:
+            raise DumpError(f"--noise {noise_repeat} is {role} itself; give a second, independent dump of the "
+                            "reference run (the same prompt+output prefilled again), or leave --noise out")
 
 
 def headline(result: dict) -> str:
@@ -231,7 +259,7 @@ def _report_command() -> click.Command:
         if param.name == "fmt":
             param.default = "md"
     return click.Command("report", params=params, callback=first_divergence_cmd.callback,
-                         short_help="The first-divergence report for a bug ticket (md by default).",
+                         short_help="The first-divergence report for a ticket (md by default).",
                          help="""Write the first-divergence report for a bug ticket.
 
     The same analysis and exit status as `dumpdiff first-divergence`, in markdown by default
@@ -242,7 +270,7 @@ def _report_command() -> click.Command:
 main.add_command(_report_command())
 
 
-@main.command("index")
+@main.command("index", short_help="Build the parquet index of each dump (row fingerprints).")
 @click.argument("dumps", nargs=-1, required=True, metavar="DUMP...", type=click.Path(path_type=str))
 @click.option("--rebuild", is_flag=True, help="Rebuild even when the index is fresh.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
@@ -268,10 +296,12 @@ def index_cmd(dumps, rebuild, no_progress):
     """
     from .index import load_indexes
     from .load import open_dump, show
+    from .report import plural
     opened = [open_dump(dump) for dump in dumps]
     for index in load_indexes(opened, rebuild=rebuild, progress=not no_progress):
-        click.echo(f"{show(index.where)}: {len(index.cols('tokens'))} token rows, {len(index.cols('calls'))} calls, "
-                   f"{len(index.cols('tensors'))} tensors, {len(index.cols('rows'))} tensor rows")
+        counts = [plural(len(index.cols(table)), what) for table, what in
+                  (("tokens", "token row"), ("calls", "call"), ("tensors", "tensor"), ("rows", "tensor row"))]
+        click.echo(f"{show(index.where)}: {', '.join(counts)}")
 
 
 def _parse_setting(text: str):
@@ -284,7 +314,7 @@ def _parse_setting(text: str):
         return key, raw  # a bare word is a string: exp_name=dec
 
 
-@main.command("ctl")
+@main.command("ctl", short_help="Configure, reset or query a running dumper over HTTP.")
 @click.argument("method", type=click.Choice(["configure", "reset", "get_state"]))
 @click.argument("settings", nargs=-1)
 @click.option("--url", default="http://127.0.0.1:30000", show_default=True,
@@ -308,7 +338,7 @@ def ctl_cmd(method, settings, url):
     click.echo(json.dumps(reply, indent=2, default=str))
 
 
-@main.command("repro")
+@main.command("repro", short_help="Write the culprit call's inputs and a script replaying it.")
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("test", type=click.Path(path_type=str))
 @click.option("--out", "out_dir", required=True, type=click.Path(path_type=str),
@@ -332,11 +362,13 @@ def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment,
     OUT/weights.safetensors    the module's parameters, copied from --model
     OUT/repro.py               python OUT/repro.py: replays the op at both shapes (and each
                                reference row alone, M=1), prints max abs / ulp differences,
-                               exit 1 when the outputs differ; needs torch and safetensors only
+                               exit 1 when the outputs differ
 
     Known leaf ops (nn.Linear, nn.Embedding, RMSNorm, LayerNorm, activations, torch SDPA) replay
-    standalone; any other class is rebuilt through --model and called. Exit 0 when the bundle is
-    complete, 2 when no replay can be written (the error says what is missing; inputs are kept).
+    standalone: repro.py needs torch and safetensors only. Any other class is rebuilt through
+    --model and called: repro.py then also imports transformers and loads that model directory
+    (python OUT/repro.py --model PATH where it has moved). Exit 0 when the bundle is complete,
+    2 when no replay can be written (the error says what is missing; inputs are kept).
 
     \b
     Example: dumpdiff repro ref/ dec/ --out /tmp/culprit --model /models/llama && python /tmp/culprit/repro.py
@@ -351,7 +383,7 @@ from .cli_kl import add_kl_commands  # noqa: E402  (dumpdiff kl, kl calibrate, l
 add_kl_commands(main)
 
 
-@main.command("import-sglang")
+@main.command("import-sglang", short_help="Convert a dump of sglang's built-in dumper for dumpdiff.")
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @guarded

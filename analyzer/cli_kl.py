@@ -66,7 +66,9 @@ def prompt_options(func):
         click.option("--seed", default=0, show_default=True, type=int,
                      help="Seed of the synthetic prompts, and sampling_seed where the server honours it."),
         click.option("--vocab-size", default=None, type=click.IntRange(4),
-                     help="Synthetic prompts: ids below this (default: the model's config.json when readable, else 1000)."),
+                     help="The model's vocabulary size: synthetic prompts take ids below it, and --prompts ids at or "
+                          "above it are refused before anything is sent (default: the model's config.json when "
+                          "readable; else synthetic ids below 1000 and no check)."),
         click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0),
                      help="Sampling temperature of every request (0: greedy)."),
         click.option("--helpers", "helpers", default="match,prefill_cache_hit,decode_cache_hit", show_default=True,
@@ -91,7 +93,8 @@ def _check_kwargs(kw: dict) -> dict:
     return {k: kw[k] for k in keys}
 
 
-@click.group("kl", invoke_without_command=True, context_settings={"max_content_width": 100})
+@click.group("kl", invoke_without_command=True, context_settings={"max_content_width": 100},
+             short_help="KL check of a live server; `kl calibrate` sets thresholds.")
 @prompt_options
 @click.option("--threshold", default=None, type=click.FloatRange(0),
               help="avg_kl_div above this is dirty (overrides the thresholds file).")
@@ -100,8 +103,8 @@ def _check_kwargs(kw: dict) -> dict:
 @click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
               help="Output format.")
 @click.option("-o", "--output", default=None, metavar="FILE",
-              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt) picks the format "
-                   "unless --format is given.")
+              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt; another one is an "
+                   "error) picks the format unless --format is given.")
 @click.pass_context
 @guarded
 def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
@@ -168,7 +171,8 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
     sys.exit(code)
 
 
-@kl_group.command("calibrate", context_settings={"max_content_width": 100})
+@kl_group.command("calibrate", context_settings={"max_content_width": 100},
+                  short_help="Propose and write the KL threshold for the server's model.")
 @prompt_options
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
               help="Runs of all helpers; synthetic prompts change seed each run (seed, seed+1, ...).")
@@ -205,12 +209,14 @@ def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, 
     Example: dumpdiff kl calibrate --url http://127.0.0.1:30000 --repeats 3 --dry-run
     """
     from .kl import CACHE_HELPERS, STATE_ON_TOP_FACTOR
-    from .kl_helpers import check_server
-    from .kl_thresholds import propose, update
+    from .kl_helpers import check_server, read_local
+    from .kl_thresholds import load as load_thresholds, propose, update
     from .errors import DumpError
     url = kw.pop("url")
     log = _progress(quiet)
     options = _check_kwargs(kw)
+    load_thresholds(thresholds_file)  # a broken file must stop us before the runs, not after them
+    read_local(prompts_file=options["prompts_file"], threshold=float("inf"), vocab_size=options["vocab_size"])
     runs = []
     for r in range(repeats):
         log(f"calibrate: run {r + 1} of {repeats}")
@@ -267,12 +273,14 @@ def _calibration_text(result: dict, md: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-@click.command("localize", context_settings={"max_content_width": 100})
+@click.command("localize", context_settings={"max_content_width": 100},
+               short_help="Dump a dirty KL helper's worst prompt; name the culprit.")
 @prompt_options
 @click.option("--helper", type=click.Choice(["match", "prefill_cache_hit", "decode_cache_hit"]), default=None,
               help="Replay this helper (default: the one the verdict points at).")
 @click.option("--kl-result", default=None, type=click.Path(exists=True, dir_okay=False, path_type=str),
-              help="Take helper and worst prompt from `dumpdiff kl --format json` output instead of a fresh check.")
+              help="Take helper and worst prompt from the JSON `dumpdiff kl --format json -o FILE` wrote, instead of "
+                   "a fresh check.")
 @click.option("--prompt-ids", default=None, help="Replay these token ids (JSON list) instead of a worst prompt.")
 @click.option("--threshold", default=None, type=click.FloatRange(0), help="As for `dumpdiff kl`.")
 @click.option("--thresholds", "thresholds_file", default=None, type=click.Path(dir_okay=False, path_type=str),
@@ -282,8 +290,8 @@ def _calibration_text(result: dict, md: bool) -> str:
 @click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
               help="Output format.")
 @click.option("-o", "--output", default=None, metavar="FILE",
-              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt) picks the format "
-                   "unless --format is given.")
+              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt; another one is an "
+                   "error) picks the format unless --format is given.")
 @click.pass_context
 @guarded
 def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, strict_only, fmt, output,
@@ -324,13 +332,7 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
             assert isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
         except (ValueError, AssertionError):
             raise click.BadParameter("a JSON list of token ids, e.g. [1, 5, 9]", param_hint="--prompt-ids") from None
-    loaded = None
-    if kl_result:
-        with open(kl_result, encoding="utf-8") as handle:
-            loaded = json.load(handle)
-        if not isinstance(loaded, dict) or loaded.get("kind") != "dumpdiff-kl":
-            from .errors import DumpError
-            raise DumpError(f"{kl_result}: not the JSON output of `dumpdiff kl --format json`")
+    loaded = read_kl_result(kl_result) if kl_result else None
     check_options = {k: v for k, v in options.items() if k not in ("temperature", "seed", "max_new_tokens", "helpers")}
     check_options.update(threshold=threshold, thresholds_file=thresholds_file)
     # With --kl-result, replay as many tokens as that check generated unless told otherwise.
@@ -340,9 +342,28 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
                       exp_prefix=exp_prefix, max_new_tokens=new_tokens, temperature=kw["temperature"],
                       seed=kw["seed"], check_options=check_options, noise_aware=not strict_only,
                       log=_progress(quiet))
-    text = {"json": to_json, "md": to_markdown}.get(fmt, to_text)(result)
+    text = {"json": lambda r: to_json(r, "dumpdiff-localize"), "md": to_markdown}.get(fmt, to_text)(result)
     _emit(text, output, headline="divergence" if result.get("divergence") else "no divergence")
     sys.exit(1 if result.get("divergence") else 0)
+
+
+def read_kl_result(path: str) -> dict:
+    """The result `dumpdiff kl --format json -o FILE` wrote, checked for what localize reads from
+    it (the verdict, the helpers' worst prompts, the settings), so that a wrong file is one line
+    naming it, not a JSON decoder's error or a missing key deep in the replay."""
+    from .errors import DumpError
+    expected = "give the file `dumpdiff kl --format json -o FILE` wrote"
+    try:
+        with open(path, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+    except ValueError as exc:  # a JSONL prompts file ("Extra data"), a text report, a binary file
+        raise DumpError(f"--kl-result {path}: not one JSON document ({exc}); {expected}") from None
+    if not isinstance(loaded, dict) or loaded.get("kind") != "dumpdiff-kl":
+        kind = loaded.get("kind") or loaded.get("format") if isinstance(loaded, dict) else None
+        raise DumpError(f"--kl-result {path}: not the JSON of a KL check{f' (it is {kind})' if kind else ''}; {expected}")
+    if not all(isinstance(loaded.get(k), dict) for k in ("verdict", "helpers", "settings")):
+        raise DumpError(f"--kl-result {path}: a KL check result without its verdict, helpers or settings; {expected}")
+    return loaded
 
 
 def add_kl_commands(main):

@@ -38,6 +38,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .report import plural
+
 HELPERS = ("match", "prefill_cache_hit", "decode_cache_hit")
 CACHE_HELPERS = ("prefill_cache_hit", "decode_cache_hit")
 DESCRIPTIONS = {
@@ -121,7 +123,8 @@ def summarize_helper(name: str, prompts: list, threshold: float, *, cache_applic
         result["notes"].append("the server runs without a radix cache (disable_radix_cache): this path does not exist there")
     elif name in CACHE_HELPERS and (not prompts or hits / len(prompts) <= min_hit_rate or not scored):
         result["status"] = "no_cache_hit"
-        result["notes"].append(f"cache hits on {hits} of {len(prompts)} prompts (need more than {min_hit_rate:.0%}): "
+        result["notes"].append(f"cache hits on {hits} of {plural(len(prompts), 'prompt')} "
+                               f"(need more than {min_hit_rate:.0%}): "
                                "this helper did not test the cache path, so it cannot pass")
     elif not scored or not tokens:
         result["status"] = "empty"

@@ -34,6 +34,7 @@ from typing import Callable, Iterable, List, Optional
 from . import kl, kl_prompts
 from .errors import DumpError
 from .http import get_json, post_json
+from .report import plural
 
 Log = Callable[[str], None]
 
@@ -423,22 +424,35 @@ RUNNERS = {"match": run_match, "prefill_cache_hit": run_prefill_cache_hit, "deco
 
 # -- the whole check ---------------------------------------------------------------------------
 
-def load_prompts(server: Server, *, prompts=None, prompts_file: Optional[str] = None, max_samples: int = 32,
-                 prompt_len: int = 256, seed: int = 0, vocab_size: Optional[int] = None):
-    """The prompt ids and a description of where they came from."""
-    if prompts is None and prompts_file:
-        prompts = kl_prompts.read_jsonl(prompts_file)
-        source = prompts_file
-    elif prompts is not None:
-        source = "given"
+def read_local(*, prompts=None, prompts_file: Optional[str] = None, threshold: Optional[float] = None,
+               thresholds_file: Optional[str] = None, vocab_size: Optional[int] = None) -> Optional[list]:
+    """Read and check what the check takes from this machine before the server is asked anything:
+    a missing or broken file is the error to see, not an unreachable server (and not after a run of
+    minutes). Returns the prompts as (where, prompt) pairs (None: synthetic ones)."""
+    from .kl_thresholds import DEFAULT_FILE, load
+    if threshold is None and os.path.exists(thresholds_file or DEFAULT_FILE):
+        load(thresholds_file or DEFAULT_FILE)  # its form only; the entry needs the server's model
+    if prompts is not None:
+        numbered = [(f"prompt {i}", p) for i, p in enumerate(prompts)]
     else:
+        numbered = [(f"{prompts_file}:{n}", p) for n, p in kl_prompts.read_numbered(prompts_file)] if prompts_file \
+            else None
+    if numbered and vocab_size:
+        kl_prompts.check_vocab(numbered, vocab_size, "--vocab-size")
+    return numbered
+
+
+def load_prompts(server: Server, numbered: Optional[list], *, source: str = "given", max_samples: int = 32,
+                 prompt_len: int = 256, seed: int = 0, vocab_size: Optional[int] = None):
+    """The prompt ids and a description of where they came from (numbered: read_local's)."""
+    if numbered is None:
         vocab = vocab_size or kl_prompts.vocab_size_of(server.model)
         note = ""
         if vocab is None:
             vocab, note = 1000, " (vocab size unknown: ids below 1000; give --vocab-size)"
         ids = kl_prompts.synthetic(max_samples, prompt_len, vocab, seed=seed)
         return ids, {"source": f"synthetic seed={seed} len~{prompt_len} vocab={vocab}{note}", "count": len(ids)}
-    prompts = list(prompts)[:max_samples]
+    prompts = [p for _, p in numbered][:max_samples]
     tokenize = server.tokenize if server.has_tokenizer else None
     ids = kl_prompts.resolve(prompts, tokenize, source)
     return ids, {"source": source, "count": len(ids)}
@@ -452,11 +466,16 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
     """Run the helpers against a live sglang server and classify. Returns a plain dict
     (kl_render renders it; kl.exit_status gives the exit code)."""
     from .kl_thresholds import resolve_thresholds
+    numbered = read_local(prompts=prompts, prompts_file=prompts_file, threshold=threshold,
+                          thresholds_file=thresholds_file, vocab_size=vocab_size)
     server = Server(url, timeout=timeout)
     target = server.describe()
     vocab = vocab_size or kl_prompts.vocab_size_of(server.model)
-    ids, prompt_info = load_prompts(server, prompts=prompts, prompts_file=prompts_file, max_samples=max_samples,
-                                    prompt_len=prompt_len, seed=seed, vocab_size=vocab)
+    if numbered and vocab and not vocab_size:  # the model's own size, known now: still before any prompt is sent
+        kl_prompts.check_vocab(numbered, vocab, f"{server.model}/config.json")
+    source = prompts_file if prompts is None and prompts_file else "given"
+    ids, prompt_info = load_prompts(server, numbered, source=source, max_samples=max_samples, prompt_len=prompt_len,
+                                    seed=seed, vocab_size=vocab)
     lengths = [len(p) for p in ids]
     prompt_info.update({"min_len": min(lengths), "max_len": max(lengths)})
     limits = resolve_thresholds(threshold, thresholds_file, target)
@@ -500,7 +519,7 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
                      "kernel path taken only at those (a GEMV for one token row) was not exercised: rerun with "
                      "--max-samples 1 to test one")
     if ctx.quirks:
-        notes.append(f"{ctx.quirks} logprob entries reported token id 0 for the last vocabulary id (a known sglang "
+        notes.append(f"{plural(ctx.quirks, 'logprob entry')} reported token id 0 for the last vocabulary id (a known sglang "
                      "off-by-one in its logprob ids; tokens were aligned by position, values are right)")
     result["verdict"] = kl.classify(result["helpers"], uncalibrated=limits["source"] == "default")
     return result

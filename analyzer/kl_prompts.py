@@ -23,32 +23,56 @@ from .errors import DumpError
 
 def read_jsonl(path: str) -> list:
     """Each line: a list of ints (ids) or a string (text); returns them in order."""
+    return [prompt for _, prompt in read_numbered(path)]
+
+
+def read_numbered(path: str) -> list:
+    """The prompts of a JSONL file as (line number, prompt) pairs: errors found later (an id out
+    of the vocabulary) can still name the line."""
     prompts = []
     try:
         handle = open(path, encoding="utf-8")
     except OSError as exc:
-        raise DumpError(f"{path}: cannot read the prompts file ({exc.strerror})") from None
+        raise DumpError(f"{path}: cannot read the prompts file ({exc.strerror}); check the path") from None
     with handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as exc:
-                raise DumpError(f"{path}:{number}: not JSON ({exc})") from None
-            if isinstance(item, dict):
-                item = next((item[k] for k in ("input_ids", "text", "prompt") if k in item), None)
-            if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                      for t in item):
-                prompts.append(item)
-            elif isinstance(item, str) and item:
-                prompts.append(item)
-            else:
-                raise DumpError(f"{path}:{number}: a prompt is a non-empty list of token ids, a string, or "
-                                '{"input_ids": [...]} / {"text": "..."}')
+        try:
+            lines = list(handle)
+        except UnicodeDecodeError:
+            raise DumpError(f"{path}: not UTF-8 text; the prompts file is JSONL, one prompt per line, e.g. "
+                            "[1, 2045, 318]") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise DumpError(f"{path}:{number}: not JSON ({exc}); the prompts file is JSONL, one prompt per line, "
+                            "e.g. [1, 2045, 318]") from None
+        if isinstance(item, dict):
+            item = next((item[k] for k in ("input_ids", "text", "prompt") if k in item), None)
+        if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in item):
+            prompts.append((number, item))
+        elif isinstance(item, str) and item:
+            prompts.append((number, item))
+        else:
+            raise DumpError(f"{path}:{number}: a prompt is a non-empty list of token ids, a string, or "
+                            '{"input_ids": [...]} / {"text": "..."}')
     if not prompts:
         raise DumpError(f"{path}: no prompts")
     return prompts
+
+
+def check_vocab(prompts: list, vocab_size: int, vocab_from: str):
+    """Refuse a token id the model has no embedding row for: sent, it crashes the server's
+    embedding lookup, and the check then only sees a server that stopped answering.
+    ``prompts``: (where, prompt) pairs, where as "FILE:LINE"; text prompts are the server's
+    tokenizer's to get right."""
+    for where, prompt in prompts:
+        bad = next((t for t in prompt if t >= vocab_size), None) if isinstance(prompt, list) else None
+        if bad is not None:
+            raise DumpError(f"{where}: token id {bad} is out of the model's vocabulary (vocab size {vocab_size}, from "
+                            f"{vocab_from}); give ids below {vocab_size}")
 
 
 def resolve(prompts: list, tokenize: Optional[Callable[[List[str]], List[List[int]]]], source: str) -> List[List[int]]:

@@ -7,6 +7,7 @@ import json
 import math
 
 from . import kl
+from .report import plural
 
 TITLES = {kl.PASS: "PASS", kl.BATCH: "BATCH-INVARIANCE PROBLEM", kl.STATE: "STATE BUG (cache-restore path)",
           kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)", kl.INCONCLUSIVE: "INCONCLUSIVE",
@@ -48,7 +49,7 @@ def _header_lines(result: dict) -> list:
         server = f"model: {t.get('model')} ({t.get('model_class')}, in-process)  {t.get('dtype')}  {t.get('device')}"
     lines = [server,
              f"prompts: {p['count']} from {p['source']}, {p.get('min_len')}..{p.get('max_len')} tokens, "
-             f"{s['max_new_tokens']} new tokens each, temperature {s['temperature']:g}",
+             f"{plural(s['max_new_tokens'], 'new token')} each, temperature {s['temperature']:g}",
              f"threshold: {g(th['value'])} on avg_kl_div ({th['source']}{': ' + repr(th['key']) if th.get('key') else ''})"
              + ("; per helper " + ", ".join(f"{k} {g(v)}" for k, v in th["helpers"].items()) if th.get("helpers") else "")]
     return lines
@@ -124,8 +125,15 @@ def _finite(x):
     return x
 
 
-def to_json(result: dict) -> str:
-    return json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n"
+# The JSON outputs' markers, said first: "format" (what the file holds; for the KL check and its
+# calibration the result's "kind") and "version" (up when a key changes meaning or goes away).
+JSON_VERSION = 1
+
+
+def to_json(result: dict, name: str = None) -> str:
+    """``name``: the format marker, when the result has no "kind" (localize's)."""
+    marked = {"format": name or result.get("kind", "dumpdiff-kl"), "version": JSON_VERSION, **result}
+    return json.dumps(_finite(marked), indent=2, default=str, allow_nan=False) + "\n"
 
 
 def render(result: dict, fmt: str) -> str:

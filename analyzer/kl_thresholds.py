@@ -47,13 +47,19 @@ def load(path: str) -> dict:
             data = json.load(handle)
     except FileNotFoundError:
         return {"format": FORMAT, "version": 1, "entries": {}}
-    except ValueError as exc:
-        raise DumpError(f"{path}: not JSON ({exc}); fix or delete the thresholds file") from None
+    except ValueError as exc:  # a JSONL file, a binary file: json's own words say where
+        raise DumpError(f"{path}: not one JSON document ({exc}); a thresholds file is the JSON `dumpdiff kl "
+                        "calibrate` writes: fix or delete it") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-        raise DumpError(f"{path}: not a {FORMAT} file (expected {{\"format\": \"{FORMAT}\", \"entries\": {{...}}}})")
+        raise DumpError(f"{path}: not a {FORMAT} file (expected {{\"format\": \"{FORMAT}\", \"entries\": {{...}}}}, "
+                        "as `dumpdiff kl calibrate` writes)")
     for key, entry in data["entries"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("kl_div"), (int, float)) or entry["kl_div"] < 0:
             raise DumpError(f"{path}: entry {key!r} needs a non-negative number kl_div")
+        try:
+            int(entry.get("tp", 1))  # as find() reads it
+        except (TypeError, ValueError):
+            raise DumpError(f"{path}: entry {key!r} needs a whole number tp (the tensor-parallel size)") from None
     return data
 
 

@@ -26,9 +26,9 @@ from . import kl
 from .errors import DumpError
 from .http import post_json
 from .kl_helpers import Server, decode_logprobs, expected_prefill_hit, prefill_logprobs, sampling_params
-from .kl_prompts import vocab_size_of
+from .kl_prompts import check_vocab, vocab_size_of
 from .load import open_dump
-from .report import noise_errors, noise_place
+from .report import noise_errors, noise_place, plural
 
 Log = Callable[[str], None]
 
@@ -137,11 +137,17 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
     localized (bool), helper, prompt, dumps, replay figures, culprits, the first-divergence result.
     """
     from .diverge import first_divergence
-    from .kl_helpers import check_server
+    from .kl_helpers import check_server, read_local
+    options = dict(check_options or {})
+    vocab_given = options.get("vocab_size")
+    if prompt is not None and vocab_given:
+        check_vocab([("--prompt-ids", prompt)], vocab_given, "--vocab-size")
+    elif prompt is None and kl_result is None:  # a KL check will run: its files first, before any server call
+        read_local(**{k: options.get(k) for k in ("prompts", "prompts_file", "threshold", "thresholds_file",
+                                                     "vocab_size")})
     server = Server(url)
     folder = dump_dir(url)  # fail early: no dumper control on this server
     prompt_index, check = None, None
-    options = dict(check_options or {})
     if max_new_tokens is not None:
         options["max_new_tokens"] = max_new_tokens
     if prompt is None:
@@ -158,6 +164,10 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
         max_new_tokens = max_new_tokens or kl_result["settings"]["max_new_tokens"]
     helper = helper or "match"
     max_new_tokens = max_new_tokens or 32
+    vocab = vocab_given or vocab_size_of(server.model)
+    if vocab:  # an id past the embedding crashes the server: refuse it before the replay sends it
+        check_vocab([("--prompt-ids" if prompt_index is None else f"prompt {prompt_index}", prompt)], vocab,
+                    "--vocab-size" if vocab_given else f"{server.model}/config.json")
     stamp = exp_prefix or time.strftime("kl-%Y%m%d-%H%M%S-") + f"{os.getpid() % 100000}"
     exp_dec, exp_ref = f"{stamp}-dec", f"{stamp}-ref"
     notes = []
@@ -165,7 +175,7 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
     before = dumper_call(url, "get_state")
     t0 = time.monotonic()
     figures = replay(server, url, helper, prompt, exp_dec, exp_ref, max_new_tokens=max_new_tokens, sampling=sampling,
-                     turn_token=turn_token, vocab_size=vocab_size_of(server.model), log=log)
+                     turn_token=turn_token, vocab_size=vocab, log=log)
     _wait_written(url, before)
     replay_seconds = time.monotonic() - t0
     if not figures["hit"]:
@@ -217,10 +227,11 @@ def reading(helper: str, strict: Optional[dict], noise: list, hit: bool = True,
         dec_extend, ref_extend = modes["dec"].get("extend", 0), modes["ref"].get("extend", 0)
     caveat = ""
     if ref_extend:
-        caveat = (f"; but the reference is not cache-free: {ref_extend} of its {sum(modes['ref'].values())} passes "
-                  "read a cached prefix (extend passes: a chunked prefill, or a prefix-cache hit), so a cache-restore "
-                  "bug runs in it too and these dumps cannot tell one from batch-variance: dump a reference that fits "
-                  "one chunk (--chunked-prefill-size larger than prompt+output, or -1)")
+        passes = plural(sum(modes["ref"].values()), "pass")
+        caveat = (f"; but the reference is not cache-free: {ref_extend} of its {passes} read a cached prefix (extend "
+                  "passes: a chunked prefill, or a prefix-cache hit), so a cache-restore bug runs in it too and these "
+                  "dumps cannot tell one from batch-variance: dump a reference that fits one chunk "
+                  "(--chunked-prefill-size larger than prompt+output, or -1)")
     if noise:
         top = noise_place(noise[0])
         if dec_extend == 0 and not ref_extend:
@@ -261,8 +272,8 @@ def to_text(result: dict) -> str:
     r = result["replay"]
     lines = [f"dumpdiff localize: {'DIVERGENCE' if result['divergence'] else 'no divergence in the dumps'}",
              f"helper: {result['helper']}, prompt {result['prompt_index'] if result['prompt_index'] is not None else '(given)'} "
-             f"({result['prompt_len']} tokens), replayed with dumping on",
-             f"replay: {r['output_len']} tokens decoded, cached_tokens {r['cached_tokens']}"
+             f"({plural(result['prompt_len'], 'token')}), replayed with dumping on",
+             f"replay: {plural(r['output_len'], 'token')} decoded, cached_tokens {r['cached_tokens']}"
              f"{'' if r['hit'] else ' (NO cache hit)'}, mean k3 {r['mean_kl']:.3g}, max k3 {r['max_kl']:.3g}, "
              f"{r['bit_identical']}/{r['tokens']} bit-identical"]
     strict = result.get("strict_culprit")
@@ -271,7 +282,7 @@ def to_text(result: dict) -> str:
     if result["noise_culprits"]:
         top = result["noise_culprits"][0]
         where = noise_place(top) if top.get("gap_before") else f"{top['call']}  [{top['cls']}]"
-        lines.append(f"noise-aware culprit: {where}  ({top['rows']} rows, {noise_errors(top)})")
+        lines.append(f"noise-aware culprit: {where}  ({plural(top['rows'], 'row')}, {noise_errors(top)})")
     else:
         lines.append("noise-aware culprit: none (no op introduces an error beyond float noise)")
     if result.get("reading"):

@@ -13,7 +13,7 @@ import shlex
 from typing import Dict, List, Optional, Tuple
 
 from .report import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, clean_unit, fmt_num, input_error, noise_place,  # noqa: F401
-                     noise_place_parts, unstored_text)
+                     noise_place_parts, noun, plural, unstored_text)
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -75,18 +75,22 @@ def verdict_parts(result: dict) -> List[Tuple[str, bool]]:
         c = verdict["culprit"]
         real = noise_culprit(result)
         lead = [("DIVERGENCE: a real error introduced ", False), *noise_place_parts(real),
-                (f" on {real['rows']} rows (beyond float noise); first bit flip at ", False)] if real else \
+                (f" on {plural(real['rows'], 'row')} (beyond float noise); first bit flip at ", False)] if real else \
             [("DIVERGENCE: first divergent operator ", False)]
         return lead + [(c["call"], True), (" [", False), (c["cls"], True),
-                       (f"]{rank_label(result, rank)}, {c['n_rows']} of {verdict['rows_compared']} compared "
-                        f"token rows; {verdict['rows_differing']} rows differ in all; max abs error "
+                       (f"]{rank_label(result, rank)}, {c['n_rows']} of "
+                        f"{plural(verdict['rows_compared'], 'compared token row')}; "
+                        f"{plural(verdict['rows_differing'], 'row', 'differ')} in all; max abs error "
                         f"{fmt_num(c.get('max_abs'))}", False)]
     compared = sum(v["rows_compared"] for v in result["ranks"].values())
     differing = sum(v["rows_differing"] for v in result["ranks"].values())
     if result["divergence"]:
-        return [(f"DIVERGENCE: {differing} of {compared} compared token rows differ, but no hooked call has clean "
+        return [(f"DIVERGENCE: {differing} of {plural(compared, 'compared token row')} "
+                 f"{'differs' if differing == 1 else 'differ'}, but no hooked call has clean "
                  "inputs and a differing output; widen DUMPER_FILTER", False)]
-    return [(f"NO DIVERGENCE: all {compared} compared token rows are bit-identical in every compared tensor", False)]
+    every = "the" if compared == 1 else "all"
+    return [(f"NO DIVERGENCE: {every} {plural(compared, 'compared token row', 'are')} bit-identical in every compared "
+             "tensor", False)]
 
 
 def verdict_line(result: dict) -> str:
@@ -165,16 +169,18 @@ def alignment_items(result: dict, verdict: dict) -> List[Tuple[bool, str]]:
     align = verdict["alignment"]
     items = [(True, clean(line)) for line in align["proof"]]
     if align.get("unaligned_b") or align.get("unkeyed_b"):
-        items.append((False, f"{align['unaligned_b']} rows of {clean(result['b']['label'])} have no partner in "
-                             f"{clean(result['a']['label'])} and {align['unkeyed_b']} have an unknown prefix: "
-                             "not compared"))
+        items.append((False, f"{plural(align['unaligned_b'], 'row')} of {clean(result['b']['label'])} "
+                             f"{'has' if align['unaligned_b'] == 1 else 'have'} no partner in "
+                             f"{clean(result['a']['label'])} and {align['unkeyed_b']} "
+                             f"{'has' if align['unkeyed_b'] == 1 else 'have'} an unknown prefix: not compared"))
     if verdict.get("rows_unstored"):
         items.append((False, unstored_text(verdict)))
     return items
 
 
 def left_out(total: int, shown: int, what: str) -> Optional[str]:
-    return f"{total - shown} more {what} not shown (first {shown} of {total})" if total > shown else None
+    """'5 more calls not shown (first 200 of 205)'; ``what``: the singular noun."""
+    return f"{plural(total - shown, 'more ' + what)} not shown (first {shown} of {total})" if total > shown else None
 
 
 # ---- noise-aware verdict -------------------------------------------------------------------
@@ -187,7 +193,7 @@ def noise_rule(noise: dict) -> str:
                "tolerance and whose output is not introduces an error")
     else:
         how = (f"amplification (output error / max(input error, floor)) above {fmt_num(rule['amplification'])}x, "
-               f"derived from {rule['samples']} call errors of this run"
+               f"derived from {plural(rule['samples'], 'call error')} of this run"
                + (f" (leaving out {rule['left_out']} made after an error introduced on their row)"
                   if rule.get("left_out") else "")
                + (f" (median {fmt_num(rule['median'])}x)" if rule.get("median") is not None else "")
@@ -208,7 +214,7 @@ def noise_rule(noise: dict) -> str:
 def noise_sampled(noise: dict) -> Optional[str]:
     if noise["rows_examined"] == noise["rows_total"]:
         return None
-    return f"{noise['rows_examined']} of {noise['rows_total']} rows examined (an even sample per row kind)"
+    return f"{noise['rows_examined']} of {plural(noise['rows_total'], 'row')} examined (an even sample per row kind)"
 
 
 def kinds_text(kinds: Dict[str, int]) -> str:
@@ -231,13 +237,14 @@ def routing_headline(flips: List[dict]) -> str:
     flipped = [f for f in flips if f.get("rows_flipped")]
     if not flipped:
         rows = max(f["rows_differing"] for f in flips)
-        return (f"Router outputs differ on up to {rows} rows in {len(flips)} router calls, but no row's selected experts "
-                "changed.")
+        return (f"Router outputs differ on up to {plural(rows, 'row')} in {plural(len(flips), 'router call')}, but no "
+                "row's selected experts changed.")
     first = flipped[0]
     total = sum(f["rows_flipped"] for f in flipped)
     where = f"layer {first['layer']}" if first.get("layer") is not None else "the first router"
-    return (f"The selected experts changed on {total} token rows (summed over {len(flipped)} router calls), first at "
-            f"{where} ({first['call']}, {first['rows_flipped']} of {first['rows_compared']} rows): a tiny router "
+    return (f"The selected experts changed on {plural(total, 'token row')} (summed over "
+            f"{plural(len(flipped), 'router call')}), first at {where} ({first['call']}, {first['rows_flipped']} of "
+            f"{plural(first['rows_compared'], 'row')}): a tiny router "
             "difference sends a token row through other experts, so its output differs by far more than the router's.")
 
 

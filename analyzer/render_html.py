@@ -53,10 +53,10 @@ def culprit_section(result: dict, rank: str, verdict: dict) -> str:
         + ", ".join(f"{code(slot)} {esc(shape)}" for slot, shape in s["tensors"]) for s in rc.shape_sides(result, c))
     errors = table([esc(name) for name, _ in rc.error_items(c)], [[esc(v) for _, v in rc.error_items(c)]], 1, "")
     items = [("Call", code(c["call"])), ("Module", f"{code(c['module'])}, class {code(c['cls'])}"),
-             ("Token rows", f"{c['n_rows']} of {verdict['rows_compared']} compared rows: {rows}"),
+             ("Token rows", f"{c['n_rows']} of {rc.plural(verdict['rows_compared'], 'compared row')}: {rows}"),
              ("Shapes", f"(M = token rows in the pass)<br>{shapes}"),
              ("Error", f"on {code(c['tensor'])}{errors}"),
-             ("Victims", f"{c['victims']} later calls differ because of it")]
+             ("Victims", f"{rc.plural(c['victims'], 'later call', 'differ')} because of it")]
     if c.get("note"):
         items.append(("Note", esc(c["note"])))
     body = "".join(f"<dt>{name}</dt><dd>{value}</dd>" for name, value in items)
@@ -77,7 +77,7 @@ def noise_section(result: dict, rank: str, verdict: dict) -> str:
              esc(rc.input_error(c)),
              esc(rc.fmt_num(c["out_err"])), f"&ge; {esc(rc.fmt_num(c['amplification']))}x",
              ", ".join(code(rc.row_name(r)) for r in c.get("sample_rows", []))] for c in noise["culprits"]),
-            len(noise["culprits"]), "calls"))
+            len(noise["culprits"]), "call"))
     else:
         out.append(f"<p>{esc(rc.NO_NOISE_CULPRIT)}</p>")
     if noise.get("top_jumps"):
@@ -97,7 +97,7 @@ def routing_section(result: dict, rank: str, verdict: dict) -> str:
             return shown + (f", \u2026 {extra} more" if extra > 0 else "")
         out.append(table(["layer", "router call", "rows flipped", "top-k", "rows (experts in A &rarr; in B)"], (
             [esc(rc.fmt_num(f["layer"])), code(f["call"]), f"{f['rows_flipped']} of {f['rows_compared']}", esc(rc.k_text(f)),
-             rows(f)] for f in flipped), len(flipped), "router calls"))
+             rows(f)] for f in flipped), len(flipped), "router call"))
     unknown = [f for f in flips if f.get("rows_flipped") is None]
     if unknown:
         out.append("<ul>" + "".join(f"<li>{code(f['call'])}: {esc(f.get('note', 'top-k unknown'))}</li>" for f in unknown)
@@ -113,7 +113,8 @@ def charts(result: dict, rank: str, verdict: dict) -> str:
         bars = svg.bar_chart([(g["call"], g["rows"]) for g in verdict["groups"]], "token rows per first culprit", culprit)
         out.append(f"<h2>Per-row culprit counts{suffix}</h2>{bars}")
         if len(verdict["groups"]) > svg.MAX_BARS:
-            out.append(f'<p class="more">{len(verdict["groups"]) - svg.MAX_BARS} more culprits in the table below</p>')
+            out.append(f'<p class="more">{rc.plural(len(verdict["groups"]) - svg.MAX_BARS, "more culprit")} in the table '
+                       'below</p>')
     calls = verdict.get("calls_timeline") or []
     if calls:
         total = verdict.get("calls_timeline_total", len(calls))
@@ -122,7 +123,7 @@ def charts(result: dict, rank: str, verdict: dict) -> str:
                   f'<span style="background:{svg.CULPRIT}"></span>culprit</p>')
         out.append(f"<h2>Calls in execution order{suffix}</h2>{legend}"
                    + svg.timeline(calls, culprit, "differing token rows per hooked call"))
-        more = rc.left_out(total, len(calls), "calls")
+        more = rc.left_out(total, len(calls), "call")
         out.append(f'<p class="more">{esc(more)}</p>' if more else "")
     return "".join(out)
 
@@ -139,23 +140,25 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> str:
     proof = "".join(f'<li><span class="{"ok-mark" if ok else "caveat"}">{"&#x2611;" if ok else "&#x2610;"}</span> '
                     f"{esc(line)}</li>" for ok, line in rc.alignment_items(result, verdict))
     out.append(f'<h2>Alignment proof{suffix}</h2><ul class="proof">{proof}</ul>'
-               f"<p>Rows differing: <b>{verdict['rows_differing']} of {verdict['rows_compared']}</b> compared token rows.</p>")
+               f"<p>Rows differing: <b>{verdict['rows_differing']} of {verdict['rows_compared']}</b> compared token "
+               f"{rc.noun(verdict['rows_compared'], 'row')}.</p>")
     out.append(charts(result, rank, verdict))
     groups = verdict["groups"]
     if groups:
         out.append(f"<h2>Per-row culprits{suffix}</h2>" + table(
             ["rows", "call", "class"], ([str(g["rows"]), code(g["call"]), code(g["cls"])] for g in groups),
-            len(groups), "culprit groups"))
+            len(groups), "culprit group"))
     if verdict["not_comparable"]:
         items = verdict["not_comparable"]
-        out.append(f"<h2>Not comparable{suffix} ({len(items)} calls: {esc(rc.NOT_COMPARABLE_NOTE)})</h2>" + table(
-            ["call", "why"], ([code(n["call"]), code(n["why"])] for n in items), len(items), "calls"))
+        out.append(f"<h2>Not comparable{suffix} ({rc.plural(len(items), 'call')}: {esc(rc.NOT_COMPARABLE_NOTE)})</h2>"
+                   + table(
+            ["call", "why"], ([code(n["call"]), code(n["why"])] for n in items), len(items), "call"))
     if verdict["nonfinite"]:
         items = verdict["nonfinite"]
         out.append(f"<h2>Non-finite values{suffix} (NaN/Inf, compared bit by bit)</h2>" + table(
             ["tensor", "rows", "in A", "in B"],
             ([code(n["tensor"]), str(n["rows"]), str(n["nonfinite_a"]), str(n["nonfinite_b"])] for n in items),
-            len(items), "tensors"))
+            len(items), "tensor"))
     return "".join(out)
 
 

@@ -14,7 +14,11 @@ from typing import List
 
 from . import render_common as rc
 
-_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]<>()#+!|~&])")
+# What GitHub-flavoured Markdown reads as syntax anywhere in a line of prose: code, emphasis,
+# strikethrough, links (so "(" and "!" after them are plain), HTML and entities, and "|", which
+# ends a table cell. "#", "+" and "-" matter only at a line's start (text(line_start=True)), and
+# a word holding "#" becomes a code span; (), {} and ! are never escaped: "\(" is only noise.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")
 _LINE_START_MARKER = re.compile(r"^(\s*)(\d+)([.)])|^(\s*)([-+=])")
 _REFERENCE_WORD = re.compile(r"[^\s()]*[@#][^\s(),;]*")
 
@@ -77,14 +81,14 @@ def culprit_section(result: dict, rank: str, verdict: dict) -> List[str]:
     out = [f"### Culprit{rc.rank_label(result, rank)}", "",
            f"- **Call:** {code(c['call'])}",
            f"- **Module:** {code(c['module'])}, class {code(c['cls'])}",
-           f"- **Token rows:** {c['n_rows']} of {verdict['rows_compared']} compared rows: {rows}",
+           f"- **Token rows:** {c['n_rows']} of {rc.plural(verdict['rows_compared'], 'compared row')}: {rows}",
            "- **Shapes** (M = token rows in the pass):"]
     for side in rc.shape_sides(result, c):
         tensors = ", ".join(f"{code(slot)} {text(shape)}" for slot, shape in side["tensors"])
         out.append(f"  - {text(side['label'], line_start=True)}: pass {side['pass']}, **M={side['M']}**: {tensors}")
     figures = " · ".join(f"{name} **{text(value)}**" for name, value in rc.error_items(c))
     out.append(f"- **Error** on {code(c['tensor'])}: {figures}")
-    out.append(f"- **Victims:** {c['victims']} later calls differ because of it")
+    out.append(f"- **Victims:** {rc.plural(c['victims'], 'later call', 'differ')} because of it")
     if c.get("note"):
         out.append(f"- **Note:** {text(c['note'])}")
     return out + [""]
@@ -99,7 +103,7 @@ def noise_section(result: dict, rank: str, verdict: dict) -> List[str]:
     out += [f"- **Rows:** {text(sampled)}"] if sampled else []
     out.append("")
     if noise["culprits"]:
-        items, more = capped(noise["culprits"], "calls")
+        items, more = capped(noise["culprits"], "call")
         out += table(["call", "class", "rows", "input error", "output error", "amplification", "sample rows"],
                      [[code(c["call"], True) + text(rc.gap_note(c)), code(c["cls"], True),
                        f"{c['rows']} ({text(rc.kinds_text(c['kinds']))})", text(rc.input_error(c)), text(rc.fmt_num(c["out_err"])),
@@ -118,7 +122,7 @@ def routing_section(result: dict, rank: str, verdict: dict) -> List[str]:
     out = [f"### Routing flips (MoE){rc.rank_label(result, rank)}", "", text(rc.routing_headline(flips)), ""]
     flipped = [f for f in flips if f.get("rows_flipped")]
     if flipped:
-        items, more = capped(flipped, "router calls")
+        items, more = capped(flipped, "router call")
         out += table(["layer", "router call", "rows flipped", "top-k", "rows (experts in A -> in B)"],
                      [[text(rc.fmt_num(f["layer"])), code(f["call"], True), f"{f['rows_flipped']} of {f['rows_compared']}",
                        text(rc.k_text(f)),
@@ -144,19 +148,21 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
         out += routing_section(result, rank, verdict)
     out += [f"### Alignment proof{suffix}", ""]
     out += [f"- [{'x' if ok else ' '}] {text(line, line_start=True)}" for ok, line in rc.alignment_items(result, verdict)]
-    out += ["", f"Rows differing: **{verdict['rows_differing']} of {verdict['rows_compared']}** compared token rows.", ""]
+    out += ["", f"Rows differing: **{verdict['rows_differing']} of {verdict['rows_compared']}** compared token "
+                f"{rc.noun(verdict['rows_compared'], 'row')}.", ""]
     if verdict["groups"]:
-        groups, more = capped(verdict["groups"], "culprit groups")
+        groups, more = capped(verdict["groups"], "culprit group")
         out += [f"### Per-row culprits{suffix}", "", "Each differing token row has its own first culprit; "
                 "rows of different kinds (prompt, decode) often meet different ones.", ""]
         out += table(["rows", "call", "class"],
                      [[str(g["rows"]), code(g["call"], True), code(g["cls"], True)] for g in groups]) + more + [""]
     if verdict["not_comparable"]:
-        items, more = capped(verdict["not_comparable"], "calls")
-        out += [f"### Not comparable{suffix} ({len(verdict['not_comparable'])} calls: {rc.NOT_COMPARABLE_NOTE})", ""]
+        items, more = capped(verdict["not_comparable"], "call")
+        calls = rc.plural(len(verdict["not_comparable"]), "call")
+        out += [f"### Not comparable{suffix} ({calls}: {rc.NOT_COMPARABLE_NOTE})", ""]
         out += table(["call", "why"], [[code(n["call"], True), code(n["why"], True)] for n in items]) + more + [""]
     if verdict["nonfinite"]:
-        items, more = capped(verdict["nonfinite"], "tensors")
+        items, more = capped(verdict["nonfinite"], "tensor")
         out += [f"### Non-finite values{suffix} (NaN/Inf, compared bit by bit)", ""]
         out += table(["tensor", "rows", "in A", "in B"],
                      [[code(n["tensor"], True), str(n["rows"]), str(n["nonfinite_a"]), str(n["nonfinite_b"])]

@@ -38,7 +38,7 @@ def bar_chart(items: List[Tuple[str, int]], title: str, highlight: Optional[str]
         y = 20 + i * row_h
         length = max(1.0, bar_w * count / top)
         color = CULPRIT if label == highlight else ORIGIN
-        out.append(f'<g><title>{esc(label)}: {count} rows</title>'
+        out.append(f'<g><title>{esc(label)}: {rc.plural(count, "row")}</title>'
                    f'<text x="{label_w - 8}" y="{y + 14}" text-anchor="end" fill="{INK}">{esc(short(label))}</text>'
                    f'<rect x="{label_w}" y="{y + 2}" width="{length:.1f}" height="{row_h - 6}" fill="{color}"/>'
                    f'<text x="{label_w + length + 6:.1f}" y="{y + 14}" fill="{INK}">{count}</text></g>')
@@ -76,7 +76,8 @@ def timeline(calls: List[dict], culprit: Optional[str], title: str) -> str:
     for i, col in enumerate(columns):
         x = left + i * step
         names = col["first"]["call"] if len(col["calls"]) == 1 else f"{col['first']['call']} \u2026 {col['last']['call']}"
-        tip = f"{names}: output differs on {col['out']} rows, arises inside on {col['origin']} rows"
+        tip = (f"{names}: output differs on {rc.plural(col['out'], 'row')}, arises inside on "
+               f"{rc.plural(col['origin'], 'row')}")
         bars = [f'<rect x="{x:.2f}" y="{base - plot_h * v / top:.2f}" width="{max(step - 0.5, 0.6):.2f}" '
                 f'height="{plot_h * v / top:.2f}" fill="{color}"/>'
                 for v, color in ((col["out"], DIRTY), (col["origin"], ORIGIN)) if v]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import List, Tuple
 
 # What a divergence with no call beyond float noise is (the summary and every report say it alike).
@@ -14,6 +15,31 @@ NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not
 # Where a gap (an error made between dumped calls) can be: said by every report alike.
 GAP_CODE = ("a module's own forward between its children, modules left out by DUMPER_FILTER, or a dumped call "
             "that could not be compared")
+
+
+# Verbs whose singular is not the plural + "s".
+_SINGULAR_VERBS = {"have": "has", "are": "is", "were": "was", "do": "does"}
+
+
+def noun(count: int, word: str) -> str:
+    """``word`` (singular; of a phrase, its last word) in the number ``count`` asks for: row/rows,
+    pass/passes, entry/entries."""
+    if count == 1:
+        return word
+    if re.search(r"(s|x|z|ch|sh)$", word):
+        return word + "es"
+    if re.search(r"[^aeiou]y$", word):
+        return word[:-1] + "ies"
+    return word + "s"
+
+
+def plural(count: int, word: str, verb: str = None) -> str:
+    """A count with its noun, and a verb given in its plural form, in the right number:
+    "1 pass", "2 passes", "1 row differs", "3 rows differ". Reports never say "1 passes"."""
+    text = f"{count} {noun(count, word)}"
+    if verb:
+        text += " " + (verb if count != 1 else _SINGULAR_VERBS.get(verb, verb + "s"))
+    return text
 
 
 def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
@@ -74,8 +100,14 @@ def noise_errors(culprit: dict) -> str:
 NOT_COMPARABLE_NOTE = "the tensors named are not compared row by row; a call is judged on the rest, if any"
 
 
+# Said first in the JSON output, so a reader can tell what it holds before trusting its keys; the
+# version goes up when a key changes meaning or goes away (new keys keep it).
+JSON_FORMAT, JSON_VERSION = "dumpdiff-first-divergence", 1
+
+
 def to_json(result: dict) -> str:
-    return json.dumps(result, indent=2, default=str, ensure_ascii=True)
+    return json.dumps({"format": JSON_FORMAT, "version": JSON_VERSION, **result}, indent=2, default=str,
+                      ensure_ascii=True)
 
 
 def fmt_num(value) -> str:
@@ -88,7 +120,7 @@ def fmt_num(value) -> str:
 
 def describe_side(side: dict) -> str:
     bits = [side.get("engine") or "?", side.get("model") or "?", side.get("dtype") or "?", side.get("device") or ""]
-    return f"{side['label']} ({' '.join(b for b in bits if b)}; {side['passes']} passes, ranks {side['ranks']})"
+    return f"{side['label']} ({' '.join(b for b in bits if b)}; {plural(side['passes'], 'pass')}, ranks {side['ranks']})"
 
 
 def shapes_line(culprit: dict, labels) -> str:
@@ -101,7 +133,7 @@ def shapes_line(culprit: dict, labels) -> str:
 
 
 def unstored_text(verdict: dict) -> str:
-    return (f"{verdict['rows_unstored']} paired rows have no dumped tensor row on both sides (row selection, "
+    return (f"{plural(verdict['rows_unstored'], 'paired row', 'have')} no dumped tensor row on both sides (row selection, "
             "DUMPER_POSITIONS or DUMPER_LAST_ROWS): not compared")
 
 
@@ -111,13 +143,13 @@ def culprit_lines(culprit: dict, labels, rows_compared: int) -> List[str]:
     lines = [
         f"culprit: {culprit['call']}  [{culprit['cls']}]",
         f"  module: {culprit['module']}",
-        f"  token rows: {culprit['n_rows']} of {rows_compared} compared rows: {rows}{more}",
+        f"  token rows: {culprit['n_rows']} of {plural(rows_compared, 'compared row')}: {rows}{more}",
         f"  shapes (M = token rows in the pass):\n    {shapes_line(culprit, labels)}",
         f"  error on {culprit['tensor']}: " + (culprit["error_note"] if culprit.get("max_abs") is None else
                                               f"max abs {fmt_num(culprit['max_abs'])}, max ulp {fmt_num(culprit['max_ulp'])}, "
                                               f"rel {fmt_num(culprit['rel'])}, {culprit['elements_differ']} of "
                                               f"{culprit.get('elements', '?')} elements differ"),
-        f"  victims: {culprit['victims']} later calls differ because of it",
+        f"  victims: {plural(culprit['victims'], 'later call', 'differ')} because of it",
     ]
     if culprit.get("error_note") and culprit.get("max_abs") is not None:
         lines.append(f"  note on the error: {culprit['error_note']}")
@@ -131,7 +163,8 @@ def noise_lines(noise: dict) -> List[str]:
     if "atol" in rule:
         how = f"tolerance atol={rule['atol']} rtol={rule['rtol']}"
     else:
-        how = f"amplification > {rule['amplification']:.3g}x (derived from {rule['samples']} call errors of this run" + \
+        samples = plural(rule["samples"], "call error")
+        how = f"amplification > {rule['amplification']:.3g}x (derived from {samples} of this run" + \
               (f", leaving out {rule['left_out']} made after an error introduced on their row" if rule.get("left_out") else "") + \
               (", floor from a repeat run" if rule.get("floor_from_repeat") else "") + ")" + \
               (f"; from bit-identical inputs, a 16-bit output > {rule['clean_input_16bit']:.3g} {clean_unit(rule)}"
@@ -139,14 +172,15 @@ def noise_lines(noise: dict) -> List[str]:
               (f"; from bit-identical inputs, a float32 output > {rule['clean_input_float32']:.3g} {clean_unit(rule)}"
                if rule.get("clean_input_float32") else "") + \
               (f"; between dumped calls > {rule['gap_amplification']:.3g}x" if rule.get("gap_amplification") else "")
-    sampled = "" if noise["rows_examined"] == noise["rows_total"] else f", {noise['rows_examined']} of {noise['rows_total']} rows sampled"
+    sampled = "" if noise["rows_examined"] == noise["rows_total"] else \
+        f", {noise['rows_examined']} of {plural(noise['rows_total'], 'row')} sampled"
     lines = [f"noise-aware verdict ({how}{sampled}):"]
     if not noise["culprits"]:
         lines.append("  no call introduces an error beyond float noise")
     for c in noise["culprits"]:
         kinds = ", ".join(f"{n} {k}" for k, n in c["kinds"].items())
         where = f"in {noise_place(c)}" if c.get("gap_before") else f"at {c['call']}  [{c['cls']}]"
-        lines.append(f"  introduced {where}: {c['rows']} rows ({kinds}); {noise_errors(c)}")
+        lines.append(f"  introduced {where}: {plural(c['rows'], 'row')} ({kinds}); {noise_errors(c)}")
         if c.get("gap_before"):
             lines.append(f"    (code no hook saw: {GAP_CODE})")
     if noise.get("top_jumps"):
@@ -163,7 +197,7 @@ def routing_lines(flips: List[dict]) -> List[str]:
             shown = ", ".join(f"{name} ({what})" for name, what in map(flip_example, f["examples"][:4]))
             more = "" if f["rows_flipped"] <= 4 else f", ... {f['rows_flipped'] - 4} more"
             lines.append(f"  layer {fmt_num(f['layer'])} {f['call']}  [{f['cls']}]: {f['rows_flipped']} of "
-                         f"{f['rows_compared']} rows flipped, {k_text(f)}: {shown}{more}")
+                         f"{plural(f['rows_compared'], 'row')} flipped, {k_text(f)}: {shown}{more}")
         elif f.get("rows_flipped") is None:
             lines.append(f"  layer {fmt_num(f['layer'])} {f['call']}: {f.get('note', 'top-k unknown')}")
     return lines
@@ -185,8 +219,10 @@ def to_text(result: dict) -> str:
         out.append("alignment proof: ids and positions only (trusted)" if trusted else "alignment proof: OK")
         out += [f"  - {line}" for line in align["proof"]]
         if align["unaligned_b"] or align["unkeyed_b"]:
-            out.append(f"  - {align['unaligned_b']} rows of {labels[1]} have no partner in {labels[0]}, "
-                       f"{align['unkeyed_b']} have an unknown prefix; they are not compared")
+            unaligned, unkeyed = align["unaligned_b"], align["unkeyed_b"]
+            out.append(f"  - {plural(unaligned, 'row')} of {labels[1]} {'has' if unaligned == 1 else 'have'} no partner "
+                       f"in {labels[0]}, {unkeyed} {'has' if unkeyed == 1 else 'have'} an unknown prefix; they are not "
+                       "compared")
         if verdict.get("rows_unstored"):
             out.append(f"  - {unstored_text(verdict)}")
         out.append(f"rows differing: {verdict['rows_differing']} of {verdict['rows_compared']}")
@@ -196,7 +232,7 @@ def to_text(result: dict) -> str:
             out.append(f"note: {verdict['note']}")
         if len(verdict["groups"]) > 1 or (verdict["groups"] and verdict["groups"][0]["rows"] < verdict["rows_differing"]):
             out.append("per-row culprits (rows can meet different culprits):")
-            out += [f"  {g['rows']:6d} rows  {g['call']}  [{g['cls']}]" for g in verdict["groups"]]
+            out += [f"  {g['rows']:6d} {noun(g['rows'], 'row'):4}  {g['call']}  [{g['cls']}]" for g in verdict["groups"]]
         if verdict.get("noise"):
             out += noise_lines(verdict["noise"])
         if verdict.get("summary"):
@@ -204,7 +240,7 @@ def to_text(result: dict) -> str:
         if verdict.get("routing_flips"):
             out += routing_lines(verdict["routing_flips"])
         if verdict["not_comparable"]:
-            out.append(f"not comparable ({len(verdict['not_comparable'])} calls: {NOT_COMPARABLE_NOTE}):")
+            out.append(f"not comparable ({plural(len(verdict['not_comparable']), 'call')}: {NOT_COMPARABLE_NOTE}):")
             out += [f"  {n['call']}: {n['why']}" for n in verdict["not_comparable"][:8]]
         if verdict["nonfinite"]:
             out.append("non-finite values (NaN/Inf), compared bit by bit:")

@@ -446,3 +446,51 @@ def first_divergence_of(ref, dec):
     for rank in verdict["ranks"].values():
         rank.get("noise", {}).pop("bytes_read", None)
     return code, verdict
+
+
+# --- the JSON and JSONL files the KL commands read ------------------------------------------
+NO_SERVER = "http://127.0.0.1:9"  # nothing listens: each error below must come before any connection
+
+
+def test_a_kl_result_that_is_not_a_kl_checks_json_is_one_line(tmp_path):
+    """A JSONL prompts file given as --kl-result was "internal error JSONDecodeError: Extra data"."""
+    expected = "give the file `dumpdiff kl --format json -o FILE` wrote"
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("[1, 2, 3]\n[4, 5, 6]\n")
+    one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", jsonl, timeout=60),
+                   f"--kl-result {jsonl}: not one JSON document (Extra data", expected)
+    binary = tmp_path / "kl.bin"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", binary, timeout=60), "not one JSON document")
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"kind": "dumpdiff-kl-calibration", "proposal": {}}))
+    one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", calibration, timeout=60),
+                   "not the JSON of a KL check (it is dumpdiff-kl-calibration)", expected)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"kind": "dumpdiff-kl", "verdict": {}}))
+    one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", bare, timeout=60),
+                   "without its verdict, helpers or settings")
+
+
+@pytest.mark.parametrize("command", ["kl", "localize", "kl calibrate"])
+def test_a_thresholds_file_that_is_not_one_json_document_is_said_before_the_server(tmp_path, command):
+    """It was read only after the server answered (after every calibration run, for calibrate)."""
+    bad = tmp_path / "t.json"
+    bad.write_text('{"format": "dumpdiff-kl-thresholds", "entries": {}}\n{"again": 1}\n')
+    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--thresholds", bad, timeout=60),
+                   f"{bad}: not one JSON document (Extra data", "dumpdiff kl calibrate")
+    bad.write_text(json.dumps({"format": "dumpdiff-kl-thresholds", "entries": {"m tp=x": {"kl_div": 1e-3, "tp": "x"}}}))
+    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--thresholds", bad, timeout=60),
+                   "entry 'm tp=x' needs a whole number tp")
+
+
+@pytest.mark.parametrize("command", ["kl", "localize", "kl calibrate"])
+def test_a_prompts_file_that_is_not_jsonl_is_said_before_the_server(tmp_path, command):
+    binary = tmp_path / "p.jsonl"
+    binary.write_bytes(b"[1, 2]\n\xff\xfe\n")
+    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--prompts", binary, timeout=60),
+                   f"{binary}: not UTF-8 text", "one prompt per line")
+    pretty = tmp_path / "p.json"
+    pretty.write_text(json.dumps([[1, 2, 3], [4, 5]], indent=2))
+    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--prompts", pretty, timeout=60),
+                   f"{pretty}:1: not JSON", "one prompt per line")

@@ -110,3 +110,70 @@ def test_every_help_page_says_its_exit_status_and_gives_an_example(command):
     code, out, err = dumpdiff(*command.split(), "--help")
     assert code == 0 and out.startswith(f"Usage: dumpdiff {command}"), err
     assert "exit" in out.lower() and "example" in out.lower(), out
+
+
+def commands_section(help_text: str) -> str:
+    return help_text.split("\nCommands:\n", 1)[1]
+
+
+def test_command_summaries_are_whole_and_name_kl_calibrate():
+    """click cut each docstring's first sentence mid-phrase ("Name the first operator whose
+    inputs match and whose..."), and nothing at the top level led to `kl calibrate`."""
+    code, out, _ = dumpdiff("--help")
+    listed = commands_section(out)
+    assert code == 0 and "..." not in listed, listed
+    assert "`kl calibrate`" in listed.split("\n  kl ", 1)[1].split("\n  localize", 1)[0], listed
+    code, out, _ = dumpdiff("kl", "--help")
+    assert code == 0 and "..." not in commands_section(out) and "calibrate" in commands_section(out)
+
+
+def test_repro_help_says_when_the_script_needs_transformers():
+    """It said repro.py needs torch and safetensors only; a class that is not a known leaf op is
+    rebuilt through the model: the script imports transformers and loads the model directory."""
+    code, out, _ = dumpdiff("repro", "--help")
+    words = " ".join(out.split())
+    assert code == 0 and "needs torch and safetensors only. Any other class" in words, words
+    assert "imports transformers and loads that model directory" in words
+
+
+def test_an_output_extension_that_names_no_format_is_refused(dumps, tmp_path):
+    """`-o report.foo` wrote text into report.foo, and `kl -o kl.html` text into kl.html."""
+    one_line(dumpdiff("first-divergence", *dumps, "-o", tmp_path / "report.foo", "--no-progress"),
+             "-o ", "report.foo", "the extension .foo names no format", ".md", ".json", ".html", ".txt", "--format")
+    one_line(dumpdiff("kl", "--url", "http://127.0.0.1:9", "-o", tmp_path / "kl.html", timeout=60),
+             "the extension .html names no format", ".json")  # before any connection
+    assert not list(tmp_path.iterdir())
+    code, _, err = dumpdiff("first-divergence", *dumps, "-o", tmp_path / "report.foo", "--format", "md", "--no-progress")
+    assert code == 1 and (tmp_path / "report.foo").read_text().startswith("## dumpdiff"), err  # named: written
+    code, _, err = dumpdiff("first-divergence", *dumps, "-o", tmp_path / "report", "--no-progress")
+    assert code == 1 and (tmp_path / "report").read_text().startswith("dumpdiff first-divergence:"), err
+
+
+def test_noise_naming_the_reference_itself_is_refused(dumps):
+    """`--noise A` with A the reference: every floor was 0 and the report said "floor from a repeat run"."""
+    ref, dec = dumps
+    one_line(dumpdiff("first-divergence", ref, dec, "--noise", ref + "/", "--no-progress"),
+             "--noise", "is REFERENCE itself", "a second, independent dump of the reference run")
+    one_line(dumpdiff("report", ref, dec, "--noise", dec, "--no-progress"), "is TEST itself")
+
+
+def test_json_output_says_its_format_and_version(dumps):
+    code, out, err = dumpdiff("first-divergence", *dumps, "--format", "json", "--no-progress")
+    result = json.loads(out)
+    assert code == 1 and list(result)[:2] == ["format", "version"], err
+    assert result["format"] == "dumpdiff-first-divergence" and result["version"] == 1
+    assert result["divergence"] is True and "ranks" in result and "a" in result  # the keys before are kept
+
+
+def test_reports_count_in_the_right_number_and_markdown_escapes_no_parentheses(dumps):
+    """The reference (one prefill) was "1 passes"; the markdown said "\\(" for every "("."""
+    code, out, _ = dumpdiff("first-divergence", *dumps, "--no-progress")
+    assert code == 1 and "; 1 pass, ranks" in out and "1 passes" not in out, out
+    code, md, _ = dumpdiff("report", *dumps, "--no-progress")
+    assert code == 1 and "1 passes" not in md
+    assert "\\(" not in md and "\\)" not in md and "(" in md
+    from analyzer.report import plural
+    assert [plural(1, "pass"), plural(2, "pass"), plural(1, "row", "differ"), plural(3, "row", "differ")] == \
+        ["1 pass", "2 passes", "1 row differs", "3 rows differ"]
+    assert [plural(1, "paired row", "have"), plural(0, "entry"), plural(2, "more call")] == \
+        ["1 paired row has", "0 entries", "2 more calls"]

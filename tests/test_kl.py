@@ -422,3 +422,98 @@ def test_a_cache_path_far_dirtier_than_match_is_no_pass_under_an_uncalibrated_th
     helpers["match"]["avg_kl_div"] = 2.84e-14
     helpers["prefill_cache_hit"]["avg_kl_div"] = 2.0e-13  # a clean engine's helpers stay within a small factor
     assert kl.classify(helpers, uncalibrated=True)["kind"] == kl.PASS
+
+
+# -- local files are checked before the server is asked, and ids past the vocabulary never sent ----
+
+NO_SERVER = "http://127.0.0.1:9"  # nothing listens there: an error about a file must come first
+
+
+def _one_line(result, *needles):
+    code, out, err = result
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("dumpdiff: error: "), (code, out, err)
+    assert "cannot connect" not in err and "internal error" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize("command", [["kl"], ["kl", "calibrate"], ["localize"]], ids=" ".join)
+def test_cli_a_missing_prompts_file_is_said_before_the_unreachable_server(tmp_path, command):
+    missing = tmp_path / "nope.jsonl"
+    _one_line(dumpdiff(*command, "--url", NO_SERVER, "--prompts", missing, "-q", timeout=60),
+              f"{missing}: cannot read the prompts file (No such file or directory)")
+
+
+@pytest.mark.parametrize("command", [["kl"], ["kl", "calibrate"], ["localize"]], ids=" ".join)
+def test_cli_a_token_id_past_the_vocabulary_is_refused_before_anything_is_sent(tmp_path, command):
+    """An id >= vocab_size was sent; the server's embedding crashed and the check said "cannot connect"."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[1, 2, 3]\n\n[4, 1000, 5]\n")
+    _one_line(dumpdiff(*command, "--url", NO_SERVER, "--prompts", prompts, "--vocab-size", "1000", "-q", timeout=60),
+              f"{prompts}:3: token id 1000 is out of the model's vocabulary (vocab size 1000, from --vocab-size)")
+    if command == ["localize"]:
+        _one_line(dumpdiff("localize", "--url", NO_SERVER, "--prompt-ids", "[1, 4096]", "--vocab-size", "1000",
+                           timeout=60), "--prompt-ids: token id 4096 is out of the model's vocabulary")
+
+
+def test_cli_the_vocab_size_from_the_models_config_refuses_ids_before_any_generate(tmp_path):
+    """Without --vocab-size the size comes from the config.json of /server_info's model_path:
+    /server_info is all the server is asked."""
+    import http.server
+    import threading
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 512}))
+    asked = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            body = json.dumps({"model_path": str(model), "tp_size": 1, "version": "stand-in"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            asked.append(self.path)
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('{"input_ids": [3, 600]}\n')
+        _one_line(dumpdiff("kl", "--url", f"http://127.0.0.1:{server.server_port}", "--prompts", prompts, "-q",
+                           timeout=60), f"{prompts}:1: token id 600", f"vocab size 512, from {model}/config.json")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == ["/server_info"]
+
+
+def test_json_outputs_say_their_format_and_version():
+    from analyzer.kl_render import to_json
+    result = {"kind": "dumpdiff-kl", "verdict": {"kind": "pass"}}
+    marked = json.loads(to_json(result))
+    assert list(marked)[:2] == ["format", "version"] and marked["format"] == "dumpdiff-kl" and marked["version"] == 1
+    assert marked["kind"] == "dumpdiff-kl" and marked["verdict"] == {"kind": "pass"}  # the keys before are kept
+    assert json.loads(to_json({"kind": "dumpdiff-kl-calibration"}))["format"] == "dumpdiff-kl-calibration"
+    assert json.loads(to_json({"localized": False}, "dumpdiff-localize"))["format"] == "dumpdiff-localize"
+
+
+def test_text_reports_count_in_the_right_number():
+    from analyzer.localize import to_text
+    result = {"localized": True, "divergence": True, "helper": "match", "prompt_index": None, "prompt_len": 1,
+              "replay": {"output_len": 1, "cached_tokens": 0, "hit": True, "mean_kl": 0.0, "max_kl": 0.0,
+                         "bit_identical": 1, "tokens": 1},
+              "strict_culprit": None, "noise_culprits": [{"call": "c#0", "cls": "L", "rows": 1, "in_err": 0.0,
+                                                          "out_err": 1.0, "amplification": 9.0}],
+              "dumps": {"dec": "d", "ref": "r"}, "notes": []}
+    text = to_text(result)
+    assert "(1 token)" in text and "replay: 1 token decoded" in text and "(1 row, " in text, text
