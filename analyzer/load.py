@@ -43,6 +43,7 @@ class RankDump:
     torn_lines: int = 0  # manifest lines cut short by a crash (ignored)
     orphans: List[str] = dataclasses.field(default_factory=list)  # files never committed
     unclosed: Optional[str] = None  # the writer that never closed this folder (killed), if any
+    sessions: List[str] = dataclasses.field(default_factory=list)  # the writers that committed its passes, in order
 
 
 @dataclasses.dataclass
@@ -72,6 +73,10 @@ class Dump:
                 last = rank.passes[-1].pass_id if rank.passes else None
                 notes.append(f"{self.label} rank{rank.rank}: the writer ({rank.unclosed}) never closed the dump "
                              f"(killed, crashed or still running); passes after pass {last} may be missing")
+            if len(rank.sessions) > 1:
+                notes.append(f"{self.label} rank{rank.rank}: passes from {len(rank.sessions)} writer sessions "
+                             f"({'; '.join(rank.sessions[:3])}): a rerun was appended to this experiment, and "
+                             "the dump holds both runs; dump each run into a fresh experiment (cleanup_previous)")
             if rank.orphans:
                 notes.append(f"{self.label} rank{rank.rank}: {len(rank.orphans)} uncommitted pass file(s) ignored "
                              f"(a writer killed mid-write, or one still writing): {', '.join(rank.orphans[:3])}")
@@ -144,6 +149,7 @@ def _read_rank(rank: int, rank_dir: str) -> RankDump:
     passes: List[PassRef] = []
     torn = 0
     committed = set()
+    sessions: List[str] = []
     if os.path.exists(manifest):
         with open(manifest, "rb") as handle:
             lines = handle.read().split(b"\n")
@@ -170,12 +176,15 @@ def _read_rank(rank: int, rank_dir: str) -> RankDump:
                 raise DumpError(f"{show(path)}: truncated or changed ({size} bytes, manifest says {nbytes}); copy the dump again")
             committed.add(name)
             passes.append(PassRef(rank, pass_id, path, nbytes, entry.get("mode")))
+            session = entry.get("session")
+            if is_str(session) and session not in sessions:
+                sessions.append(session)
     # Uncommitted: our ".pass-N.safetensors.tmp", safetensors' own ".tmpXXXXXX" (it writes through a
     # temp file too), and a pass file renamed into place whose manifest line never came.
     orphans = sorted(n for n in os.listdir(rank_dir) if n.endswith((".safetensors", ".tmp")) or n.startswith(".tmp"))
     orphans = [n for n in orphans if n not in committed]
     passes.sort(key=lambda p: p.pass_id)
-    return RankDump(rank, rank_dir, passes, torn, orphans, _unclosed_writer(rank_dir))
+    return RankDump(rank, rank_dir, passes, torn, orphans, _unclosed_writer(rank_dir), sessions)
 
 
 def _unclosed_writer(rank_dir: str) -> Optional[str]:

@@ -489,7 +489,7 @@ class Dumper:
     def _announce(self):
         cfg = self.config
         where = os.path.join(cfg.dir, cfg.exp_name or "<dump_date_time>")
-        log.info("dumper: %s, mode=%s, filter=%r -> %s", "ENABLED" if cfg.enable else "installed, idle",
+        log.info("dumper: %s, mode=%s, filter='%s' -> %s", "ENABLED" if cfg.enable else "installed, idle",
                  cfg.non_intrusive_mode, cfg.filter or "(all modules)", where)
         if cfg.filter and cfg.non_intrusive_mode == "all":
             self._check_filter(cfg.filter)
@@ -505,13 +505,13 @@ class Dumper:
                   if selected(path if module is not self.model else fmt.ROOT_PATH, type(module).__name__)}
         model_class = type(self.model).__name__
         if not chosen:
-            log.warning("dumper: DUMPER_FILTER=%r matches no module of %s; nothing but pass metadata will be dumped",
+            log.warning("dumper: DUMPER_FILTER='%s' matches no module of %s; nothing but pass metadata will be dumped",
                         filter_text, model_class)
             return
         embeddings = _embedding_modules(self.model)
         if embeddings and not chosen & embeddings:
             names = ", ".join(sorted(self._paths[module] for module in embeddings))
-            log.warning("dumper: DUMPER_FILTER=%r leaves out the embedding (%s) of %s; the analyzer needs its output "
+            log.warning("dumper: DUMPER_FILTER='%s' leaves out the embedding (%s) of %s; the analyzer needs its output "
                         "to prove the alignment", filter_text, names, model_class)
 
     def _report_sizes(self):

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -161,6 +162,9 @@ def _recover(rank_dir: str, manifest_path: str):
     return last + 1, len(named)
 
 
+_writers = itertools.count(1)  # several dumpers installed in turn in one process are told apart
+
+
 class PassWriter:
     def __init__(self, queue_bytes: int, max_bytes: int = 0, min_free_bytes: int = 0):
         self.queue_bytes = max(queue_bytes, 1)
@@ -169,6 +173,9 @@ class PassWriter:
         self.bytes_written = 0
         self.passes_written = 0
         self.stopped_reason: Optional[str] = None
+        # Names this writer in each manifest line: a rerun that appends to an experiment (a new
+        # server, the same DUMPER_DIR) shows as a second session, which the analyzer reports.
+        self.session = f"pid {os.getpid()} writer {next(_writers)} from {time.strftime('%Y-%m-%d %H:%M:%S')}"
         self._pending_bytes = 0
         # Host copies of the pass being captured, per pass object (reserve()); a pass that is
         # abandoned (the forward raised) drops out of this map when it is garbage collected.
@@ -311,7 +318,8 @@ class PassWriter:
             except WriterBusy as exc:
                 self._stop(None, str(exc))  # the folder belongs to another process: mark nothing there
             except Exception as exc:  # noqa: BLE001 - a dump failure must not kill the engine
-                self._stop(record.exp_dir if record else None, f"{type(exc).__name__}: {exc}")
+                said = str(exc) if isinstance(exc, _BudgetExceeded) else f"{type(exc).__name__}: {exc}"  # ours say it all
+                self._stop(record.exp_dir if record else None, said)
             finally:
                 if record is not None:
                     with self._cond:
@@ -359,7 +367,7 @@ class PassWriter:
             raise
         line = {"pass": pass_id, "file": name, "bytes": size, "tensors": len(tensors),
                 "mode": meta.get("mode"), "rows": len(meta.get("tokens", {}).get("ids", [])),
-                "step": meta.get("step"), "time": round(time.time(), 3)}
+                "step": meta.get("step"), "time": round(time.time(), 3), "session": self.session}
         try:
             journal.commit((json.dumps(line) + "\n").encode())
         except BaseException:

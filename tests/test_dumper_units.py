@@ -17,6 +17,7 @@ import dumper
 from dumper import format as fmt
 from dumper.config import VARIABLES, ConfigError, DumperConfig
 from helpers import ROOT, dumpdiff
+from analyzer.load import open_dump
 
 
 def test_env_example_documents_every_variable_with_its_default():
@@ -310,10 +311,14 @@ def test_an_earlier_runs_passes_in_the_folder_are_named_once(tmp_path, caplog):
     rank_dir = tmp_path / "ref" / "rank0"
     assert caplog.messages == [f"dumper: {rank_dir} already holds 2 passes from an earlier run; new passes are appended "
                                "(DUMPER_CLEANUP_PREVIOUS=1 or a new exp_name starts afresh)"]
+    # the analyzer says so too, in every report (the server's log is rarely read): two writers' passes
+    notes = [n for n in open_dump(str(tmp_path / "ref")).warnings() if "writer sessions" in n]
+    assert len(notes) == 1 and "passes from 2 writer sessions" in notes[0] and "rerun was appended" in notes[0]
     caplog.clear()
     with caplog.at_level("WARNING", logger="dumper"):
         run(model, 1, cleanup_previous=True)  # starts afresh: nothing to say
     assert caplog.messages == []
+    assert open_dump(str(tmp_path / "ref")).warnings() == []
 
 
 def test_core_mode_warns_once_per_dumper(tmp_path, caplog):

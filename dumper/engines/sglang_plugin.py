@@ -60,7 +60,9 @@ def _after_load_model(result, model_runner, *args, **kwargs):
     dumper = install(model_runner.model, DumperConfig.from_env(), adapter=SglangAdapter(model_runner))
     _dumpers.append(dumper)
     log.warning("dumpdiff: dumper installed on %s (tp rank %s), %s", type(model_runner.model).__name__,
-                getattr(model_runner, "tp_rank", 0), "enabled" if dumper.config.enable else "idle until /dumper/configure")
+                getattr(model_runner, "tp_rank", 0), "enabled" if dumper.config.enable
+                else "idle until /dumper/configure" if dumper.config.server_port_parsed
+                else "idle, and with no DUMPER_SERVER_PORT nothing can enable it (set DUMPER_SERVER_PORT=reuse)")
     return result
 
 
