@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -88,8 +90,11 @@ def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
     # the stale key is read in the attention's own forward, between its dumped children
     assert "noise-aware verdict" in out and ("introduced in code not dumped inside model.layers.1.self_attn#0, between "
                                              "model.layers.1.self_attn.v_proj#0 and model.layers.1.self_attn.o_proj#0") in out
-    # the decode run given as the repeat made every difference its own floor: the bug became noise
+    # the decode run given as the repeat would make every difference its own floor: the bug would become noise
     code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", dec, "--no-progress")
+    assert code == 2 and err.count("\n") == 1 and "is TEST itself; give a second, independent dump" in err, err
+    shutil.copytree(dec, tmp_path / "dec_copy")  # a decode run in another folder: told by its decode rows
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", tmp_path / "dec_copy", "--no-progress")
     assert code == 2 and err.count("\n") == 1 and "decode rows (the reference 0); give a second dump of the reference" in err, err
 
 
