@@ -98,8 +98,14 @@ def resolve_thresholds(threshold: Optional[float], path: Optional[str], target: 
         data = load(path)
         key, entry = find(data, target.get("model"), target.get("tp", 1), target.get("served_model_name"))
         if entry is not None:
-            return {"value": float(entry["kl_div"]), "helpers": {k: float(v) for k, v in (entry.get("helpers") or {}).items()},
-                    "source": path, "key": key}
+            found = {"value": float(entry["kl_div"]), "helpers": {k: float(v) for k, v in (entry.get("helpers") or {}).items()},
+                     "source": path, "key": key}
+            calibrated = (entry.get("calibration") or {}).get("dtype") if isinstance(entry.get("calibration"), dict) else None
+            if calibrated and target.get("dtype") and str(calibrated) != str(target["dtype"]):
+                # a float32 threshold fails every bfloat16 run; a bfloat16 one hides float32 bugs
+                found["note"] = (f"{key} in {path} was calibrated on a {calibrated} server, this one runs "
+                                 f"{target['dtype']}: rerun `dumpdiff kl calibrate` on this server")
+            return found
         where = f"no entry for {key_of(target.get('model'), target.get('tp', 1))} in {path}"
     else:
         where = f"no thresholds file {path}"

@@ -270,6 +270,9 @@ def test_thresholds_file_roundtrip_and_lookup(tmp_path):
     assert other_tp["source"] == "default" and "no entry" in other_tp["note"]
     moved = kl_thresholds.resolve_thresholds(None, path, {**target, "model": "/other/place/Llama-3.1-8B"})
     assert moved["value"] == pytest.approx(1e-3)  # matched by the folder name
+    assert "note" not in moved
+    other_dtype = kl_thresholds.resolve_thresholds(None, path, {**target, "dtype": "float32"})
+    assert "calibrated on a bfloat16 server, this one runs float32" in other_dtype["note"]  # said in the report
     assert kl_thresholds.resolve_thresholds(5e-5, path, target)["source"] == "--threshold"
     data["entries"][key]["helpers"] = {"decode_cache_hit": 2e-3}
     kl_thresholds.save(path, data)
