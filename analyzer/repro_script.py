@@ -318,7 +318,7 @@ def main():
     differ = [slot for slot in ins_a if slot not in same]
     print(f"  inputs of these rows in A and B: " + ("bit-identical" if not differ else
           f"DIFFER in {', '.join(differ)} (a replay then compares different inputs)"))
-    mismatch = False
+    mismatch = untested = False
 
     def replay(run):
         """The replayed output rows of A and B, and which of them differ from the dump (with why)."""
@@ -352,6 +352,9 @@ def main():
                   f"NO ({say(differs[key])}): this machine's kernel or code is not what ran in the dump"))
         found = compare(rows_a, rows_b)
         mismatch |= found is not None and not differ  # with different inputs a difference proves nothing
+        # A and B differ, but they were given different inputs (not attention's whole K/V, whose
+        # lengths differ by design while the query rows are the same)
+        untested = found is not None and bool(differ) and META["kind"] != "sdpa"
         print(f"  A (M={a['M']}) vs B (M={b['M']}), output {META['out_slot']} of the same token rows: {say(found)}"
               + (" (inputs differ: not counted)" if differ and found is not None else ""))
         if META["rowwise"]:
@@ -367,7 +370,14 @@ def main():
         print("verdict: MISMATCH: the operator alone, on the same input rows, gives different outputs at different "
               "shapes (a batch-variant kernel); this script reproduces it without the engine")
         sys.exit(1)
-    if unfaithful:
+    if untested and not META["rowwise"]:
+        print("verdict: NOT TESTED: A and B were given different inputs, so their different outputs say nothing about "
+              "the operator; repro a call whose inputs are bit-identical (first-divergence's strict culprit)")
+        sys.exit(2)
+    if untested:
+        print("verdict: MATCH on the same inputs: A's rows give the same outputs in the full batch and alone; A and B "
+              "differ because their inputs differ")
+    elif unfaithful:
         print(f"verdict: MATCH: the replay gives the same outputs at both shapes, but its replay of {' and '.join(unfaithful)} "
               "is not what the engine dumped: the divergence comes from code or a kernel this replay does not run "
               "(a module patched at run time, a hook, another device or library); replay it where the dump was made")

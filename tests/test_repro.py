@@ -131,6 +131,9 @@ def test_a_call_that_carries_noise_is_replayed_on_its_cached_rows(llama_dir, tmp
                               "--call", "model.layers.2.mlp#0", "--no-progress")
     assert code == 0, err
     assert "B dec pass 1 (decode, M=1)" in out, out
+    # a victim: its inputs already differ, so its different outputs test nothing (was "verdict: MATCH")
+    code, out, err = run_script(tmp_path / "r" / "repro.py", ("analyzer", "dumper"))
+    assert code == 2 and "inputs of these rows in A and B: DIFFER" in out and "verdict: NOT TESTED" in out, out + err
 
 
 def test_unknown_class_is_rebuilt_through_the_model(llama_dir, tmp_path):
