@@ -64,7 +64,7 @@ class _Pass:
         self.exp_dir = exp_dir
         self.calls: List[_Call] = []
         self.nesting: List[_Call] = []  # the calls open now, outermost first
-        self.holders: List[str] = []  # the open calls of modules that place a shared module's calls
+        self.holders: List[tuple] = []  # (module, its name) of the open calls that place a shared module's calls
         self.counts: Dict[str, int] = {}
         self.order = 0
         self.tensors: Dict[str, torch.Tensor] = {}
@@ -107,11 +107,7 @@ class Dumper:
         # The modules whose open call places a shared module's call: hooked whatever the filter
         # selects, so a filter that leaves layer k out still names (and leaves out) its call.
         modules_at = dict(every_path)
-        self._holders: Dict[torch.nn.Module, str] = {}
-        for under, _ in self._shared.values():
-            for prefix in under:
-                if prefix in modules_at:
-                    self._holders.setdefault(modules_at[prefix], prefix)
+        self._holders = {modules_at[prefix] for under, _ in self._shared.values() for prefix in under if prefix in modules_at}
         self._cleaned: set = set()
         self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
@@ -362,14 +358,24 @@ class Dumper:
     def _enter_holder(self, module, args):
         current = self._pass
         if current is not None and self._pass_thread == threading.get_ident():
-            current.holders.append(self._holders[module])
+            current.holders.append((module, self._name_of(current, module)))
 
     def _leave_holder(self, module, args, output):
         current = self._pass
         if current is not None and self._pass_thread == threading.get_ident():
-            path = self._holders[module]
-            if path in current.holders:  # the last one: opened by this call
-                del current.holders[len(current.holders) - 1 - current.holders[::-1].index(path)]
+            for at in range(len(current.holders) - 1, -1, -1):  # the last one: opened by this call
+                if current.holders[at][0] is module:
+                    del current.holders[at]
+                    break
+
+    def _name_of(self, current: _Pass, module) -> str:
+        """The module's path in this call: a shared module's, under the innermost open holder
+        that has one of its paths (a shared block's child then follows the block's layer)."""
+        path = self._paths.get(module, "")
+        if module in self._shared:
+            under = self._shared[module][0]
+            path = next((under[name] for _, name in reversed(current.holders) if name in under), path)
+        return path
 
     def _detach_hooks(self):
         for handle in self._hook_handles:
@@ -381,12 +387,9 @@ class Dumper:
         current = self._pass
         if current is None or self._pass_thread != threading.get_ident():
             return
-        path = self._paths.get(module, "")
-        if module in self._shared:  # named under the innermost open call that holds one of its paths
-            under = self._shared[module][0]
-            path = next((under[p] for p in reversed(current.holders) if p in under), path)
-            if not self._selected(path, type(module).__name__):  # hooked for another of its names
-                return
+        path = self._name_of(current, module)  # a shared module: under the innermost open holder
+        if module in self._shared and not self._selected(path, type(module).__name__):  # hooked for another name
+            return
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
         call = _Call(fmt.call_name(path, index), path, type(module).__name__, current.order)

@@ -502,6 +502,57 @@ def test_a_filter_selects_a_shared_modules_calls_by_the_layer_they_run_in(tmp_pa
         assert [c["call"] for c in meta["calls"] if "q_norm" in c["call"]] == [f"attns.{layer}.q_norm#0"]
 
 
+class SharedMixer(torch.nn.Module):
+    """One object given to every block (as Zamba2 shares its transformer block), with a child."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class MixerBlock(torch.nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.shared = shared
+
+    def forward(self, x):
+        return x + self.shared(x)
+
+
+class MixerLM(torch.nn.Module):
+    def __init__(self, dim=8, layers=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, dim)
+        shared = SharedMixer(dim)
+        self.layers = torch.nn.ModuleList([MixerBlock(shared) for _ in range(layers)])
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("filter_text", ["", r"embed|layers\.2\b"])
+def test_a_shared_blocks_children_follow_the_layer_it_runs_in(tmp_path, filter_text):
+    """A shared block's child was named after the block's first path: layer 2's call of its proj
+    read 'layers.0.shared.proj#2', and a filter for layer 2 left it out."""
+    model = MixerLM().eval()
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="x", filter=filter_text))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+    finally:
+        handle.remove()
+    meta, _ = read_pass(str(tmp_path / "x" / "rank0" / fmt.pass_file_name(0)))
+    names = [c["call"] for c in meta["calls"] if ".shared" in c["call"]]
+    layers = range(3) if not filter_text else [2]
+    assert names == [name for k in layers for name in (f"layers.{k}.shared#0", f"layers.{k}.shared.proj#0")]
+
+
 class HeadScale(torch.nn.Module):
     """Not a norm: its [T*heads, head_dim] rows are not compared. ``bug``: wrong on decode passes;
     ``decode_only``: called in decode passes only."""
