@@ -250,8 +250,20 @@ def test_sdpa_replays_prefill_and_decode_without_a_model(tmp_path):
     code, out, err = run_script(tmp_path / "repro.py")
     assert code in (0, 1), out + err
     assert "replay of A reproduces the dumped output: yes" in out and "replay of B reproduces the dumped output: yes" in out
-    assert "inputs of these rows in A and B: DIFFER in key, value" in out  # whole K/V: 16 rows vs 10
+    # B's 10 keys are A's first 10, all that query row 9 sees: the same inputs (a difference is the kernel's)
+    assert "inputs of these rows in A and B: bit-identical" in out
     assert "vs each alone" not in out  # attention is not row-wise: no alone replay
+    assert ("verdict: MISMATCH" in out) == (code == 1) and ("verdict: MATCH" in out) == (code == 0)
+
+    # a cached key that differs (a state bug): nothing the replay can test, and not "the same outputs"
+    stale_key = inputs_b["key"].clone()
+    stale_key[:, :, 3] += 1
+    captured = captured_for(Sdpa(), "Sdpa", inputs_a, {**inputs_b, "key": stale_key}, 9, dims, dims,
+                            {"is_causal": True}, {"is_causal": False})
+    captured["meta"]["sides"]["b"]["token_dims"].update(key=None, value=None)
+    repro.write_bundle(str(tmp_path / "stale"), captured, None)
+    code, out, err = run_script(tmp_path / "stale" / "repro.py")
+    assert code == 2 and "DIFFER in key" in out and "verdict: NOT TESTED" in out, out + err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
