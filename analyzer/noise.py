@@ -460,6 +460,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
 
 
 MAX_REFINEMENTS = 4
+MIN_REFINED_SAMPLES = 50
 
 
 def _derived_verdict(calls: Columns, table: RowTable, modules: np.ndarray, flips, pre: np.ndarray, post: np.ndarray):
@@ -480,8 +481,8 @@ def _derived_verdict(calls: Columns, table: RowTable, modules: np.ndarray, flips
         first_when = np.full(int(calls["pair"].max()) + 1, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(first_when, rows, np.r_[post[introduced], pre[gaps]].astype(np.int64))
         refined = derive_threshold(calls, post.astype(np.int64) < first_when[calls["pair"]])
-        if refined["amplification"] >= rule["amplification"]:
-            break
+        if refined["amplification"] >= rule["amplification"] or refined["samples"] < MIN_REFINED_SAMPLES:
+            break  # too few cells left to tell the noise's spread: the line stays
         rule = refined
         introduced, gaps, explained = _judged(calls, table, modules, flips, rule)
     if rule["amplification"] < first_line:

@@ -19,10 +19,12 @@ from .config import ConfigError, DumperConfig
 log = logging.getLogger("dumper")
 
 METHODS = ("configure", "reset", "get_state")
-# Not over HTTP: where the dumps go (DUMPER_DIR, fixed at launch: with DUMPER_SERVER_PORT=reuse
-# the route is on the engine's own port, which may listen beyond this host, and a request must
-# never make the server write, or clean up, files outside that folder) and the fixed resources.
-SETTABLE = tuple(f for f in DumperConfig.__dataclass_fields__ if f not in ("server_port", "queue_bytes", "dir"))
+# Not over HTTP, fixed at launch: where the dumps go (with DUMPER_SERVER_PORT=reuse the route is
+# on the engine's own port, which may listen beyond this host: a request must never make the
+# server write, or clean up, files outside DUMPER_DIR) and the resources it may take (host
+# memory, bytes written, the disk space left free).
+AT_LAUNCH = ("server_port", "queue_bytes", "dir", "max_bytes", "min_free_bytes")
+SETTABLE = tuple(f for f in DumperConfig.__dataclass_fields__ if f not in AT_LAUNCH)
 
 
 def handle(dumper, method: str, body) -> dict:
@@ -33,9 +35,10 @@ def handle(dumper, method: str, body) -> dict:
         raise ConfigError("the request body must be a JSON object")
     if method == "configure":
         unknown = sorted(set(body) - set(SETTABLE))
-        if "dir" in body:
-            raise ConfigError("dir cannot be set at run time: set DUMPER_DIR before launching the server "
-                              "(a control request writes nothing outside it)")
+        fixed = sorted(set(body) & set(AT_LAUNCH))
+        if fixed:
+            raise ConfigError(f"{', '.join(fixed)} cannot be set at run time: set "
+                              f"{', '.join('DUMPER_' + f.upper() for f in fixed)} before launching the server")
         if unknown:
             raise ConfigError(f"unknown setting(s) {unknown}; settable: {', '.join(SETTABLE)}")
         return dumper.configure(**body)

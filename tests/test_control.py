@@ -38,6 +38,7 @@ def test_ctl_enables_dumping_and_rejects_bad_requests(tmp_path):
         for bad, needle in ((["exp_name=../../etc"], "exp_name='../../etc' is not valid"),
                             (["colour=red"], "unknown setting(s) ['colour']"),
                             ([f"dir={tmp_path / 'elsewhere'}"], "dir cannot be set at run time"),
+                            (["min_free_bytes=0"], "min_free_bytes cannot be set at run time: set DUMPER_MIN_FREE_BYTES"),
                             (["enable=maybe"], "DUMPER_ENABLE='maybe' is not valid"),
                             (["filter=layer=3"], "DUMPER_FILTER='layer=3' is not valid")):  # was a regex matching nothing
             code, out, err = dumpdiff("ctl", "configure", *bad, url)
