@@ -382,13 +382,11 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     modules = calls_b["module"][at_calls]
     if atol is not None or rtol is not None:
         rule = {"atol": atol, "rtol": rtol}
-        introduced, gaps, explained = calls["out_exceeds"] & ~calls["in_exceeds"], np.zeros(len(calls), bool), None
+        explained = _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION)
+        introduced, gaps = calls["out_exceeds"] & ~calls["in_exceeds"] & ~explained, np.zeros(len(calls), bool)
     else:
         rule, introduced, gaps, explained = _derived_verdict(calls, table, modules, flips, pre, post)
     rule["floor_from_repeat"] = bool(floor_by_call)
-    if explained is None:
-        explained = _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION)
-        introduced &= ~explained
     if explained.any():
         rule["rows_flipped_by_noise"] = int(len(distinct(calls["pair"][explained])))
     # The earliest introduction on each row: a call's when it completes, a gap's when the call

@@ -345,8 +345,7 @@ class Dumper:
     def _attach_hooks(self, filter_text: str):
         selected = self._selected = compile_filter(filter_text)
         for module, path in self._paths.items():
-            names = self._shared[module][1] if module in self._shared else (path,)
-            if module is self.model or not any(selected(name, type(module).__name__) for name in names):
+            if module is self.model or not any(selected(name, type(module).__name__) for name in self._names(module)):
                 continue
             self._hook_handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self._hook_handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
@@ -367,6 +366,10 @@ class Dumper:
                 if current.holders[at][0] is module:
                     del current.holders[at]
                     break
+
+    def _names(self, module):
+        """Every path the module is registered under (a shared module has several)."""
+        return self._shared[module][1] if module in self._shared else (self._paths.get(module, ""),)
 
     def _name_of(self, current: _Pass, module) -> str:
         """The module's path in this call: a shared module's, under the innermost open holder
@@ -405,7 +408,7 @@ class Dumper:
             return
         # its innermost open call, under whichever of its names its pre-hook chose: the last one
         # open, unless a call inside it ended without its post-hook
-        names = self._shared[module][1] if module in self._shared else (self._paths.get(module, ""),)
+        names = self._names(module)
         call = next((c for c in reversed(current.nesting) if c.module in names), None)
         if call is None:
             return
