@@ -27,7 +27,7 @@ from .filelayout import usable_layout
 from .fingerprint import row_stats
 from .load import Dump, PassFile, show
 from .passtables import ENCODED, pass_tables, stored_tensors
-from .readahead import will_need
+from .readahead import RangeAdvisor, will_need
 from .rowplan import may_hold_token_ids, pass_rows, row_columns
 from .rowread import FileEnded, read_exactly
 from .smallpass import small_pass_tables
@@ -258,9 +258,8 @@ def index_pass(pf: PassFile, on_bytes=None, tensor_tables=None) -> Dict[str, dic
 
 
 def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) -> Dict[str, dict]:
-    """The calls, tensors and rows tables of a large pass: every stored tensor is read once (one
-    too large to hold whole first, a block of rows at a time; the rest in the order their bytes lie
-    in the file, by a read-ahead thread) and hashed by a pool of threads while the next are read."""
+    """The calls, tensors and rows tables of a large pass: every stored tensor is read once and
+    hashed by a pool of threads (see _stored_rows)."""
     tensor_metas, stored_names = stored_tensors(pf)
     return pass_tables(pf.meta["calls"], tensor_metas,
                        _stored_rows(pf, n_rows, valid, stored_names, on_bytes, tensor_metas))
@@ -269,18 +268,22 @@ def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
 def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: List[str], on_bytes=None,
                  tensor_metas=None) -> Dict[str, tuple]:
     """Stored tensor name -> (row columns, why it has no token rows, whether it holds the token ids),
-    for the named tensors of a pass."""
+    for the named tensors of a pass. A tensor whose rows lie in order in the file (nearly all) is
+    streamed by one hashing thread a block of rows at a time, the kernel reading ahead; the rest
+    are read whole by a read-ahead thread and hashed while the next are read."""
     tensor_metas = tensor_metas if tensor_metas is not None else stored_tensors(pf)[0]
-    stored_rows: Dict[str, tuple] = {}
     token_ids = pf.meta["tokens"]["ids"]
     plans = pass_rows(pf.meta, n_rows, valid)
     layout = usable_layout(pf, stored_names)
-    if layout is not None:  # tensors too large to hold whole (the logits of a long prefill): a block of rows at a time
-        huge = {name: plan for name, plan in ((n, _plan_in_blocks(pf, plans, n, tensor_metas[n], layout))
-                                               for n in stored_names) if plan is not None}
-        for name, plan in huge.items():
-            stored_rows[name] = _rows_in_blocks(pf, name, plan, layout.get(name), token_ids, on_bytes)
-        stored_names = [n for n in stored_names if n not in huge]
+    streamed = {}
+    if layout is not None:
+        streamed = {name: plan for name, plan in ((n, _plan_in_blocks(pf, plans, n, tensor_metas[n], layout))
+                                                   for n in stored_names) if plan is not None}
+    whole = [n for n in stored_names if n not in streamed]
+    advisor = RangeAdvisor(pf.ref.path, STREAM_AHEAD_BYTES) if streamed else None
+
+    def stream(name):
+        return _rows_in_blocks(pf, name, streamed[name], layout.get(name), token_ids, on_bytes, advisor)
 
     def work(stored, tensor, dtype, begin, release):
         try:
@@ -290,17 +293,22 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
         finally:
             release()
 
-    if HASH_THREADS <= 1:
-        for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes, layout):
-            stored_rows[stored] = work(stored, tensor, dtype, begin, release)
-            del tensor
-    else:
-        pending: "collections.deque" = collections.deque()
+    stored_rows: Dict[str, tuple] = {}
+    in_order = sorted(streamed, key=lambda n: layout.get(n)[2])
+    try:
+        if HASH_THREADS <= 1:
+            for name in in_order:
+                stored_rows[name] = stream(name)
+            for stored, tensor, dtype, begin, release in read_tensors(pf, whole, on_bytes, layout):
+                stored_rows[stored] = work(stored, tensor, dtype, begin, release)
+                del tensor
+            return stored_rows
+        pending: "collections.deque" = collections.deque((name, _tensor_pool().submit(stream, name)) for name in in_order)
         try:
-            for stored, tensor, dtype, begin, release in read_tensors(pf, stored_names, on_bytes, layout):
+            for stored, tensor, dtype, begin, release in read_tensors(pf, whole, on_bytes, layout):
                 pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, begin, release)))
                 del tensor
-                while len(pending) > 2 * HASH_THREADS or (pending and pending[0][1].done()):
+                while pending and pending[0][1].done():
                     done, future = pending.popleft()
                     stored_rows[done] = future.result()
             while pending:
@@ -310,19 +318,27 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
             for _, future in pending:  # after an error: let no task outlive this pass
                 future.cancel()
             concurrent.futures.wait([future for _, future in pending])
-    return stored_rows
+        return stored_rows
+    finally:
+        if advisor is not None:
+            advisor.close()
 
 
-HUGE_TENSOR_BYTES = 64 << 20  # larger tensors are read a block of rows at a time when their rows lie in order
-ROW_BLOCK_BYTES = 32 << 20
+# Rows are read this many bytes of whole rows at a time (one row, if wider) into a buffer of the
+# hashing thread's: it stays in the CPU's cache between the copy from the page cache and the
+# hashing. On the 2-core VM, reading a 3 GB prefill so against reading each tensor whole into
+# buffers up to 256 MB ahead: cold 1.7-2.2 vs 0.6-1.0 GB/s, a third of the kernel CPU; warm 7.3-8.1 vs
+# 4.5-5.3 GB/s (interleaved, `benchmarks/results/cpu-cold-reads-s26.txt`).
+ROW_BLOCK_BYTES = 2 << 20
+STREAM_AHEAD_BYTES = 64 << 20  # the kernel is asked to read this far beyond the streamed reads
 
 
 def _plan_in_blocks(pf: PassFile, plans, name: str, tmeta: dict, layout):
-    """The row plan of a tensor read a block of rows at a time, or None to read it whole: small,
-    rows not consecutive runs of its bytes (token dims that do not lead), or possibly the token ids
-    (checked against the whole tensor)."""
+    """The row plan of a tensor read a block of rows at a time, or None to read it whole: rows not
+    consecutive runs of its bytes (token dims that do not lead), no rows, or possibly the token
+    ids (checked against the whole tensor)."""
     dtype, shape, begin, end = layout.get(name)
-    if end - begin <= HUGE_TENSOR_BYTES:
+    if end == begin:
         return None
     plan = plans.plan(pf.ref.path, name, tmeta, shape)
     if not (plan.by_token and plan.contiguous and plan.view_shape[0]) or may_hold_token_ids(plan, dtype):
@@ -330,10 +346,10 @@ def _plan_in_blocks(pf: PassFile, plans, name: str, tmeta: dict, layout):
     return plan
 
 
-def _rows_in_blocks(pf: PassFile, name: str, plan, entry, token_ids, on_bytes=None) -> tuple:
-    """A huge tensor's row columns, its bytes read ROW_BLOCK_BYTES of whole rows at a time into
-    one reused buffer: memory stays bounded whatever the tensor's size; each row's figures are
-    those of the whole tensor's."""
+def _rows_in_blocks(pf: PassFile, name: str, plan, entry, token_ids, on_bytes=None, advisor=None) -> tuple:
+    """A tensor's row columns, its bytes read ROW_BLOCK_BYTES of whole rows at a time into one
+    reused buffer: memory stays bounded whatever the tensor's size; each row's figures are those
+    of the whole tensor's. ``advisor``: told each read's range, to have the kernel read ahead."""
     dtype, shape, begin, end = entry
     n_view = plan.view_shape[0]
     width = math.prod(plan.view_shape[1:]) * dtype.size
@@ -347,6 +363,8 @@ def _rows_in_blocks(pf: PassFile, name: str, plan, entry, token_ids, on_bytes=No
             for block, first in enumerate(firsts):
                 last = min(first + per_block, n_view)
                 nbytes = (last - first) * width
+                if advisor is not None:
+                    advisor.reach(begin + first * width, begin + last * width)
                 _read_range(handle, begin + first * width, buffer[:nbytes], pf, name)
                 rows = buffer[:nbytes].view(dtype.bits).reshape((last - first,) + tuple(plan.view_shape[1:]))
                 kept = plan.srow[cuts[block]:cuts[block + 1]] - first

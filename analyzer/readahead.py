@@ -6,6 +6,7 @@ without the call, is simply read when asked for. Imports nothing heavy."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import Iterable
 
 
@@ -19,3 +20,34 @@ def will_need(paths: Iterable[str]):
                 os.close(fd)
         except (OSError, AttributeError):  # no such hint here: the read itself fetches the file
             pass
+
+
+
+class RangeAdvisor:
+    """Asks the kernel to read one file ``ahead`` bytes beyond the reads that several threads make
+    in it, in file order: each thread says where its next read starts and ends, and a new window
+    is asked for once the reads come within half a window of the last one. The reads then find
+    their bytes in the page cache while the threads hash the previous ones."""
+
+    def __init__(self, path: str, ahead: int):
+        self._ahead, self._asked, self._lock = ahead, 0, threading.Lock()
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:  # the reads themselves say what is wrong with the file
+            self._fd = None
+
+    def reach(self, start: int, end: int):
+        with self._lock:
+            if self._fd is None or self._asked >= end + self._ahead // 2:
+                return
+            begin, self._asked = max(self._asked, start), end + self._ahead
+            length = self._asked - begin
+            try:
+                os.posix_fadvise(self._fd, begin, length, os.POSIX_FADV_WILLNEED)
+            except (OSError, AttributeError):  # no such hint here: the reads fetch the bytes
+                self.close()
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
