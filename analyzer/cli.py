@@ -6,6 +6,7 @@ starting with 'dumpdiff: error:' and exit code 2; set DUMPDIFF_DEBUG=1 for a tra
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -18,6 +19,8 @@ from .errors import DumpError
 
 EXIT_SAME, EXIT_DIFFERENT, EXIT_TROUBLE = 0, 1, 2
 FORMATS = ("text", "md", "json", "html")
+FAIL_ON_STATE_BUG = "state-bug"
+FAIL_ON = ("divergence", FAIL_ON_STATE_BUG)  # what first-divergence exits 1 for
 
 
 def guarded(func):
@@ -112,12 +115,40 @@ def emit(text: str, output: str = None, headline: str = None):
     click.echo(f"dumpdiff: wrote {shown}" + (f" ({headline})" if headline else ""), err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-             invoke_without_command=True)
-@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr (give it before the command).")
+def _verbose(ctx, param, verbose: bool):
+    """-v/--verbose, before or after the command's name: the analyzer's progress details (INFO of
+    the "dumpdiff" logger). A level on that logger, not on the root one, because the command's -v
+    is parsed after main() has configured logging."""
+    if verbose:
+        logging.getLogger("dumpdiff").setLevel(logging.INFO)
+
+
+# The group's options that every command takes too: `dumpdiff first-divergence -v A B` was "No
+# such option". Each is a click.Option whose callback does the work (no value reaches a function).
+SHARED_OPTIONS = (click.Option(["-v", "--verbose"], is_flag=True, expose_value=False, callback=_verbose,
+                               help="Log progress details to stderr (before or after the command)."),)
+
+
+class SharedOptionsGroup(click.Group):
+    """A group whose SHARED_OPTIONS every command added to it (and to its subgroups) takes too."""
+
+    def add_command(self, cmd: click.Command, name: str = None):
+        _share_options(cmd)
+        super().add_command(cmd, name)
+
+
+def _share_options(cmd: click.Command):
+    taken = {opt for param in cmd.params for opt in param.opts}
+    cmd.params += [copy.copy(option) for option in SHARED_OPTIONS if not taken & set(option.opts)]
+    for sub in getattr(cmd, "commands", {}).values():  # kl calibrate
+        _share_options(sub)
+
+
+@click.group(cls=SharedOptionsGroup, params=list(SHARED_OPTIONS), invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="dumpdiff", message="%(prog)s %(version)s")
 @click.pass_context
-def main(ctx, verbose):
+def main(ctx):
     """dumpdiff - find the operator that makes prefill and decode disagree.
 
     \b
@@ -129,6 +160,7 @@ def main(ctx, verbose):
     \b
     Exit status (as diff(1)):
       0  no divergence    1  divergence found    2  trouble (bad input, unprovable alignment)
+      first-divergence --fail-on state-bug: 1 only for a state bug, 0 for float noise alone
 
     \b
     Environment:
@@ -138,8 +170,7 @@ def main(ctx, verbose):
       DUMPDIFF_KL_URL           the sglang server of `dumpdiff kl` and the pytest plugin
       DUMPDIFF_DEBUG=1          a traceback instead of the one-line error, for a bug report
     """
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="dumpdiff: %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="dumpdiff: %(message)s")
     if ctx.invoked_subcommand is None:  # a bare `dumpdiff`: the help, on stdout, as asked for
         click.echo(ctx.get_help())
 
@@ -174,10 +205,13 @@ def render(result: dict, fmt: str) -> str:
 @click.option("--noise", "noise_repeat", default=None, metavar="REFERENCE2",
               help="A second dump of the reference run: its differences are the noise floor.")
 @click.option("--strict-only", is_flag=True, help="Only the bit-level verdict; read no tensor bytes but the culprit's.")
+@click.option("--fail-on", type=click.Choice(FAIL_ON), default="divergence", show_default=True,
+              help="What exits 1: any row that differs, or only a state bug the noise-aware verdict names "
+                   "(a CI gate that float noise passes; not with --strict-only).")
 @click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
 @guarded
 def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, allow_mismatch, rebuild_index, atol, rtol,
-                         noise_repeat, strict_only, no_progress):
+                         noise_repeat, strict_only, fail_on, no_progress):
     """Name the first operator whose inputs match and whose output does not.
 
     REFERENCE is usually the dump of one prefill of prompt+output; TEST the dump of the prefill
@@ -199,10 +233,25 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
                    (amplification over a threshold derived from the run, or --atol/--rtol,
                    or the differences of a repeat run given with --noise): the state bug
 
+    The report's kind (JSON "kind"; the headline in words): none, batch-variance (rows differ,
+    no error introduced beyond float noise), state-bug (the noise-aware verdict names a call or
+    code not dumped), not-judged (--strict-only); over several ranks, the worst.
+
     \b
-    Exit status: 0 no divergence, 1 divergence found, 2 trouble (one line on stderr).
+    Exit status:
+      --fail-on divergence (default, as diff(1)):
+        0  no divergence          1  rows differ (batch-variance or state bug)
+      --fail-on state-bug (a CI gate; the report is printed whole all the same):
+        0  no divergence, or float noise alone (batch-variance)
+        1  the noise-aware verdict names an introduced error (a state bug) on some rank
+      2  trouble, under either (one line on stderr); so is --fail-on state-bug with
+         --strict-only, which makes no noise-aware verdict to judge by
     Example: dumpdiff first-divergence /tmp/dumper/ref /tmp/dumper/dec -o culprit.md
+    CI:      dumpdiff first-divergence ref/ dec/ --fail-on state-bug --format json -o verdict.json
     """
+    if strict_only and fail_on == FAIL_ON_STATE_BUG:
+        raise DumpError("--fail-on state-bug needs the noise-aware verdict, which --strict-only leaves out; drop one "
+                        "of them")
     fmt = output_format(fmt, output)
     _check_noise_repeat(noise_repeat, reference, test)
     from .indexfiles import saved_index_files
@@ -218,7 +267,16 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
                          *(["--atol", repr(atol)] if atol is not None else []), *(["--rtol", repr(rtol)] if rtol is not None else []),
                          *(["--noise", noise_repeat] if noise_repeat else []), *(["--strict-only"] if strict_only else [])]
     emit(render(result, fmt), output, headline=headline(result))
-    sys.exit(EXIT_DIFFERENT if result["divergence"] else EXIT_SAME)
+    sys.exit(exit_status(result, fail_on))
+
+
+def exit_status(result: dict, fail_on: str) -> int:
+    """--fail-on divergence: 1 when rows differ. state-bug: 1 only for a state bug (or a rank
+    left unjudged, which may hide one: a gate must not pass what it did not look at)."""
+    if fail_on == FAIL_ON_STATE_BUG:
+        from .verdictkind import NOT_JUDGED, STATE_BUG
+        return EXIT_DIFFERENT if result["kind"] in (STATE_BUG, NOT_JUDGED) else EXIT_SAME
+    return EXIT_DIFFERENT if result["divergence"] else EXIT_SAME
 
 
 def _check_noise_repeat(noise_repeat, reference: str, test: str):
@@ -253,7 +311,6 @@ def headline(result: dict) -> str:
 
 def _report_command() -> click.Command:
     """`dumpdiff report A B`: first-divergence with a bug-ticket format (markdown) by default."""
-    import copy
     params = [copy.copy(p) for p in first_divergence_cmd.params]
     for param in params:
         if param.name == "fmt":
@@ -283,10 +340,10 @@ def index_cmd(dumps, rebuild, no_progress):
     commands reuse it while the dump's manifest is unchanged. Every DUMP is checked before
     any is indexed; give both dumps of a comparison to pay the start-up once.
 
-    Each dump is read once, sequentially; memory stays bounded: 256 MB read ahead and 256 MB
-    kept for reuse in this process, 64 MB and 64 MB in each worker process; a tensor over 64 MB
-    whose token rows lead (the logits of a long prefill) is read 32 MB of rows at a time, any
-    other (or a single row over 32 MB) whole. On a host with
+    Each dump is read once, in file order; memory stays bounded: a tensor whose token rows lead
+    (nearly all) is streamed 2 MB of rows at a time through one buffer per hashing thread, the
+    kernel reading 64 MB ahead; any other is read whole (256 MB read ahead and 256 MB kept for
+    reuse in this process, 64 MB and 64 MB in each worker process). On a host with
     spare cores, worker processes index the decode steps and hash the large passes in pieces
     (DUMPDIFF_INDEX_PROCESSES sets how many; 0 or 2 if the system is short of memory).
 

@@ -16,6 +16,7 @@ from .index import load_indexes
 from .load import Dump, open_dump, show
 from .report import GAP_CODE, NOISE_ONLY, input_error, noise_place
 from .memtune import keep_freed_memory
+from .verdictkind import rank_kind, worst_kind
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
 # engine's own cache), so it is only reported.
@@ -90,9 +91,11 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
                                 "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,
                                 "embedding": alignment.embedding}
+        verdict["kind"] = rank_kind(verdict)
         result["ranks"][str(r)] = verdict
     result["diverged_ranks"] = [int(r) for r, v in result["ranks"].items() if v["rows_differing"]]
     result["divergence"] = bool(result["diverged_ranks"])
+    result["kind"] = worst_kind(result["ranks"])
     first = next((v for v in result["ranks"].values() if v["culprit"]), None)
     result["culprit"] = first["culprit"] if first else None
     return result
@@ -239,12 +242,20 @@ def summarize(verdict: dict) -> str:
 
 
 def _margin(noise: dict) -> str:
-    """How far the largest jump stayed from the line: an error within float noise cannot be told from it."""
-    jumps, line = [j for j in noise.get("top_jumps") or [] if not j.get("gap")], noise.get("rule", {}).get("amplification")
-    if not jumps or line is None:
+    """How far the largest jump stayed from its line: an error within float noise cannot be told
+    from it. The largest is the first of the jumps listed (a gap's too: "before X"), and its line
+    the one it was judged against: a gap's (100x), a call's (30x), or a call's from bit-identical
+    inputs (in epsilons)."""
+    jumps = noise.get("top_jumps") or []
+    if not jumps or jumps[0].get("line") is None:  # a tolerance (--atol/--rtol) drew no line
         return ""
     top = jumps[0]
-    return f" (the largest jump, {top['amplification']:.3g}x at {top['call']}, is under the {line:.3g}x line)"
+    if top.get("gap"):
+        where, which = f"{top['call']} (in code not dumped)", " for code not dumped"
+    else:
+        clean = top["line"] != noise["rule"]["amplification"]
+        where, which = f"at {top['call']}", " for bit-identical inputs" * clean
+    return f" (the largest jump, {top['amplification']:.3g}x {where}, is under the {top['line']:.3g}x line{which})"
 
 
 def describe(dump: Dump) -> dict:

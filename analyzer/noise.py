@@ -448,11 +448,15 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     verdict["bytes_read"] = int(a.reader().bytes_read + b.reader().bytes_read - read_before)
     # a noise flip's O(1) jump is no margin; a gap's jump is listed before the call whose input shows it
     kept = ~explained & (calls["gap_amplification"] > 0)
+    # each jump with the line it stayed under (none under --atol/--rtol), so the summary's largest
+    # jump is the list's first, judged as the verdict judged it
+    line, gap_line = cell_lines(calls, rule["amplification"]) if "amplification" in rule else (None, None)
     gap_cells = Columns({"amplification": calls["gap_amplification"][kept], "in_err": calls["before"][kept],
                          "out_err": calls["in_err"][kept]})
-    jumps = top_jumps(calls.take(~explained), names[~explained]) + \
-        [{**jump, "gap": True} for jump in top_jumps(gap_cells, np.array([f"before {n}" for n in names[kept].tolist()],
-                                                                          dtype=object))]
+    gap_names = np.array([f"before {n}" for n in names[kept].tolist()], dtype=object)
+    call_jumps = top_jumps(calls.take(~explained), names[~explained], None if line is None else line[~explained])
+    gap_jumps = top_jumps(gap_cells, gap_names, None if gap_line is None else gap_line[kept])
+    jumps = call_jumps + [{**jump, "gap": True} for jump in gap_jumps]
     verdict["top_jumps"] = sorted(jumps, key=lambda j: -j["amplification"])[:8]
     return verdict
 
@@ -495,22 +499,29 @@ def _judged(calls: Columns, table: RowTable, modules: np.ndarray, flips, rule: d
     rule["min_ulps"] = MIN_ULPS
     if (calls["eps"] > EPS_ACCUMULATE).any():  # the rule for 16-bit outputs, said where there are some
         rule["clean_input_16bit"] = float(clean_input_line(line_amp, eps(BY_NAME["bfloat16"])))
-    # carried noise gets the line; bit-identical inputs (and children within an epsilon of
-    # them: a bfloat16 attention whose o_proj moved under an ulp) the line in epsilons, 8 for a
-    # 16-bit output, MIN_CLEAN_FLOAT32 for a float32 one
-    float32_line = max(line_amp, MIN_CLEAN_FLOAT32)
     if ((calls["eps"] <= EPS_ACCUMULATE) & calls["float_out"]).any():  # said where there are float32 outputs
-        rule["clean_input_float32"] = float32_line
-    clean_line = np.where(calls["eps"] > EPS_ACCUMULATE,
-                          np.minimum(line_amp, clean_input_line(line_amp, calls["eps"])), float32_line)
-    line = np.where(calls["carries"], line_amp, clean_line)
-    introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
-    # a 16-bit gap from bit-identical values: the rounding argument of clean_input_line holds
+        rule["clean_input_float32"] = max(line_amp, MIN_CLEAN_FLOAT32)
     rule["gap_amplification"] = max(line_amp, MIN_GAP_AMPLIFICATION)
-    gap_line = np.where(calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE), clean_line, rule["gap_amplification"])
+    line, gap_line = cell_lines(calls, line_amp)
+    introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
     gaps = (calls["gap_amplification"] > gap_line) & (calls["in_err"] > MIN_ULPS * calls["eps"])
     explained = _flipped_by_noise(calls, table, modules, flips, line_amp)
     return introduced & ~explained, gaps & ~explained, explained
+
+
+def cell_lines(calls: Columns, line_amp: float):
+    """Per cell, the line its call's jump is judged against and the line a gap before it is: the
+    verdict and the largest jumps listed under it read the same lines."""
+    # carried noise gets the line; bit-identical inputs (and children within an epsilon of
+    # them: a bfloat16 attention whose o_proj moved under an ulp) the line in epsilons, 8 for a
+    # 16-bit output, MIN_CLEAN_FLOAT32 for a float32 one
+    clean_line = np.where(calls["eps"] > EPS_ACCUMULATE, np.minimum(line_amp, clean_input_line(line_amp, calls["eps"])),
+                          max(line_amp, MIN_CLEAN_FLOAT32))
+    line = np.where(calls["carries"], line_amp, clean_line)
+    # a 16-bit gap from bit-identical values: the rounding argument of clean_input_line holds
+    gap_line = np.where(calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE), clean_line,
+                        max(line_amp, MIN_GAP_AMPLIFICATION))
+    return line, gap_line
 
 
 def _uncompared_in_gap(calls_b: Columns, pass_b: int, culprit: dict, uncompared) -> list:
@@ -663,8 +674,9 @@ def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flip
     return explained
 
 
-def top_jumps(calls: Columns, names: np.ndarray, limit: int = 8) -> list:
-    """The largest amplifications seen, introduced or not: context for judging the threshold."""
+def top_jumps(calls: Columns, names: np.ndarray, lines: Optional[np.ndarray] = None, limit: int = 8) -> list:
+    """The largest amplifications seen, introduced or not: context for judging the threshold.
+    ``lines``: per cell, the line it was judged against (said as "line")."""
     ranked = np.argsort(-calls["amplification"], kind="stable")
     seen, best = set(), []
     for at in ranked.tolist():
@@ -672,7 +684,8 @@ def top_jumps(calls: Columns, names: np.ndarray, limit: int = 8) -> list:
             continue
         seen.add(names[at])
         best.append({"call": names[at], "in_err": float(calls["in_err"][at]), "out_err": float(calls["out_err"][at]),
-                     "amplification": float(calls["amplification"][at])})
+                     "amplification": float(calls["amplification"][at]),
+                     **({"line": float(lines[at])} if lines is not None else {})})
         if len(best) == limit:
             break
     return best

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .report import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, clean_unit, fmt_num, input_error, noise_place,  # noqa: F401
                      noise_place_parts, noun, plural, unstored_text)
+from .verdictkind import STATE_BUG, kind_of, kind_parts, rank_kind
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -52,6 +53,35 @@ def culprit_rank(result: dict) -> Optional[Tuple[str, dict]]:
 def noise_culprit(result: dict) -> Optional[dict]:
     """The first noise-aware culprit of the first rank that has one: the error a ticket is about."""
     return next((c for v in result["ranks"].values() for c in (v.get("noise") or {}).get("culprits", [])), None)
+
+
+def headline_parts(result: dict) -> List[Tuple[str, bool]]:
+    """The first words of every report, as (text, is_name) pieces: "NO DIVERGENCE", "DIVERGENCE
+    (batch-variance)", "DIVERGENCE (state bug at X)"; the kind is the worst over the ranks."""
+    if not result["divergence"]:
+        return [("NO DIVERGENCE", False)]
+    return [("DIVERGENCE (", False), *kind_parts(kind_of(result), noise_culprit(result)), (")", False)]
+
+
+def headline_names_place(result: dict) -> bool:
+    """Whether the headline already names where the error is (a state bug's place), so a title
+    need not add title_place's."""
+    return bool(result["divergence"]) and kind_of(result) == STATE_BUG and noise_culprit(result) is not None
+
+
+def rank_kind_parts(verdict: dict) -> List[Tuple[str, bool]]:
+    """One rank's kind, as headline_parts says the result's: "batch-variance", "state bug at X"."""
+    culprits = (verdict.get("noise") or {}).get("culprits") or [None]
+    return kind_parts(verdict.get("kind") or rank_kind(verdict), culprits[0])
+
+
+def diverged_rank_parts(result: dict) -> List[Tuple[str, bool]]:
+    """The ranks that diverge with their kinds: "0 (state bug at X), 1 (batch-variance)"."""
+    parts: List[Tuple[str, bool]] = []
+    for rank in result["diverged_ranks"]:
+        parts += [(", ", False)] * bool(parts) + [(f"{rank} (", False), *rank_kind_parts(result["ranks"][str(rank)]),
+                                                  (")", False)]
+    return parts
 
 
 def title_place(result: dict) -> Optional[Tuple[str, str]]:

@@ -34,6 +34,11 @@ def code(value) -> str:
     return f"<code>{esc(value)}</code>"
 
 
+def pieces_html(parts) -> str:
+    """(text, is_name) pieces as HTML: names as code, everything escaped."""
+    return "".join(code(piece) if is_name else esc(piece) for piece, is_name in parts)
+
+
 def table(header: List[str], rows: Iterable[List[str]], total: int, what: str) -> str:
     """Cells must already be escaped. Shows at most MAX_TABLE_ROWS and says how many were left out."""
     rows = list(rows)[: rc.MAX_TABLE_ROWS]
@@ -163,16 +168,16 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> str:
 
 
 def to_html(result: dict) -> str:
-    head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
-    place = rc.title_place(result)
-    title = f"dumpdiff: {head}" + (f" {place[0]} {place[1]}" if place else "")
-    verdict = "".join(code(piece) if is_name else esc(piece) for piece, is_name in rc.verdict_parts(result))
-    body = [f"<h1>dumpdiff first-divergence: {head}</h1>",
+    head = rc.headline_parts(result)
+    place = None if rc.headline_names_place(result) else rc.title_place(result)
+    title = "dumpdiff: " + "".join(piece for piece, _ in head) + (f" {place[0]} {place[1]}" if place else "")
+    verdict = pieces_html(rc.verdict_parts(result))
+    body = [f"<h1>dumpdiff first-divergence: {pieces_html(head)}</h1>",
             f'<p class="verdict{"" if result["divergence"] else " ok"}">{verdict}</p>']
     body += [f'<p class="warn"><b>Warning:</b> {esc(w)}</p>' for w in result.get("warnings", [])]
     body += [rank_sections(result, rank, v) for rank, v in result["ranks"].items()]
     if len(result["ranks"]) > 1:
-        body.append(f"<p>Ranks that diverge: {esc(', '.join(map(str, result['diverged_ranks'])) or 'none')}</p>")
+        body.append(f"<p>Ranks that diverge: {pieces_html(rc.diverged_rank_parts(result)) or 'none'}</p>")
     env = table(["", f"A (reference): {code(result['a']['label'])}", f"B (under test): {code(result['b']['label'])}"],
                 ([esc(name), code(a), code(b)] for name, a, b in rc.environment_rows(result)), 0, "")
     body.append(f"<h2>Environment</h2>{env}")

@@ -57,8 +57,13 @@ def code(value, table: bool = False) -> str:
     return f"{fence}{raw}{fence}"
 
 
+def pieces_md(parts) -> str:
+    """(text, is_name) pieces as Markdown: names as code spans."""
+    return "".join(code(piece) if is_name else text(piece) for piece, is_name in parts)
+
+
 def verdict_md(result: dict) -> str:
-    return "".join(code(piece) if is_name else text(piece) for piece, is_name in rc.verdict_parts(result))
+    return pieces_md(rc.verdict_parts(result))
 
 
 def table(header: List[str], rows: List[List[str]]) -> List[str]:
@@ -171,16 +176,16 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
 
 
 def to_markdown(result: dict) -> str:
-    place = rc.title_place(result)
+    place = None if rc.headline_names_place(result) else rc.title_place(result)
     title = f"{place[0]} {code(place[1])}" if place else ""
-    head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
-    out = [f"## dumpdiff first-divergence: {head} {title}".rstrip(), "", f"**Verdict:** {verdict_md(result)}", ""]
+    out = [f"## dumpdiff first-divergence: {pieces_md(rc.headline_parts(result))} {title}".rstrip(), "",
+           f"**Verdict:** {verdict_md(result)}", ""]
     out += [f"> **Warning:** {text(w)}" for w in result.get("warnings", [])]
     out += [""] if result.get("warnings") else []
     for rank, verdict in result["ranks"].items():
         out += rank_sections(result, rank, verdict)
     if len(result["ranks"]) > 1:
-        out += [f"Ranks that diverge: {', '.join(str(r) for r in result['diverged_ranks']) or 'none'}", ""]
+        out += [f"Ranks that diverge: {pieces_md(rc.diverged_rank_parts(result)) or 'none'}", ""]
     out += ["### Environment", ""]
     header = ["", f"A (reference): {code(result['a']['label'], True)}",
               f"B (under test): {code(result['b']['label'], True)}"]

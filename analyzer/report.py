@@ -204,8 +204,9 @@ def routing_lines(flips: List[dict]) -> List[str]:
 
 
 def to_text(result: dict) -> str:
+    from .render_common import headline_parts, rank_kind_parts
     labels = (result["a"]["label"], result["b"]["label"])
-    head = "DIVERGENCE" if result["divergence"] else "NO DIVERGENCE"
+    head = "".join(piece for piece, _ in headline_parts(result))
     out = [f"dumpdiff first-divergence: {head}",
            f"  A (reference):  {describe_side(result['a'])}",
            f"  B (under test): {describe_side(result['b'])}"]
@@ -213,7 +214,8 @@ def to_text(result: dict) -> str:
     for rank, verdict in result["ranks"].items():
         out.append("")
         if len(result["ranks"]) > 1:
-            out.append(f"== rank {rank}: {'diverges' if verdict['rows_differing'] else 'identical'}")
+            kind = "".join(piece for piece, _ in rank_kind_parts(verdict))
+            out.append(f"== rank {rank}: {f'diverges ({kind})' if verdict['rows_differing'] else 'identical'}")
         align = verdict["alignment"]
         trusted = any("--trust-alignment" in line for line in align["proof"])
         out.append("alignment proof: ids and positions only (trusted)" if trusted else "alignment proof: OK")

@@ -177,3 +177,30 @@ def test_reports_count_in_the_right_number_and_markdown_escapes_no_parentheses(d
         ["1 pass", "2 passes", "1 row differs", "3 rows differ"]
     assert [plural(1, "paired row", "have"), plural(0, "entry"), plural(2, "more call")] == \
         ["1 paired row has", "0 entries", "2 more calls"]
+
+
+@pytest.mark.parametrize("command", ["first-divergence", "report", "index", "ctl", "repro", "import-sglang", "kl",
+                                     "kl calibrate", "localize"])
+def test_every_command_takes_the_groups_verbose_after_its_name(command):
+    """`dumpdiff first-divergence -v A B` was "No such option: -v": only `dumpdiff -v COMMAND` worked."""
+    for verbose in ("-v", "--verbose"):
+        code, out, err = dumpdiff(*command.split(), verbose, "--help")
+        assert code == 0 and out.startswith(f"Usage: dumpdiff {command}"), err
+        assert "-v, --verbose" in out
+
+
+def test_verbose_after_the_command_logs_as_before_it(model_dir, tmp_path):
+    """The progress details -v promises (here: that worker processes index the 39 decode steps)
+    are logged wherever -v stands, and only with it."""
+    model = load_model(model_dir, torch.float32)
+    model.generation_config.eos_token_id = None
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(8), new_tokens=40)
+    workers = {"DUMPDIFF_INDEX_PROCESSES": "2"}
+    said = "dumpdiff: indexing in 2 worker processes"
+    for args in (("-v", "index", dec), ("index", dec, "-v"), ("index", "--verbose", dec)):
+        code, out, err = dumpdiff(*args, "--rebuild", "--no-progress", env=workers)
+        assert code == 0 and said in err, (args, err)
+    code, out, err = dumpdiff("index", dec, "--rebuild", "--no-progress", env=workers)
+    assert code == 0 and said not in err, err
+    code, out, err = dumpdiff("first-divergence", "-v", ref, dec, "--rebuild-index", "--no-progress", env=workers)
+    assert code in (0, 1) and said in err, err
