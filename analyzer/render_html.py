@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterable, List
 
 from . import render_common as rc
+from .seqnames import for_reading
 from . import render_svg as svg
 from .render_svg import esc
 
@@ -168,6 +169,7 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> str:
 
 
 def to_html(result: dict) -> str:
+    result, note = for_reading(result)
     head = rc.headline_parts(result)
     place = None if rc.headline_names_place(result) else rc.title_place(result)
     title = "dumpdiff: " + "".join(piece for piece, _ in head) + (f" {place[0]} {place[1]}" if place else "")
@@ -175,6 +177,7 @@ def to_html(result: dict) -> str:
     body = [f"<h1>dumpdiff first-divergence: {pieces_html(head)}</h1>",
             f'<p class="verdict{"" if result["divergence"] else " ok"}">{verdict}</p>']
     body += [f'<p class="warn"><b>Warning:</b> {esc(w)}</p>' for w in result.get("warnings", [])]
+    body += [f"<p><b>Note:</b> {esc(note)}</p>"] if note else []
     body += [rank_sections(result, rank, v) for rank, v in result["ranks"].items()]
     if len(result["ranks"]) > 1:
         body.append(f"<p>Ranks that diverge: {pieces_html(rc.diverged_rank_parts(result)) or 'none'}</p>")

@@ -13,6 +13,7 @@ import re
 from typing import List
 
 from . import render_common as rc
+from .seqnames import for_reading
 
 # What GitHub-flavoured Markdown reads as syntax anywhere in a line of prose: code, emphasis,
 # strikethrough, links (so "(" and "!" after them are plain), HTML and entities, and "|", which
@@ -176,12 +177,14 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
 
 
 def to_markdown(result: dict) -> str:
+    result, note = for_reading(result)
     place = None if rc.headline_names_place(result) else rc.title_place(result)
     title = f"{place[0]} {code(place[1])}" if place else ""
     out = [f"## dumpdiff first-divergence: {pieces_md(rc.headline_parts(result))} {title}".rstrip(), "",
            f"**Verdict:** {verdict_md(result)}", ""]
     out += [f"> **Warning:** {text(w)}" for w in result.get("warnings", [])]
-    out += [""] if result.get("warnings") else []
+    out += [f"> **Note:** {text(note)}"] if note else []
+    out += [""] if result.get("warnings") or note else []
     for rank, verdict in result["ranks"].items():
         out += rank_sections(result, rank, verdict)
     if len(result["ranks"]) > 1:

@@ -205,12 +205,15 @@ def routing_lines(flips: List[dict]) -> List[str]:
 
 def to_text(result: dict) -> str:
     from .render_common import headline_parts, rank_kind_parts
+    from .seqnames import for_reading
+    result, note = for_reading(result)
     labels = (result["a"]["label"], result["b"]["label"])
     head = "".join(piece for piece, _ in headline_parts(result))
     out = [f"dumpdiff first-divergence: {head}",
            f"  A (reference):  {describe_side(result['a'])}",
            f"  B (under test): {describe_side(result['b'])}"]
     out += [f"  warning: {w}" for w in result.get("warnings", [])]
+    out += [f"  note: {note}"] if note else []
     for rank, verdict in result["ranks"].items():
         out.append("")
         if len(result["ranks"]) > 1:

@@ -390,3 +390,37 @@ def test_reproduce_command_carries_the_options_that_change_the_verdict(dumps):
                              "--trust-alignment", "--atol", "0.001")
     assert code == 1, err
     assert f"dumpdiff first-divergence {dumps[0]} {dumps[1]} --trust-alignment --atol 0.001 --strict-only" in md
+
+
+def test_long_request_ids_are_shortened_in_reports_and_kept_whole_in_json(tmp_path):
+    """sglang names sequences by 32-hex request ids: a culprit's six rows ran past 400 characters.
+    Text, markdown and html show each by its shortest prefix (>= 8) that no other name shares,
+    and say so; JSON keeps the names whole. Real dumps of a padded batch, renamed in every pass."""
+    from dump_surgery import edit_pass_meta
+    from helpers import dump_padded_batch
+    model = load_model(make_tiny_llama(tmp_path / "tiny-llama"))
+    model.model.layers[1].mlp.down_proj.register_forward_hook(decode_bug)
+    _, ref, dec = dump_padded_batch(model, tmp_path / "dumps")
+    rids = {}  # request ids that share their first 30 characters: 31 are needed to tell them apart
+
+    def rename(meta):
+        rid = lambda seq: rids.setdefault(seq, "5e2b8c11" + "0" * 22 + f"{len(rids):x}f")  # noqa: E731
+        meta["tokens"]["seq"] = [rid(s) for s in meta["tokens"]["seq"]]
+        for entry in meta.get("seqs", []):
+            entry["seq"] = rid(entry["seq"])
+    for dump in (ref, dec):
+        for name in sorted(os.listdir(os.path.join(dump, "rank0"))):
+            if name.endswith(".safetensors"):
+                edit_pass_meta(os.path.join(dump, "rank0", name), rename)
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
+    assert code == 1, err
+    culprit_rows = next(line for line in out.splitlines() if line.startswith("  token rows:"))
+    shown = {rid[:31] + ".." for rid in rids.values()}
+    assert any(name in culprit_rows for name in shown) and not any(rid in out for rid in rids.values()), culprit_rows
+    assert "shown by their first 31" in out and "--format json gives them whole" in out
+    code, out, _ = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
+    rows = json.loads(out)["ranks"]["0"]["culprit"]["rows"]
+    assert rows and all(row["seq"] in rids.values() for row in rows)
+    for fmt in ("md", "html"):
+        code, out, _ = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", fmt)
+        assert any(name in out for name in shown) and not any(rid in out for rid in rids.values()), fmt
