@@ -37,15 +37,15 @@ class RangeAdvisor:
             self._fd = None
 
     def reach(self, start: int, end: int):
-        with self._lock:
+        with self._lock:  # the hint itself is given outside: it can wait on the device's queue
             if self._fd is None or self._asked >= end + self._ahead // 2:
                 return
-            begin, self._asked = max(self._asked, start), end + self._ahead
+            fd, begin, self._asked = self._fd, max(self._asked, start), end + self._ahead
             length = self._asked - begin
-            try:
-                os.posix_fadvise(self._fd, begin, length, os.POSIX_FADV_WILLNEED)
-            except (OSError, AttributeError):  # no such hint here: the reads fetch the bytes
-                self.close()
+        try:
+            os.posix_fadvise(fd, begin, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # no such hint here (or closed): the reads fetch the bytes
+            pass
 
     def close(self):
         if self._fd is not None:
