@@ -62,6 +62,8 @@ def meta_problem(meta: dict, calls_checked: bool = False) -> Optional[str]:
     for key, ok in columns.items():
         if not _list_of(tokens.get(key), ok) or len(tokens[key]) != len(tokens.get("ids") or []):
             return f"tokens.{key}"
+    if any(pos < 0 for pos, valid in zip(tokens["pos"], tokens["valid"]) if valid):  # found by the fuzzer:
+        return "tokens.pos"  # a negative position indexed a sequence's token list from its end
     in_pass = lambda r: is_int(r) and 0 <= r < len(tokens["ids"])  # noqa: E731
     checks = {
         "token_shape": _list_of(meta.get("token_shape"), is_int),

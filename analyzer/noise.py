@@ -25,7 +25,7 @@ batch.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
@@ -61,9 +61,15 @@ def clean_input_line(line, out_eps):
 MAX_PAIRS = 512  # rows whose bytes are read for the noise-aware walk (sampled evenly beyond this)
 
 
-def sample_pairs(pairs: Columns, limit: int = MAX_PAIRS) -> np.ndarray:
+PER_CULPRIT = 8  # rows of each strict per-row culprit that the sample always holds
+
+
+def sample_pairs(pairs: Columns, limit: int = MAX_PAIRS, per_row: Sequence[dict] = ()) -> np.ndarray:
     """Pair numbers: every pair if few; else an even sample within each row kind (mode_b), so
-    each kind is represented."""
+    each kind is represented, plus up to PER_CULPRIT rows (spread evenly) of each call the strict
+    verdict names first on some row (``per_row``: its per_row list). A state bug whose strict
+    culprit is its own call is then always judged: a decode-only error on one prompt row of 600
+    was outside the even sample, and the run was called float noise."""
     ids = np.asarray(pairs["pair"], np.int64)
     if len(ids) <= limit:
         return ids
@@ -74,7 +80,23 @@ def sample_pairs(pairs: Columns, limit: int = MAX_PAIRS) -> np.ndarray:
     for kind in range(len(kinds)):
         members = np.nonzero(kind_of == kind)[0]
         chosen.append(members[np.linspace(0, len(members) - 1, min(share, len(members))).astype(np.int64)])
+    chosen.append(_culprit_rows(pairs, per_row))
     return distinct(ids[np.concatenate(chosen)])
+
+
+def _culprit_rows(pairs: Columns, per_row: Sequence[dict]) -> np.ndarray:
+    """Positions in ``pairs`` of up to PER_CULPRIT rows of each strict per-row culprit."""
+    by_call: Dict[str, list] = {}
+    for row in per_row:
+        by_call.setdefault(row["culprit"], []).append((row["seq"], row["pos"]))
+    if not by_call:
+        return np.zeros(0, np.int64)
+    where = {key: i for i, key in enumerate(zip(pairs["seq"].tolist(), pairs["pos"].tolist()))}
+    picked = []
+    for rows in by_call.values():
+        picked += [where[rows[i]] for i in np.linspace(0, len(rows) - 1, min(PER_CULPRIT, len(rows))).astype(int).tolist()
+                   if rows[i] in where]
+    return np.asarray(picked, np.int64)
 
 
 def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=None, rtol=None) -> Columns:
@@ -364,11 +386,13 @@ def derive_threshold(calls: Columns, sampled: Optional[np.ndarray] = None) -> di
 
 
 def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
-                  floor_by_call: Optional[Dict[str, float]] = None, flips=(), uncompared=frozenset()) -> dict:
+                  floor_by_call: Optional[Dict[str, float]] = None, flips=(), uncompared=frozenset(),
+                  per_row: Sequence[dict] = ()) -> dict:
     """``flips``: (router call, MoE block module, paired rows whose experts flipped at a near tie,
     their logits' relative errors), from analyzer/moe.py. ``uncompared``: the names of calls with
-    an output that cannot be compared row by row (a gap that holds one names it)."""
-    pair_ids = sample_pairs(alignment.cols)
+    an output that cannot be compared row by row (a gap that holds one names it). ``per_row``:
+    the strict verdict's per-row culprits (the sample holds some rows of each)."""
+    pair_ids = sample_pairs(alignment.cols, per_row=per_row)
     read_before = a.reader().bytes_read + b.reader().bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
     pairs = alignment.cols

@@ -26,25 +26,27 @@ def _rows(node) -> Iterator[dict]:
             stack.extend(item)
 
 
-def prefix_length(names) -> int:
-    """The shortest length >= MIN_PREFIX at which no two of ``names`` share a prefix."""
-    names = set(names)
+def prefix_length(long, names) -> int:
+    """The shortest length >= MIN_PREFIX at which no name of ``names`` but itself starts with a
+    ``long`` name's prefix."""
     n = MIN_PREFIX
-    while len({name[:n] for name in names}) < len(names):
+    while any(sum(other.startswith(name[:n]) for other in names) > 1 for name in long):
         n += 1
     return n
 
 
 def for_reading(result: dict) -> Tuple[dict, Optional[str]]:
     """(the result with its long sequence names shortened, a note saying so), or (the result
-    itself, None) when no name is long."""
-    long = {row["seq"] for row in _rows(result) if len(row["seq"]) >= LONG_NAME}
-    if not long:
+    itself, None) when no name is long enough to gain from it."""
+    names = {row["seq"] for row in _rows(result)}
+    long = {name for name in names if len(name) >= LONG_NAME}
+    n = prefix_length(long, names) if long else 0
+    shortened = {name for name in long if n + len(MARK) < len(name)}
+    if not shortened:
         return result, None
-    n = prefix_length(long)
     shown = copy.deepcopy(result)
     for row in _rows(shown):
-        if row["seq"] in long and len(row["seq"]) > n:
+        if row["seq"] in shortened:
             row["seq"] = row["seq"][:n] + MARK
     return shown, (f"sequence names over {LONG_NAME - 1} characters (request ids) are shown by their first {n}, "
                    f"which no other name here starts with; --format json gives them whole")

@@ -494,3 +494,15 @@ def test_a_prompts_file_that_is_not_jsonl_is_said_before_the_server(tmp_path, co
     pretty.write_text(json.dumps([[1, 2, 3], [4, 5]], indent=2))
     one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--prompts", pretty, timeout=60),
                    f"{pretty}:1: not JSON", "one prompt per line")
+
+
+def test_a_negative_token_position_is_a_damaged_file(dumps, tmp_path):
+    """A position below 0 on a real token row (a flipped sign bit; found by the fuzzer) crashed the
+    alignment with an IndexError: it indexed the sequence's tokens from the end. It is a damaged
+    pass, named in one line, exit 2."""
+    ref, dec = dumps
+    dec = copy_dump(dec, tmp_path / "dec")
+    edit_pass_meta(pass_path(dec, 0), lambda meta: meta["tokens"]["pos"].__setitem__(0, -7))
+    for args in (("first-divergence", ref, dec), ("index", dec)):
+        code, out, err = dumpdiff(*args, "--no-progress")
+        assert code == 2 and err.count("\n") == 1 and "tokens.pos" in err and "Traceback" not in err, (args, err)

@@ -346,3 +346,28 @@ def test_a_float32_call_from_identical_inputs_is_named_beyond_100_epsilons(llama
     assert noise["rule"]["clean_input_float32"] == 100
     calls = [c["call"] for c in noise["culprits"]]
     assert calls == (["model.layers.0.input_layernorm#0"] if named else []), result["ranks"]["0"]["summary"]
+
+
+def test_a_state_bug_on_one_prompt_row_of_600_is_judged_whatever_the_sample(llama_dir, tmp_path):
+    """The noise-aware pass reads at most 512 rows, an even sample per row kind. A decode run
+    whose prefill got one row wrong (row 1 of 600: an error in the engine's extend path) fell
+    outside that sample: the strict verdict named the call on that row, yet the run was called
+    float noise and --fail-on state-bug passed it. The sample now holds rows of every call the
+    strict verdict names first on some row."""
+    model = load_model(llama_dir, torch.float32)
+
+    def one_row_wrong(module, args, output):
+        if output.shape[-2] != 600:  # the decode run's prefill only
+            return None
+        output = output.clone()
+        output[..., 1, :] += 1e-2
+        return output
+    model.model.layers[1].mlp.down_proj.register_forward_hook(one_row_wrong)
+    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(600), new_tokens=4)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    assert verdict["noise"]["rows_examined"] < verdict["noise"]["rows_total"]  # a sample, not every row
+    assert any(r["pos"] == 1 and r["culprit"] == "model.layers.1.mlp.down_proj#0" for r in verdict["per_row"])
+    assert result["kind"] == "state-bug", verdict["summary"]
+    assert [c["call"] for c in verdict["noise"]["culprits"]] == ["model.layers.1.mlp.down_proj#0"]
+    assert dumpdiff("first-divergence", ref, dec, "--no-progress", "--fail-on", "state-bug")[0] == 1

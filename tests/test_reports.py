@@ -401,10 +401,10 @@ def test_long_request_ids_are_shortened_in_reports_and_kept_whole_in_json(tmp_pa
     model = load_model(make_tiny_llama(tmp_path / "tiny-llama"))
     model.model.layers[1].mlp.down_proj.register_forward_hook(decode_bug)
     _, ref, dec = dump_padded_batch(model, tmp_path / "dumps")
-    rids = {}  # request ids that share their first 30 characters: 31 are needed to tell them apart
+    rids = {}  # 32-hex request ids that share their first 8 characters: 9 are needed to tell them apart
 
     def rename(meta):
-        rid = lambda seq: rids.setdefault(seq, "5e2b8c11" + "0" * 22 + f"{len(rids):x}f")  # noqa: E731
+        rid = lambda seq: rids.setdefault(seq, "5e2b8c11" + f"{len(rids):x}" + "0a" * 11 + "f")  # noqa: E731
         meta["tokens"]["seq"] = [rid(s) for s in meta["tokens"]["seq"]]
         for entry in meta.get("seqs", []):
             entry["seq"] = rid(entry["seq"])
@@ -415,9 +415,9 @@ def test_long_request_ids_are_shortened_in_reports_and_kept_whole_in_json(tmp_pa
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
     assert code == 1, err
     culprit_rows = next(line for line in out.splitlines() if line.startswith("  token rows:"))
-    shown = {rid[:31] + ".." for rid in rids.values()}
+    shown = {rid[:9] + ".." for rid in rids.values()}
     assert any(name in culprit_rows for name in shown) and not any(rid in out for rid in rids.values()), culprit_rows
-    assert "shown by their first 31" in out and "--format json gives them whole" in out
+    assert "shown by their first 9" in out and "--format json gives them whole" in out
     code, out, _ = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json")
     rows = json.loads(out)["ranks"]["0"]["culprit"]["rows"]
     assert rows and all(row["seq"] in rids.values() for row in rows)
