@@ -244,7 +244,7 @@ def noise_rule(noise: dict) -> str:
 def noise_sampled(noise: dict) -> Optional[str]:
     if noise["rows_examined"] == noise["rows_total"]:
         return None
-    return f"{noise['rows_examined']} of {plural(noise['rows_total'], 'row')} examined (an even sample per row kind)"
+    return f"{noise['rows_examined']} of {plural(noise['rows_total'], 'row')} examined (an even sample per row kind, and rows of each strict per-row culprit)"
 
 
 def kinds_text(kinds: Dict[str, int]) -> str:
