@@ -342,10 +342,9 @@ def index_cmd(dumps, rebuild, no_progress):
 
     Each dump is read once, in file order; memory stays bounded: a tensor whose token rows lead
     (nearly all) is streamed 2 MB of rows at a time (a wider row alone) through one buffer per
-    hashing thread, the
-    kernel reading 64 MB ahead; any other is read whole (256 MB read ahead and 256 MB kept for
-    reuse in this process, 64 MB and 64 MB in each worker process). On a host with
-    spare cores, worker processes index the decode steps and hash the large passes in pieces
+    hashing thread, the kernel reading 64 MB ahead; any other is read whole (256 MB read ahead
+    and 256 MB kept for reuse in this process, 64 MB and 64 MB in each worker process). On a
+    host with spare cores, worker processes index the decode steps and hash the large passes in pieces
     (DUMPDIFF_INDEX_PROCESSES sets how many; 0 or 2 if the system is short of memory).
 
     \b

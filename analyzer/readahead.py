@@ -22,7 +22,6 @@ def will_need(paths: Iterable[str]):
             pass
 
 
-
 class RangeAdvisor:
     """Asks the kernel to read one file ``ahead`` bytes beyond the reads that several threads make
     in it, in file order: each thread says where its next read starts and ends, and a new window

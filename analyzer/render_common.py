@@ -13,7 +13,7 @@ import shlex
 from typing import Dict, List, Optional, Tuple
 
 from .report import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, clean_unit, fmt_num, input_error, noise_place,  # noqa: F401
-                     noise_place_parts, noun, plural, unstored_text)
+                     noise_place_parts, agree, noun, plural, unstored_text)
 from .verdictkind import STATE_BUG, kind_of, kind_parts, rank_kind
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
@@ -116,7 +116,7 @@ def verdict_parts(result: dict) -> List[Tuple[str, bool]]:
     differing = sum(v["rows_differing"] for v in result["ranks"].values())
     if result["divergence"]:
         return [(f"DIVERGENCE: {differing} of {plural(compared, 'compared token row')} "
-                 f"{'differs' if differing == 1 else 'differ'}, but no hooked call has clean "
+                 f"{agree(differing, 'differ')}, but no hooked call has clean "
                  "inputs and a differing output; widen DUMPER_FILTER", False)]
     every = "the" if compared == 1 else "all"
     return [(f"NO DIVERGENCE: {every} {plural(compared, 'compared token row', 'are')} bit-identical in every compared "
@@ -200,9 +200,9 @@ def alignment_items(result: dict, verdict: dict) -> List[Tuple[bool, str]]:
     items = [(True, clean(line)) for line in align["proof"]]
     if align.get("unaligned_b") or align.get("unkeyed_b"):
         items.append((False, f"{plural(align['unaligned_b'], 'row')} of {clean(result['b']['label'])} "
-                             f"{'has' if align['unaligned_b'] == 1 else 'have'} no partner in "
+                             f"{agree(align['unaligned_b'], 'have')} no partner in "
                              f"{clean(result['a']['label'])} and {align['unkeyed_b']} "
-                             f"{'has' if align['unkeyed_b'] == 1 else 'have'} an unknown prefix: not compared"))
+                             f"{agree(align['unkeyed_b'], 'have')} an unknown prefix: not compared"))
     if verdict.get("rows_unstored"):
         items.append((False, unstored_text(verdict)))
     return items
@@ -244,7 +244,8 @@ def noise_rule(noise: dict) -> str:
 def noise_sampled(noise: dict) -> Optional[str]:
     if noise["rows_examined"] == noise["rows_total"]:
         return None
-    return f"{noise['rows_examined']} of {plural(noise['rows_total'], 'row')} examined (an even sample per row kind, and rows of each strict per-row culprit)"
+    return (f"{noise['rows_examined']} of {plural(noise['rows_total'], 'row')} examined (an even sample per row kind, "
+            "and rows of each strict per-row culprit)")
 
 
 def kinds_text(kinds: Dict[str, int]) -> str:

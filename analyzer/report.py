@@ -37,9 +37,12 @@ def plural(count: int, word: str, verb: str = None) -> str:
     """A count with its noun, and a verb given in its plural form, in the right number:
     "1 pass", "2 passes", "1 row differs", "3 rows differ". Reports never say "1 passes"."""
     text = f"{count} {noun(count, word)}"
-    if verb:
-        text += " " + (verb if count != 1 else _SINGULAR_VERBS.get(verb, verb + "s"))
-    return text
+    return f"{text} {agree(count, verb)}" if verb else text
+
+
+def agree(count: int, verb: str) -> str:
+    """``verb``, given in its plural form, in the number ``count`` asks for: have/has, differ/differs."""
+    return verb if count != 1 else _SINGULAR_VERBS.get(verb, verb + "s")
 
 
 def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
@@ -225,8 +228,8 @@ def to_text(result: dict) -> str:
         out += [f"  - {line}" for line in align["proof"]]
         if align["unaligned_b"] or align["unkeyed_b"]:
             unaligned, unkeyed = align["unaligned_b"], align["unkeyed_b"]
-            out.append(f"  - {plural(unaligned, 'row')} of {labels[1]} {'has' if unaligned == 1 else 'have'} no partner "
-                       f"in {labels[0]}, {unkeyed} {'has' if unkeyed == 1 else 'have'} an unknown prefix; they are not "
+            out.append(f"  - {plural(unaligned, 'row')} of {labels[1]} {agree(unaligned, 'have')} no partner "
+                       f"in {labels[0]}, {unkeyed} {agree(unkeyed, 'have')} an unknown prefix; they are not "
                        "compared")
         if verdict.get("rows_unstored"):
             out.append(f"  - {unstored_text(verdict)}")
