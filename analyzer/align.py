@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 from typing import Dict, List, Optional, Tuple
 
@@ -27,6 +26,11 @@ from .columns import Columns
 from .errors import DumpError
 from .index import Index
 from .keyjoin import lookup, row_key
+
+try:  # hashlib's own blake2b, without hashlib's start of OpenSSL (5 ms of every verdict)
+    from _blake2 import blake2b
+except ImportError:
+    from hashlib import blake2b
 
 
 @dataclasses.dataclass
@@ -121,7 +125,7 @@ class _Branch:
             del self.ids[pos:], self.keys[pos:]  # another token here: the old branch ends before it
         if pos == len(self.ids):
             before = self.keys[-1] if self.keys else b""
-            self.keys.append(hashlib.blake2b(before + int(tok).to_bytes(8, "little", signed=True), digest_size=16).digest())
+            self.keys.append(blake2b(before + int(tok).to_bytes(8, "little", signed=True), digest_size=16).digest())
             self.ids.append(tok)
             self.step = step
             return self.keys[-1]

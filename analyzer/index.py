@@ -301,10 +301,9 @@ def _whole(handle):
 
 
 def _parquet(data, metadata=None):
-    """A ParquetFile over bytes in memory (reads from it are synchronous: no I/O threads)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    return pq.ParquetFile(pa.BufferReader(data), metadata=metadata)
+    """A parquet reader over bytes in memory (reads from it are synchronous: no I/O threads)."""
+    from .parquetread import ParquetBytes
+    return ParquetBytes(data, metadata)
 
 
 class LazyParquet:

@@ -1,0 +1,26 @@
+# Stop 27 on the H200: --strict-only in-process (benchmarks/_measure.py, as bench_analyze times it), warm,
+# the baseline tree (base.snap.tar: git archive of the last commit) and this working tree interleaved.
+bash benchmarks/results/h200-run-1b-s16/compile.sh > /dev/null 2>&1
+mkdir -p /tmp/base && tar -xf benchmarks/results/h200-s27/base.snap.tar -C /tmp/base
+python3 -m compileall -q analyzer dumper /tmp/base/analyzer /tmp/base/dumper > /dev/null
+python3 benchmarks/bench_gpu.py --model 1b --skip tests,off,on,steady,analyze --work /tmp/w --keep --out $OUT > $OUT/make-pair.log 2>&1
+R=/tmp/w/rows/full/ref; D=/tmp/w/rows/full/dec
+python3 -m analyzer.cli index $R $D > /dev/null 2>&1
+HERE=$PWD
+for r in $(seq 1 ${ROUNDS:-10}); do for t in base new; do
+  [ $t = base ] && cd /tmp/base || cd $HERE
+  python3 benchmarks/_measure.py /tmp/m.json analyzer.cli first-divergence --strict-only --format json --no-progress $R $D > /tmp/$t.json 2>/dev/null
+  echo "$t $(python3 -c "import json; print(round(json.load(open('/tmp/m.json'))['seconds'], 4))")"
+done; done > $OUT/ab.txt
+cd $HERE
+python3 - <<'PY' > $OUT/ab-summary.txt
+import json
+print("same verdict JSON:", json.load(open("/tmp/base.json")) == json.load(open("/tmp/new.json")))
+t = {}
+for line in open("/tmp/ab-out.txt" if False else __import__("os").environ["OUT"] + "/ab.txt"):
+    k, v = line.split(); t.setdefault(k, []).append(float(v))
+for k, v in t.items(): v.sort(); print(k, "median", v[len(v)//2], "min", v[0], "all", v)
+print("new/base median:", round(sorted(t["new"])[len(t["new"])//2] / sorted(t["base"])[len(t["base"])//2], 3))
+PY
+for t in base new; do [ $t = base ] && cd /tmp/base || cd $HERE; for i in 1 2 3; do python3 $HERE/benchmarks/results/h200-s27/phases2.py $R $D; done; done > $OUT/phases2.txt 2>&1
+cd $HERE; cat $OUT/ab-summary.txt
