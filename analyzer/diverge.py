@@ -3,6 +3,7 @@ and give the verdict rank by rank. Returns a plain dict that every report format
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 from typing import Optional
@@ -10,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from .align import align, metadata_only, prove, row_selection_hint
-from .compare import VERDICT_ROW_COLUMNS, row_table, strict_verdict, uncompared_calls
+from .compare import VERDICT_ROW_COLUMNS, plan_join, row_table, strict_verdict, uncompared_calls
 from .errors import DumpError
 from .index import load_indexes
 from .load import Dump, open_dump, show
@@ -59,7 +60,11 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         _warn(result, f"both arguments are the same dump ({show(dump_a.label)}): it is compared with itself")
     for r in ranks:
         ia, ib = index_a.rank(r), index_b.rank(r)
-        alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dumpdiff-plan") as ahead:
+            # the join's codes and grids need the indexes only: made while the rows align
+            plan = ahead.submit(plan_join, ia, ib)
+            alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
+            plan = plan.result()
         if alignment.decode_a and not alignment.decode_b and r == ranks[0]:
             _warn_swapped(result, dump_a, dump_b, alignment.decode_a)
         _check_cut_off_reference(dump_a, dump_b, alignment, r)
@@ -68,7 +73,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         if alignment.ambiguous_b:
             _warn(result, f"{alignment.ambiguous_b} token rows of {show(dump_b.label)} are not compared: "
                   f"{alignment.ambiguous_note}")
-        table = row_table(alignment, ia, ib)
+        table = row_table(alignment, ia, ib, plan)
         uncompared, unseen_outputs = uncompared_calls(table, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table, uncompared)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean

@@ -144,17 +144,24 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
     with contextlib.ExitStack() as held:
         folder = _locked_folders(places, held)  # place -> its folder's identity (None: not saved)
         tables: Dict[object, dict] = {}
-        todo = {}  # folder -> (dump, where, stamp): one dump given twice (or spelt two ways) is built once
+        todo = {}  # folder -> (dump, where, stamp) of the indexes to build
+        wanted = {}  # one dump given twice (or spelt two ways) is opened once
         for dump, where in zip(dumps, places):
-            key = folder[where] or where
-            if key in tables or key in todo:
-                continue
+            wanted.setdefault(folder[where] or where, (dump, where))
+
+        def open_saved(dump: Dump, where: str):
             stamp = _stamp(dump)
             fresh = _read_fresh(where, stamp) if folder[where] and not rebuild else None
+            if fresh is not None and prefetch and isinstance(fresh.get(prefetch[0]), LazyParquet):
+                fresh[prefetch[0]].prefetch(prefetch[1])
+            return stamp, fresh
+        # both indexes are opened at once: each waits on its own files
+        with concurrent.futures.ThreadPoolExecutor(len(wanted), thread_name_prefix="dumpdiff-open") as pool:
+            opened = dict(zip(wanted, pool.map(lambda key: open_saved(*wanted[key]), list(wanted))))
+        for key, (dump, where) in wanted.items():
+            stamp, fresh = opened[key]
             if fresh is not None:
                 tables[key] = fresh
-                if prefetch and isinstance(fresh.get(prefetch[0]), LazyParquet):
-                    fresh[prefetch[0]].prefetch(prefetch[1])
             else:
                 todo[key] = (dump, where, stamp)
         building = list(todo.items())
