@@ -23,7 +23,9 @@ import numpy as np
 from .columns import Columns, distinct
 
 CHUNK_CELLS = 1 << 20  # pairs x calls per chunk at most: a few MB of matrices per thread
+DENSE_CELLS = 8 << 20  # pairs (or passes) x calls up to which the matrices are used whatever the row table's size
 NO_POST = np.iinfo(np.int64).max  # a cell without the flag asked for: after every real completion time
+ABSENT = np.iinfo(np.int64).min  # a cell B's calls table lacks (a real post may be -1: a call never finished)
 
 
 @dataclasses.dataclass
@@ -35,8 +37,8 @@ class CallCells:
 
 
 def call_cells(table, posts: np.ndarray, slot_of_pair: np.ndarray, threads: int) -> CallCells:
-    """``posts``: (B's passes x call codes) completion times, -1 where B's calls table lacks the
-    cell; ``slot_of_pair``: each pair's row in it (-1: a pass B's calls table lacks)."""
+    """``posts``: (B's passes x call codes) completion times, ABSENT where B's calls table lacks
+    the cell; ``slot_of_pair``: each pair's row in it (-1: a pass B's calls table lacks)."""
     n_calls = max(len(table.calls), 1)
     n_pairs = len(slot_of_pair)
     step = max(min(CHUNK_CELLS // n_calls, -(-n_pairs // max(threads, 1))), 1)  # a chunk per thread at least
@@ -68,8 +70,8 @@ def _chunk(table, posts: np.ndarray, slot_of_pair: np.ndarray, n_calls: int, lo:
     in_differ[key[differ & table["is_in"][entries]]] = True
     out_differ[key[differ & table["is_out"][entries]]] = True
     slots = slot_of_pair[lo:hi]
-    post = np.where((slots >= 0)[:, None], posts[np.maximum(slots, 0)], -1)  # (pairs, calls)
-    present = present.reshape(shape) & (post >= 0)
+    post = np.where((slots >= 0)[:, None], posts[np.maximum(slots, 0)], ABSENT)  # (pairs, calls)
+    present = present.reshape(shape) & (post != ABSENT)
     in_differ = in_differ.reshape(shape) & present
     out_differ = out_differ.reshape(shape) & present
     dirty = in_differ | out_differ
@@ -95,21 +97,52 @@ def _joined(parts: List[Dict[str, np.ndarray]], names) -> Columns:
     return Columns({n: np.concatenate([p[n] for p in parts]) if parts else np.zeros(0, np.int64) for n in names})
 
 
-def posts_of_b(calls_b: Columns, call_names: np.ndarray, pass_of_pair: np.ndarray):
-    """(B's completion times as (passes x call codes), -1 where B's calls table lacks the cell;
-    each pair's row in it, -1 for a pass it lacks). A (pass, call) held twice keeps its first
-    completion."""
+def posts_of_b(calls_b: Columns, call_names: np.ndarray, pass_of_pair: np.ndarray, n_entries: int):
+    """(B's completion times as (passes x call codes), ABSENT where B's calls table lacks the cell;
+    each pair's row in it, -1 for a pass it lacks); None where the matrices would be far larger
+    than the row table (an MoE with tens of thousands of hooked experts): the verdict then walks a
+    list of cells (``from_cells``). A (pass, call) held twice counts once, at its first completion."""
+    n_calls = max(len(call_names), 1)
     code_of = {c: i for i, c in enumerate(call_names.tolist())}
     codes, names = calls_b.codes("call")
     codes_b = np.array([code_of.get(c, -1) for c in names.tolist()] or [-1], dtype=np.int64)[codes]
     known = np.nonzero(codes_b >= 0)[0]
     passes = distinct(calls_b["pass"][known].astype(np.int64))
-    posts = np.full((max(len(passes), 1), max(len(call_names), 1)), NO_POST, np.int64)  # a row even for none
+    cells = max(len(pass_of_pair), len(passes)) * n_calls
+    if cells > max(DENSE_CELLS, 4 * n_entries):
+        return None
+    posts = np.full((max(len(passes), 1), n_calls), NO_POST, np.int64)  # a row even for none
     np.minimum.at(posts, (np.searchsorted(passes, calls_b["pass"][known].astype(np.int64)), codes_b[known]),
                   calls_b["post"][known].astype(np.int64))
-    posts[posts == NO_POST] = -1
+    posts[posts == NO_POST] = ABSENT
     pass_of_pair = np.asarray(pass_of_pair, np.int64)
     if not len(passes):
         return posts, np.full(len(pass_of_pair), -1, np.int64)
     slot = np.minimum(np.searchsorted(passes, pass_of_pair), len(passes) - 1)
     return posts, np.where(passes[slot] == pass_of_pair, slot, -1)
+
+
+def from_cells(per_call: Columns, n_calls: int) -> CallCells:
+    """The same summary from a list of (pair, call) cells (pair, ccode, in_differ, out_differ,
+    post; ordered by pair), for when the matrices would be too large."""
+    in_d, out_d = per_call["in_differ"], per_call["out_differ"]
+    ccode = per_call["ccode"]
+    dirty, origin = in_d | out_d, out_d & ~in_d
+    counts = {"rows": np.bincount(ccode, minlength=n_calls), "rows_in_differ": np.bincount(ccode[in_d], minlength=n_calls),
+              "rows_out_differ": np.bincount(ccode[out_d], minlength=n_calls),
+              "rows_origin": np.bincount(ccode[origin], minlength=n_calls)}
+    dirty_calls = np.zeros(n_calls, bool)
+    dirty_calls[ccode[dirty]] = True
+    first_dirty = _first_of_list(per_call, dirty)
+    return CallCells(Columns({n: first_dirty[n] for n in ("pair", "ccode", "in_differ", "post")}),
+                     Columns({n: v for n, v in _first_of_list(per_call, origin).items() if n != "in_differ"}),
+                     {k: v[:n_calls].astype(np.int64) for k, v in counts.items()}, dirty_calls)
+
+
+def _first_of_list(per_call: Columns, mask: np.ndarray) -> Dict[str, np.ndarray]:
+    """Of the chosen cells, the earliest completed of each pair (of equal times, the first listed), by pair."""
+    chosen = np.nonzero(mask)[0]
+    chosen = chosen[np.lexsort((per_call["post"][chosen], per_call["pair"][chosen]))]
+    pair = per_call["pair"][chosen]
+    chosen = chosen[np.r_[True, pair[1:] != pair[:-1]]] if len(chosen) else chosen
+    return {n: per_call[n][chosen] for n in ("pair", "ccode", "in_differ", "post")}

@@ -25,7 +25,7 @@ import numpy as np
 from dumper import format as fmt
 
 from .align import Alignment
-from .callcells import call_cells, posts_of_b
+from .callcells import call_cells, from_cells, posts_of_b
 from .columns import Columns, distinct, merged_vocabulary, recode
 from .dtypes import DType, to_float64
 from .index import Index
@@ -442,7 +442,8 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     uncompared = uncompared_calls(table, a, b)[0] if uncompared is None else uncompared
     pairs = alignment.cols
     calls = table.calls
-    cells = call_cells(table, *posts_of_b(b.cols("calls"), calls, pairs["pass_b"]), JOIN_THREADS)
+    posts = posts_of_b(b.cols("calls"), calls, pairs["pass_b"], len(table["pair"]))
+    cells = call_cells(table, *posts, JOIN_THREADS) if posts is not None else from_cells(_per_call(table, b), len(calls))
     order_of = _order_of(calls, b)
     first_dirty, origin = cells.first_dirty, cells.first_origin
     row_culprit = Columns({"pair": origin["pair"], "ccode": origin["ccode"], "order": order_of[origin["ccode"]]})

@@ -60,11 +60,13 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         _warn(result, f"both arguments are the same dump ({show(dump_a.label)}): it is compared with itself")
     for r in ranks:
         ia, ib = index_a.rank(r), index_b.rank(r)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dumpdiff-plan") as ahead:
-            # the join's codes and grids need the indexes only: made while the rows align
+        ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dumpdiff-plan")
+        try:  # the join's codes and grids need the indexes only: made while the rows align
             plan = ahead.submit(plan_join, ia, ib)
             alignment = prove(align(ia, ib), ia, ib, dump_a.label, dump_b.label, trust=trust_alignment)
-            plan = plan.result()
+        finally:
+            ahead.shutdown(wait=False)  # an alignment that fails says so at once; the plan's own error comes
+            #                             after the checks below, as the join's did before it was planned ahead
         if alignment.decode_a and not alignment.decode_b and r == ranks[0]:
             _warn_swapped(result, dump_a, dump_b, alignment.decode_a)
         _check_cut_off_reference(dump_a, dump_b, alignment, r)
@@ -73,7 +75,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         if alignment.ambiguous_b:
             _warn(result, f"{alignment.ambiguous_b} token rows of {show(dump_b.label)} are not compared: "
                   f"{alignment.ambiguous_note}")
-        table = row_table(alignment, ia, ib, plan)
+        table = row_table(alignment, ia, ib, plan.result())
         uncompared, unseen_outputs = uncompared_calls(table, ia, ib)
         verdict = strict_verdict(alignment, ia, ib, table, uncompared)
         if not verdict["rows_compared"]:  # "no divergence" would pass off a comparison of nothing as clean

@@ -448,3 +448,30 @@ def test_row_keys_follow_branches_and_refuse_a_position_computed_twice_in_one_pa
                                                  (1, 2, "q", 6, 31, "extend", 1, 2), (1, 3, "q", 7, 32, "extend", 1, 2)]))
     assert tree["key"].tolist()[5:7] == chain[5:6] + [keys[6]] and tree["key"].tolist()[7:] == [None, None]
     assert any("computes position 6 of sequence q twice" in n for n in notes)
+
+
+def test_a_call_that_never_finished_is_still_walked(tmp_path):
+    """A call recorded without a completion time (post None in the pass metadata, as sglang's own
+    dumper gives for a call whose output it never saw) is still compared: the same culprit, in the
+    timeline, not skipped for its parent."""
+    from dump_surgery import copy_dump, edit_pass_meta, rank0
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=4)
+    code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--format", "json", "--no-progress")
+    assert code == 1, err
+    before = json.loads(out)
+    culprit = before["culprit"]["call"]
+    unfinished = copy_dump(dec, tmp_path / "unfinished")
+
+    def forget_post(meta):
+        for call in meta["calls"]:
+            if call["call"] == culprit:
+                call["post"] = None
+    for name in sorted(os.listdir(rank0(unfinished))):  # the prefill and every decode step
+        if name.endswith(".safetensors"):
+            edit_pass_meta(os.path.join(rank0(unfinished), name), forget_post)
+    code, out, err = dumpdiff("first-divergence", ref, unfinished, "--strict-only", "--format", "json", "--no-progress")
+    assert code == 1, err
+    after = json.loads(out)
+    assert after["culprit"]["call"] == culprit and after["culprit"]["n_rows"] == before["culprit"]["n_rows"]
+    assert culprit in [c["call"] for c in after["ranks"]["0"]["calls_timeline"]]
