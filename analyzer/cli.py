@@ -261,11 +261,12 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
     result = first_divergence(reference, test, trust_alignment=trust_alignment, allow_mismatch=allow_mismatch,
                               progress=not no_progress, rebuild_index=rebuild_index, rank=rank, atol=atol, rtol=rtol,
                               noise_repeat=noise_repeat, noise_aware=not strict_only)
-    # the options that change the verdict, so the report's Reproduce command gives the same one
+    # the options that change the verdict or the exit status, so the report's Reproduce command gives the same
     result["options"] = [*(["--rank", str(rank)] if rank is not None else []),
                          *(["--trust-alignment"] if trust_alignment else []), *(["--allow-mismatch"] if allow_mismatch else []),
                          *(["--atol", repr(atol)] if atol is not None else []), *(["--rtol", repr(rtol)] if rtol is not None else []),
-                         *(["--noise", noise_repeat] if noise_repeat else []), *(["--strict-only"] if strict_only else [])]
+                         *(["--noise", noise_repeat] if noise_repeat else []), *(["--strict-only"] if strict_only else []),
+                         *(["--fail-on", fail_on] if fail_on != FAIL_ON[0] else [])]
     emit(render(result, fmt), output, headline=headline(result))
     sys.exit(exit_status(result, fail_on))
 

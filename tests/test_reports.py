@@ -385,11 +385,14 @@ def test_o_writes_only_regular_files(dumps, tmp_path, target):
 
 def test_reproduce_command_carries_the_options_that_change_the_verdict(dumps):
     """Pasting the report's command gave another verdict: it dropped --atol, --strict-only and
-    the like."""
+    the like; nor did it keep --fail-on, which decides a CI gate's exit status."""
     code, md, err = dumpdiff("first-divergence", *dumps, "--format", "md", "--no-progress", "--strict-only",
                              "--trust-alignment", "--atol", "0.001")
     assert code == 1, err
     assert f"dumpdiff first-divergence {dumps[0]} {dumps[1]} --trust-alignment --atol 0.001 --strict-only" in md
+    code, md, err = dumpdiff("first-divergence", *dumps, "--format", "md", "--no-progress", "--fail-on", "state-bug")
+    assert code in (0, 1), err  # a CI gate's exit status: the pasted command must give the same
+    assert f"dumpdiff first-divergence {dumps[0]} {dumps[1]} --fail-on state-bug\n" in md
 
 
 def test_long_request_ids_are_shortened_in_reports_and_kept_whole_in_json(tmp_path):
