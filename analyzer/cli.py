@@ -118,9 +118,12 @@ def emit(text: str, output: str = None, headline: str = None):
 def _verbose(ctx, param, verbose: bool):
     """-v/--verbose, before or after the command's name: the analyzer's progress details (INFO of
     the "dumpdiff" logger). A level on that logger, not on the root one, because the command's -v
-    is parsed after main() has configured logging."""
+    is parsed after main() has configured logging; put back when the command ends, so a library
+    caller's later calls of main() are not left verbose."""
     if verbose:
-        logging.getLogger("dumpdiff").setLevel(logging.INFO)
+        logger = logging.getLogger("dumpdiff")
+        ctx.call_on_close(functools.partial(logger.setLevel, logger.level))
+        logger.setLevel(logging.INFO)
 
 
 # The group's options that every command takes too: `dumpdiff first-divergence -v A B` was "No

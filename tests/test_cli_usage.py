@@ -204,3 +204,18 @@ def test_verbose_after_the_command_logs_as_before_it(model_dir, tmp_path):
     assert code == 0 and said not in err, err
     code, out, err = dumpdiff("first-divergence", "-v", ref, dec, "--rebuild-index", "--no-progress", env=workers)
     assert code in (0, 1) and said in err, err
+
+
+def test_verbose_ends_with_its_command_in_a_library_callers_process(model_dir, tmp_path):
+    """main() called from someone's code with -v left the "dumpdiff" logger at INFO: their later
+    calls logged progress details nobody asked for."""
+    import logging
+
+    from analyzer.cli import main
+    model = load_model(model_dir, torch.float32)
+    ref, _, _ = dump_pair(model, tmp_path, prompt_ids(8), new_tokens=2)
+    logger = logging.getLogger("dumpdiff")
+    before = logger.level
+    for args in (["-v", "index", ref, "--no-progress"], ["index", ref, "-v", "--no-progress"]):
+        assert main(args, standalone_mode=False) in (None, 0)
+        assert logger.level == before, args
