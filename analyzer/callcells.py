@@ -103,10 +103,7 @@ def posts_of_b(calls_b: Columns, call_names: np.ndarray, pass_of_pair: np.ndarra
     than the row table (an MoE with tens of thousands of hooked experts): the verdict then walks a
     list of cells (``from_cells``). A (pass, call) held twice counts once, at its first completion."""
     n_calls = max(len(call_names), 1)
-    code_of = {c: i for i, c in enumerate(call_names.tolist())}
-    codes, names = calls_b.codes("call")
-    codes_b = np.array([code_of.get(c, -1) for c in names.tolist()] or [-1], dtype=np.int64)[codes]
-    known = np.nonzero(codes_b >= 0)[0]
+    codes_b, known = codes_of_calls(calls_b, call_names)
     passes = distinct(calls_b["pass"][known].astype(np.int64))
     cells = max(len(pass_of_pair), len(passes)) * n_calls
     if cells > max(DENSE_CELLS, 4 * n_entries):
@@ -120,6 +117,16 @@ def posts_of_b(calls_b: Columns, call_names: np.ndarray, pass_of_pair: np.ndarra
         return posts, np.full(len(pass_of_pair), -1, np.int64)
     slot = np.minimum(np.searchsorted(passes, pass_of_pair), len(passes) - 1)
     return posts, np.where(passes[slot] == pass_of_pair, slot, -1)
+
+
+def codes_of_calls(calls_b: Columns, call_names: np.ndarray):
+    """(each entry of B's calls table: its call's code in ``call_names``, -1 for a call not there;
+    the entries that have one). Worked on the table's own codes: a long decode run has tens of
+    thousands of entries, a few hundred names."""
+    code_of = {c: i for i, c in enumerate(call_names.tolist())}
+    codes, names = calls_b.codes("call")
+    codes_b = np.array([code_of.get(c, -1) for c in names.tolist()] or [-1], dtype=np.int64)[codes]
+    return codes_b, np.nonzero(codes_b >= 0)[0]
 
 
 def from_cells(per_call: Columns, n_calls: int) -> CallCells:

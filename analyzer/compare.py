@@ -25,7 +25,7 @@ import numpy as np
 from dumper import format as fmt
 
 from .align import Alignment
-from .callcells import call_cells, from_cells, posts_of_b
+from .callcells import call_cells, codes_of_calls, from_cells, posts_of_b
 from .columns import Columns, distinct, merged_vocabulary, recode
 from .dtypes import DType, to_float64
 from .index import Index
@@ -279,7 +279,7 @@ def _placed_grids(indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: D
         # int32 throughout (the grid has at most DENSE_CELLS cells): half the memory traffic of int64
         slot = np.full(int(passes[-1]) + 2, len(passes), np.int32)  # pass number -> place; unknown: one past
         slot[passes] = np.arange(len(passes))
-        grid = np.full(n_gid * n_tensors, -1, np.int32 if len(rows[side]) < 1 << 31 else np.int64)
+        grid = np.full(n_gid * n_tensors, -1, _index_kind(len(rows[side])))
         made[side] = (slot, np.r_[np.cumsum(counts) - counts, -1].astype(np.int32), np.r_[counts, 0].astype(np.int32),
                       grid, n_gid)
 
@@ -412,10 +412,7 @@ def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray)
     calls table has; one it lacks is left out."""
     calls_b = b.cols("calls")
     n_calls = max(len(table.calls), 1)
-    code_of = {c: i for i, c in enumerate(table.calls.tolist())}
-    codes, names = calls_b.codes("call")  # a long decode run: tens of thousands of entries, a few hundred names
-    codes_b = np.array([code_of.get(c, -1) for c in names.tolist()] or [-1], dtype=np.int64)[codes]
-    known = np.nonzero(codes_b >= 0)[0]
+    codes_b, known = codes_of_calls(calls_b, table.calls)
     at_calls, at = join(calls_b["pass"][known].astype(np.int64) * n_calls + codes_b[known],
                         np.asarray(pass_b, np.int64) * n_calls + ccode)
     return known[at_calls], at

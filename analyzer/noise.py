@@ -113,20 +113,21 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     # is read and compared once.
     at = chosen[differ]
     floor = np.array([typical[c] for c in table["tcode"][at].tolist()], dtype=np.float64)
-    same = np.stack([table.column("fp_a", at), table.column("fp_b", at), table.column("shape_a", at).astype(np.int64),
+    shape = table.column("shape_a", at)
+    same = np.stack([table.column("fp_a", at), table.column("fp_b", at), shape.astype(np.int64),
                      floor.view(np.int64)], axis=1) if len(at) else np.zeros((0, 4), np.int64)
     _, first, copy_of = np.unique(same, axis=0, return_index=True, return_inverse=True)
-    at = at[first]
+    at, shape = at[first], shape[first]
     errors = {"rel": np.zeros(len(at)), "abs": np.zeros(len(at)), "exceeds": np.zeros(len(at), bool),
               "eps": np.full(len(at), np.nan)}
     # One batch per (tensor, row shape), its rows read pass by pass with the other batches'.
-    key = table["tcode"][at].astype(np.int64) * max(len(table.shapes), 1) + table.column("shape_a", at)
+    key = table["tcode"][at].astype(np.int64) * max(len(table.shapes), 1) + shape
     order = np.argsort(key, kind="stable")
     bounds = np.r_[0, np.nonzero(np.diff(key[order]))[0] + 1, len(order)] if len(order) else np.zeros(1, np.int64)
     batches = [order[start:stop] for start, stop in zip(bounds[:-1], bounds[1:])]
     batches = in_file_order(b, table["entry_b"][at], batches)
     codes = [int(table["tcode"][at[batch[0]]]) for batch in batches]
-    sizes = [len(batch) * max(row_bytes(table.shapes[table.column("shape_a", at[batch[0]])]), 1) for batch in batches]
+    sizes = [len(batch) * max(row_bytes(table.shapes[shape[batch[0]]]), 1) for batch in batches]
     for chunk in chunks(sizes):
         names = [table.tensors[codes[i]] for i in chunk]
         ref_rows = read_batches(a, names, [table["entry_a"][at[batches[i]]] for i in chunk])
