@@ -467,15 +467,14 @@ def import_sglang_cmd(src, dst):
 
 def entry():
     """The `dumpdiff` program (console script, ``python -m analyzer.cli``). The process is ours, so
-    a dump of many decode steps may be indexed by worker processes: a worker re-imports the
-    program's main module, which these entry points guard. ``main`` called from someone else's
-    code never starts them (an unguarded script would be re-run by each worker)."""
+    glibc may keep freed memory for the next arrays (analyzer/memtune.py); ``main`` called from
+    someone else's code leaves their process's allocator as it is."""
     from . import memtune
-    from .index import allow_index_processes
+    from .index import index_processes
     memtune.allow()
     try:
         try:
-            allow_index_processes()
+            index_processes()
         except DumpError:  # a bad DUMPDIFF_* setting: said by every command, but not by --help or --version
             if not {"-h", "--help", "--version"} & set(sys.argv[1:]) and len(sys.argv) > 1:
                 raise

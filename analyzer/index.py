@@ -422,15 +422,17 @@ def _write_tables(where: str, tables: dict, stamp: dict):
                 os.unlink(tmp)
 
 
-# Processes that index small passes (decode steps: per-tensor Python work, little reading) when
-# a dump has many. Off (0) unless the command line turns it on: a worker process imports the
-# parent's main module, which only an entry point written for it (ours) survives.
-INDEX_PROCESSES = 0
+# Worker processes that index small passes (decode steps: per-tensor Python work, little reading)
+# and hash large ones in pieces, when a build has work enough for them (analyzer/workers.py: they
+# never import the caller's main module, so a library caller gets them too). None: as
+# index_processes() says; a number overrides it (tests).
+INDEX_PROCESSES: Optional[int] = None
 
 
-def allow_index_processes():
-    """Let the index build (analyzer/indexbuild.py) index many small passes in worker processes
-    (the CPU count less one, at most 8; DUMPDIFF_INDEX_PROCESSES overrides, 0 turns it off)."""
-    global INDEX_PROCESSES
+def index_processes() -> int:
+    """How many worker processes an index build may start: DUMPDIFF_INDEX_PROCESSES (0 turns them
+    off), else the CPU count less one, at most 8. Raises DumpError for a bad setting."""
+    if INDEX_PROCESSES is not None:
+        return INDEX_PROCESSES
     setting = env_count("DUMPDIFF_INDEX_PROCESSES")
-    INDEX_PROCESSES = setting if setting is not None else min(max((os.cpu_count() or 1) - 1, 0), 8)
+    return setting if setting is not None else min(max((os.cpu_count() or 1) - 1, 0), 8)

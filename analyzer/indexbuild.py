@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import queue
-import signal
 import sys
 import threading
 from typing import Dict, List, Optional
@@ -31,18 +30,18 @@ from .readahead import RangeAdvisor, will_need
 from .rowplan import may_hold_token_ids, pass_rows, row_columns
 from .rowread import FileEnded, read_exactly
 from .smallpass import small_pass_tables
+from .workers import WorkerPool
 
 PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up costs more than it saves
 
 
 def _process_pool(n_small: int, large_bytes: int):
-    workers = min(index.INDEX_PROCESSES, max(n_small // PASSES_PER_PROCESS, large_bytes // (2 * PIECE_BYTES)))
+    workers = min(index.index_processes(), max(n_small // PASSES_PER_PROCESS, large_bytes // (2 * PIECE_BYTES)))
     if workers < 2:
         return None
     try:
-        import multiprocessing
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    except (ImportError, OSError, ValueError):  # no process support here (a sandbox): threads do it
+        pool = WorkerPool(workers)
+    except OSError:  # no process support here (a sandbox): threads do it
         return None
     logging.getLogger("dumpdiff").info("indexing in %d worker processes", workers)
     return pool
@@ -57,21 +56,15 @@ def _start_in_processes(small_refs: dict, advance, large_refs: dict):
     pool = _process_pool(len(small_refs), sum(ref.nbytes for ref in large_refs.values()))
     if pool is None:
         return None, None, {}
-    # Workers start with SIGINT blocked: Ctrl-C reaches the whole process group, and a worker
-    # still importing would print its own traceback; this process stops them instead.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") else None
     try:
         pieces = {i: _submit_pieces(pool, ref) for i, ref in large_refs.items()}  # first: the longest work
         futures = {i: pool.submit(_index_small_pass, ref, ahead) for i, ref, ahead in _with_read_ahead(small_refs)}
-    except (OSError, concurrent.futures.BrokenExecutor):  # processes are started here, not before
+    except concurrent.futures.BrokenExecutor:  # a worker died at its start: threads do it
         pool.shutdown(wait=True, cancel_futures=True)
         return None, None, {}
     except BaseException:  # a damaged large pass: no piece already submitted is worked on for nothing
         pool.shutdown(wait=True, cancel_futures=True)
         raise
-    finally:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for i, future in futures.items():
         future.add_done_callback(lambda f, n=small_refs[i].nbytes: f.cancelled() or advance(n))
     return pool, futures, {i: piece for i, piece in pieces.items() if piece is not None}
@@ -196,7 +189,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
             finishing.append(finisher.submit(finish, k, parts))
         built = [future.result() for future in finishing]
     except concurrent.futures.BrokenExecutor as exc:  # a worker process was killed (out of memory?)
-        raise DumpError(f"a worker process indexing the dumps died ({type(exc).__name__}); if the system is short "
+        raise DumpError(f"a worker process indexing the dumps died ({exc}); if the system is short "
                         "of memory, rerun with DUMPDIFF_INDEX_PROCESSES=0 (one process) or 2") from None
     finally:
         for future in [*small.values(), *(f for _, _, done in pieces.values() for f, _ in done)]:

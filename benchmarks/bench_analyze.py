@@ -168,8 +168,8 @@ def run(args, ref, dec):
         idx = median_run(prepare, ["index", ref, dec, "--rebuild"], f"{proto}: index ref dec (one command)")
         t_index = idx["seconds"]
         # The same build in this process (imports already paid): the index work alone, as a library
-        # call makes it (threads only: the CLI's worker processes would re-import this script, torch
-        # and all, in each worker).
+        # call makes it (with worker processes where the host has cores for them, as the CLI:
+        # analyzer/workers.py starts them without importing this script).
         from analyzer.index import load_indexes
         from analyzer.load import open_dump
         t_inproc = median_seconds(prepare, lambda: load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False))

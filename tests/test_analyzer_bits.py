@@ -318,6 +318,41 @@ def test_many_decode_steps_indexed_by_worker_processes(tmp_path):
                    "pass-000030")
 
 
+LIBRARY_CALLER = """
+import logging, sys
+with open(sys.argv[2], "a") as ran:  # no __main__ guard: a worker that imports this script runs this again
+    ran.write("ran\\n")
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from analyzer.index import load_indexes
+from analyzer.load import open_dump
+load_indexes([open_dump(sys.argv[1])], rebuild=True, progress=False)
+print("built")
+"""
+
+
+def test_a_library_caller_gets_worker_processes_that_never_run_its_script(tmp_path):
+    """A user's script that calls the index build as a library, with no ``if __name__ ==
+    "__main__"`` guard, gets the worker processes the command line gets (multiprocessing's spawn
+    would run the script again in each worker), and the tables one process builds."""
+    import pyarrow.parquet as pq
+    model = load_model(make_tiny_llama(tmp_path / "llama"))
+    model.generation_config.eos_token_id = None
+    _, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(8), new_tokens=40)  # 39 decode passes
+    script = tmp_path / "caller.py"
+    script.write_text(LIBRARY_CALLER)
+    tables = {}
+    for processes in ("0", "2"):
+        marker = tmp_path / f"ran-{processes}.txt"
+        proc = subprocess.run([sys.executable, str(script), dec, str(marker)], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, "DUMPDIFF_INDEX_PROCESSES": processes}, timeout=300)
+        assert proc.returncode == 0 and proc.stdout == "built\n", proc.stderr
+        assert ("indexing in 2 worker processes" in proc.stderr) == (processes == "2"), proc.stderr
+        assert marker.read_text() == "ran\n"  # the script ran once, in its own process only
+        tables[processes] = {n: pq.read_table(os.path.join(dec, "index", f"{n}.parquet")).to_pylist()
+                             for n in ("tokens", "seqs", "calls", "tensors", "rows")}
+    assert json.dumps(tables["0"], default=str) == json.dumps(tables["2"], default=str)
+
+
 @pytest.mark.parametrize("dtype", [d for d in FLOATS if d != torch.float64])
 def test_noise_row_errors_of_finite_rows_match_float64(dtype, monkeypatch):
     """Finite rows of float types of 4 bytes or fewer are compared in float32 (half the bytes):

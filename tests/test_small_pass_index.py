@@ -264,17 +264,25 @@ def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypa
     """A worker process killed mid-build (the kernel's out-of-memory killer) is a DumpError that
     says so and how to rerun (the command line prints it as one line, exit 2), not an internal
     error."""
-    import concurrent.futures
-    import multiprocessing
-    import os
-
+    from analyzer import index
     from analyzer.errors import DumpError
     dec = padded_batch_dump(llama, tmp_path)
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)
-    monkeypatch.setattr(indexbuild, "_process_pool", lambda n_small, large_bytes: concurrent.futures.ProcessPoolExecutor(
-        2, mp_context=multiprocessing.get_context("spawn"), initializer=os._exit, initargs=(9,)))  # each worker dies at once
+    monkeypatch.setattr(indexbuild, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(index, "INDEX_PROCESSES", 2)
+    started = []
+    real_start = indexbuild._start_in_processes
+
+    def start_then_kill(*args):
+        pool, futures, pieces = real_start(*args)
+        started.append(pool)
+        for proc in pool.processes:
+            proc.kill()  # as the out-of-memory killer would, with every piece submitted
+        return pool, futures, pieces
+    monkeypatch.setattr(indexbuild, "_start_in_processes", start_then_kill)
     with pytest.raises(DumpError, match="worker process indexing the dumps died.*DUMPDIFF_INDEX_PROCESSES=0"):
         indexbuild.build_many([open_dump(str(dec))], progress=False)
+    assert started and all(proc.poll() is not None for proc in started[0].processes)  # none left behind
 
 
 @pytest.mark.parametrize("config", [{}, {"positions": "3:"}, {"last_rows": 2}], ids=["all", "positions", "last_rows"])
