@@ -40,8 +40,9 @@ def _process_pool(n_small: int, large_bytes: int):
     if workers < 2:
         return None
     try:
-        pool = WorkerPool(workers)
-    except OSError:  # no process support here (a sandbox): threads do it
+        pool = WorkerPool(workers, __name__)
+    except OSError as exc:  # no process support here (a sandbox, an odd install): threads do it
+        logging.getLogger("dumpdiff").warning("indexing on threads alone: %s", exc)
         return None
     logging.getLogger("dumpdiff").info("indexing in %d worker processes", workers)
     return pool
@@ -59,7 +60,7 @@ def _start_in_processes(small_refs: dict, advance, large_refs: dict):
     try:
         pieces = {i: _submit_pieces(pool, ref) for i, ref in large_refs.items()}  # first: the longest work
         futures = {i: pool.submit(_index_small_pass, ref, ahead) for i, ref, ahead in _with_read_ahead(small_refs)}
-    except concurrent.futures.BrokenExecutor:  # a worker died at its start: threads do it
+    except concurrent.futures.BrokenExecutor:  # a worker died already: threads do it
         pool.shutdown(wait=True, cancel_futures=True)
         return None, None, {}
     except BaseException:  # a damaged large pass: no piece already submitted is worked on for nothing

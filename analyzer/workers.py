@@ -4,46 +4,74 @@ that they never import the caller's main module.
 multiprocessing's spawn runs the parent's main script again in each worker (as ``__mp_main__``):
 an unguarded script, a user's own that calls dumpdiff as a library, would be run once per worker,
 with whatever it does. So multiprocessing was only safe from dumpdiff's own entry point, and a
-library caller indexed on threads alone. Here each worker is a fresh interpreter that imports
-only this package and serves jobs over two pipes: (module, function, arguments) in, (ok, result
-or exception) out, through multiprocessing's connections, as its pools do (between this process
-and workers it started: never a user's file). Workers run in a session of their own: Ctrl-C at a
-terminal reaches this process, which stops them, not a worker still importing (it would print a
-traceback of its own). A worker whose parent dies reads the end of its jobs and exits.
+library caller indexed on threads alone. Here each worker is a fresh interpreter with the
+caller's import path and interpreter flags (as spawn gives it) that imports only the module its
+jobs come from, and serves jobs over two pipes: (module, function, arguments) in, (ok, result or
+exception) out, through multiprocessing's connections, as its pools do (between this process and
+workers it started: never a user's file). A pool is ready only when every worker has imported
+that module, so a worker that cannot start (an odd install) means threads do the work. Workers
+run in a session of their own: Ctrl-C at a terminal reaches this process, which stops them, not a
+worker still importing (it would print a traceback of its own). A worker whose parent dies reads
+the end of its jobs and exits.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import json
 import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import List, Optional, Tuple
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The package's own root goes first on the worker's path: the caller's working directory (a
-# folder named like one of our packages next to the user's script) cannot shadow it.
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); from analyzer.workers import serve; "
-         "serve(int(sys.argv[2]), int(sys.argv[3]))")
+# `-c` puts the working directory first on the path: it goes before anything is imported (a
+# user's json.py there must not be run), and the caller's path replaces it.
+_BOOT = ("import sys\n"
+         "if sys.path[:1] == ['']: del sys.path[0]\n"
+         "import json\n"
+         "sys.path[:] = json.loads(sys.argv[1])\n"
+         "from analyzer.workers import serve\n"
+         "serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))")
+START_SECONDS = 60.0  # a worker not ready by then (importing numpy on a loaded machine?) is not waited for
 
 
 class WorkerDied(concurrent.futures.BrokenExecutor):
     """A worker process ended before it answered (killed by the out-of-memory killer, say)."""
 
 
-class WorkerPool:
-    """``workers`` worker processes taking jobs in order of submission; the part of
-    concurrent.futures.ProcessPoolExecutor the index build uses (submit, shutdown). Once a worker
-    dies, every job not yet answered fails with WorkerDied. Raises OSError when processes cannot
-    be started here."""
+def _worker_path() -> List[str]:
+    """This process's import path, relative entries made absolute (the worker starts in the same
+    directory, but the path must not depend on it), and this package's root last, should the
+    package have come from an entry since removed."""
+    path = [os.path.abspath(entry) if isinstance(entry, str) else entry for entry in sys.path]
+    return [entry for entry in path if isinstance(entry, str)] + ([_PACKAGE_ROOT] if _PACKAGE_ROOT not in path else [])
 
-    def __init__(self, workers: int):
-        if not sys.executable:  # embedded Python: nothing to start workers with
+
+def _interpreter_flags() -> List[str]:
+    """The flags this interpreter was started with (-I, -s, -X ..., -W ...), as multiprocessing
+    passes them on; none where this Python does not say."""
+    flags = getattr(subprocess, "_args_from_interpreter_flags", None)
+    try:
+        return list(flags()) if flags is not None else []
+    except Exception:  # a private helper: its absence or change only loses the flags
+        return []
+
+
+class WorkerPool:
+    """``workers`` worker processes, each having imported ``module``, taking jobs in order of
+    submission; the part of concurrent.futures.ProcessPoolExecutor the index build uses (submit,
+    shutdown). Once a worker dies, every job not yet answered fails with WorkerDied. Raises OSError
+    when the processes cannot be started here or do not get ready."""
+
+    def __init__(self, workers: int, module: str):
+        if not sys.executable or getattr(sys, "frozen", False):  # embedded, or a frozen app: no Python to start
             raise OSError("no Python executable to start worker processes with")
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -52,8 +80,10 @@ class WorkerPool:
         self.processes: List[subprocess.Popen] = []
         self._pipes: List[Tuple[Connection, Connection]] = []  # (jobs, answers) of each worker
         try:
+            command = [sys.executable, *_interpreter_flags(), "-c", _BOOT, json.dumps(_worker_path()), module]
             for _ in range(workers):
-                self._start_one()
+                self._start_one(command)
+            self._wait_ready()
         except BaseException:
             self._stop_processes(kill=True)
             raise
@@ -62,13 +92,13 @@ class WorkerPool:
         for feeder in self._feeders:
             feeder.start()
 
-    def _start_one(self) -> None:
+    def _start_one(self, command: List[str]) -> None:
         jobs_read, jobs_write = os.pipe()
         answers_read, answers_write = os.pipe()
         try:
             self.processes.append(subprocess.Popen(
-                [sys.executable, "-c", _BOOT, _PACKAGE_ROOT, str(jobs_read), str(answers_write)],
-                pass_fds=(jobs_read, answers_write), stdin=subprocess.DEVNULL, start_new_session=True))
+                [*command, str(jobs_read), str(answers_write)], pass_fds=(jobs_read, answers_write),
+                stdin=subprocess.DEVNULL, start_new_session=True))
         except BaseException:
             os.close(jobs_write)
             os.close(answers_read)
@@ -77,6 +107,19 @@ class WorkerPool:
             os.close(jobs_read)  # the worker's ends: this process keeps none, so a dead worker is an EOF
             os.close(answers_write)
         self._pipes.append((Connection(jobs_write, readable=False), Connection(answers_read, writable=False)))
+
+    def _wait_ready(self) -> None:
+        """Each worker says it has imported its module, or why not."""
+        deadline = time.monotonic() + START_SECONDS
+        for proc, (_, answers) in zip(self.processes, self._pipes):
+            try:
+                if not answers.poll(max(deadline - time.monotonic(), 0)):
+                    raise OSError(f"worker process {proc.pid} not ready after {START_SECONDS:.0f} s")
+                ready, why = answers.recv()
+            except EOFError:
+                raise OSError(f"worker process {proc.pid} ended at its start ({_how_ended(proc.wait())})") from None
+            if not ready:
+                raise OSError(f"worker process {proc.pid} could not start: {why}")
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -100,6 +143,13 @@ class WorkerPool:
                 continue
             try:
                 jobs.send((module, name, args))
+            except OSError:
+                future.set_exception(self._break(proc))
+                break
+            except Exception as exc:  # arguments pickle cannot carry (nothing was written)
+                future.set_exception(RuntimeError(f"a job could not be sent to a worker process: {exc!r}"))
+                continue
+            try:
                 ok, value = answers.recv()
             except (OSError, EOFError):
                 future.set_exception(self._break(proc))
@@ -181,22 +231,31 @@ def _how_ended(code: int) -> str:
     return f"exit code {code}"
 
 
-def serve(jobs_fd: int, answers_fd: int) -> None:
-    """A worker's loop: run each job it is sent and send back its result or exception, until its
-    jobs end."""
+def serve(module: str, jobs_fd: int, answers_fd: int) -> None:
+    """A worker's loop: import ``module`` and say so (or why not), then run each job it is sent
+    and send back its result or exception, until its jobs end."""
     jobs, answers = Connection(jobs_fd, writable=False), Connection(answers_fd, readable=False)
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        answers.send((False, f"importing {module}: {exc!r}"))
+        return
+    answers.send((True, None))
     while True:
         try:
             module, name, args = jobs.recv()
         except EOFError:
             return
-        try:
-            reply = (True, getattr(importlib.import_module(module), name)(*args))
-        except Exception as exc:  # raised again in the caller's process
-            reply = (False, exc)
+        except Exception as exc:  # a job whose arguments do not unpickle here (read whole: the next is intact)
+            reply = (False, RuntimeError(f"a worker process could not read its job: {exc!r}"))
+        else:
+            try:
+                reply = (True, getattr(importlib.import_module(module), name)(*args))
+            except Exception as exc:  # raised again in the caller's process
+                reply = (False, exc)
         try:
             answers.send(reply)
         except BrokenPipeError:  # the parent went away
             return
         except Exception as exc:  # a result or exception that cannot be sent back (nothing was written)
-            answers.send((False, RuntimeError(f"{module}.{name} gave an answer that cannot be sent back: {exc!r}")))
+            answers.send((False, RuntimeError(f"a job's answer cannot be sent back from its worker process: {exc!r}")))

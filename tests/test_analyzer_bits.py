@@ -351,6 +351,16 @@ def test_a_library_caller_gets_worker_processes_that_never_run_its_script(tmp_pa
         tables[processes] = {n: pq.read_table(os.path.join(dec, "index", f"{n}.parquet")).to_pylist()
                              for n in ("tokens", "seqs", "calls", "tensors", "rows")}
     assert json.dumps(tables["0"], default=str) == json.dumps(tables["2"], default=str)
+    # The workers take the caller's import path, not the working directory `python -c` would put
+    # first: a user's json.py there is not run by them (the console script's own path lacks it).
+    here = tmp_path / "workdir"
+    here.mkdir()
+    (here / "json.py").write_text(f"open({str(tmp_path / 'user-json-ran')!r}, 'w').close()\n")
+    program = os.path.join(os.path.dirname(sys.executable), "dumpdiff")
+    proc = subprocess.run([program, "-v", "index", dec, "--rebuild", "--no-progress"], capture_output=True, text=True,
+                          cwd=here, env={**os.environ, "DUMPDIFF_INDEX_PROCESSES": "2"}, timeout=300)
+    assert proc.returncode == 0 and "in 2 worker processes" in proc.stderr, proc.stderr
+    assert not (tmp_path / "user-json-ran").exists()
 
 
 @pytest.mark.parametrize("dtype", [d for d in FLOATS if d != torch.float64])

@@ -285,6 +285,25 @@ def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypa
     assert started and all(proc.poll() is not None for proc in started[0].processes)  # none left behind
 
 
+def test_worker_processes_that_cannot_start_leave_the_build_to_threads(llama, tmp_path, monkeypatch, caplog):
+    """Worker processes that cannot import what they need (an odd install) are not a failed build:
+    the pool is ready only once each has, and otherwise threads build the same tables, with a
+    warning that says why."""
+    import logging
+
+    from analyzer import index, workers
+    dec = padded_batch_dump(llama, tmp_path)
+    alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
+    monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)
+    monkeypatch.setattr(indexbuild, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(index, "INDEX_PROCESSES", 2)
+    monkeypatch.setattr(indexbuild, "WorkerPool", lambda n, module: workers.WorkerPool(n, "dumpdiff_no_such_module"))
+    with caplog.at_level(logging.WARNING, logger="dumpdiff"):
+        tables = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
+    assert built_json(tables) == built_json(alone)
+    assert "indexing on threads alone" in caplog.text and "could not start" in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("config", [{}, {"positions": "3:"}, {"last_rows": 2}], ids=["all", "positions", "last_rows"])
 def test_tensors_streamed_a_block_of_rows_at_a_time_give_the_tables_of_whole_reads(llama, tmp_path, monkeypatch, config):
     """A tensor whose rows lie in order in the file is streamed a block of rows at a time through
