@@ -50,8 +50,8 @@ def _worker_path() -> List[str]:
     """This process's import path, relative entries made absolute (the worker starts in the same
     directory, but the path must not depend on it), and this package's root last, should the
     package have come from an entry since removed."""
-    path = [os.path.abspath(entry) if isinstance(entry, str) else entry for entry in sys.path]
-    return [entry for entry in path if isinstance(entry, str)] + ([_PACKAGE_ROOT] if _PACKAGE_ROOT not in path else [])
+    path = [os.path.abspath(entry) for entry in sys.path if isinstance(entry, str)]
+    return path + ([_PACKAGE_ROOT] if _PACKAGE_ROOT not in path else [])
 
 
 def _interpreter_flags() -> List[str]:
@@ -208,17 +208,16 @@ class WorkerPool:
             self._stop_processes(kill=False)
 
     def _stop_processes(self, kill: bool) -> None:
-        for proc in self.processes:
-            if kill and proc.poll() is None:
-                proc.kill()
-            elif not kill:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        """Wait for the workers to end (they do once their jobs end), killing them first with
+        ``kill``, or when one takes over 10 s."""
         if kill:
             for proc in self.processes:
+                proc.kill()  # Popen leaves a process that has ended alone
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=None if kill else 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
                 proc.wait()
 
 
