@@ -243,7 +243,7 @@ def serve(module: str, jobs_fd: int, answers_fd: int) -> None:
     while True:
         try:
             module, name, args = jobs.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the jobs ended, or their pipe is broken: nothing more can come
             return
         except Exception as exc:  # a job whose arguments do not unpickle here (read whole: the next is intact)
             reply = (False, RuntimeError(f"a worker process could not read its job: {exc!r}"))
