@@ -418,11 +418,6 @@ def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray)
     return known[at_calls], at
 
 
-def _cells_of_pairs(table: RowTable, b: Index, pairs: np.ndarray) -> Columns:
-    per_call = _per_call(table, b)
-    return per_call.take(np.isin(per_call["pair"], pairs))
-
-
 def _call_info(b: Index, names) -> Dict[str, tuple]:
     """call -> (module, cls) for the given call names."""
     wanted, info = set(names), {}
@@ -440,7 +435,10 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     pairs = alignment.cols
     calls = table.calls
     posts = posts_of_b(b.cols("calls"), calls, pairs["pass_b"], len(table["pair"]))
-    cells = call_cells(table, *posts, JOIN_THREADS) if posts is not None else from_cells(_per_call(table, b), len(calls))
+    # the list of (pair, call) cells: walked where the matrices would be too large, else made only
+    # for a note on differences no culprit explains (rare)
+    per_call = _per_call(table, b) if posts is None else None
+    cells = call_cells(table, *posts, JOIN_THREADS) if per_call is None else from_cells(per_call, len(calls))
     order_of = _order_of(calls, b)
     first_dirty, origin = cells.first_dirty, cells.first_origin
     row_culprit = Columns({"pair": origin["pair"], "ccode": origin["ccode"], "order": order_of[origin["ccode"]]})
@@ -453,7 +451,7 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     verdict.update(calls_timeline(cells.counts, order_of, calls, b))
     if not len(row_culprit):
         if len(first_dirty):
-            verdict["note"] = _no_origin_note(_per_call(table, b), table, a, b)
+            verdict["note"] = _no_origin_note(_per_call(table, b) if per_call is None else per_call, table, a, b)
         return verdict
     # both are sorted by pair; np.setdiff1d would import numpy.ma (np.unique) on the strict path
     dirty, found = first_dirty["pair"], row_culprit["pair"]
@@ -461,8 +459,9 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     orphans = dirty[found[at] != dirty]
     if len(orphans):  # differing rows no culprit accounts for: say so, never drop them silently
         decode = int(np.count_nonzero(pairs["mode_b"][orphans] == "decode"))
+        per_call = _per_call(table, b) if per_call is None else per_call
         verdict["unattributed"] = (f"{len(orphans)} of the {len(first_dirty)} differing rows ({decode} decode) meet no "
-                                   "culprit: " + _no_origin_note(_cells_of_pairs(table, b, orphans), table, a, b))
+                                   "culprit: " + _no_origin_note(per_call.take(np.isin(per_call["pair"], orphans)), table, a, b))
     at = row_culprit["pair"]  # pair numbers are positions in pairs
     rows = Columns({"pair": at, "call": calls[row_culprit["ccode"]], "order": row_culprit["order"],
                     **{k: pairs[k][at] for k in ("seq", "pos", "mode_a", "mode_b", "pass_a", "row_a", "pass_b", "row_b")}})

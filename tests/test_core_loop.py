@@ -668,19 +668,24 @@ def test_tiny_qwen3_moe_end_to_end(tmp_path):
 
 def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_path, monkeypatch):
     """The row table (both indexes joined on token row and tensor) is built through dense grids
-    split over threads, or through a general sorted join; every way gives the same verdict, to
-    the last number. A batch of three lengths (left padding) dumped in float32 diverges naturally
-    in many rows, so the spans of entries and of pairs split sequences and rows at odd places."""
+    split over threads, or through a general sorted join; its (pair, call) summary is made from
+    dense matrices or, where they would be too large, by walking the list of cells; every way
+    gives the same verdict, to the last number. A batch of three lengths (left padding) dumped in
+    float32 diverges naturally in many rows, so the spans of entries and of pairs split sequences
+    and rows at odd places."""
     from analyzer import compare, diverge
     model = load_model(llama_dir, torch.float32)
     plant_stale_kv(model, layer=1)
     _, ref, dec = dump_padded_batch(model, tmp_path)
     verdicts = {}
-    for threads, dense in ((1, 0), (1, compare.DENSE_CELLS), (3, compare.DENSE_CELLS), (7, compare.DENSE_CELLS), (7, 0)):
+    dense_posts = compare.posts_of_b
+    for threads, dense, listed in ((1, 0, False), (1, compare.DENSE_CELLS, False), (3, compare.DENSE_CELLS, False),
+                                   (7, compare.DENSE_CELLS, False), (7, 0, False), (3, compare.DENSE_CELLS, True)):
         monkeypatch.setattr(compare, "JOIN_THREADS", threads)
         monkeypatch.setattr(compare, "DENSE_CELLS", dense)
+        monkeypatch.setattr(compare, "posts_of_b", (lambda *args: None) if listed else dense_posts)
         result = diverge.first_divergence(ref, dec, progress=False)
-        verdicts[(threads, dense)] = json.dumps(result, sort_keys=True, default=str)
+        verdicts[(threads, dense, listed)] = json.dumps(result, sort_keys=True, default=str)
     assert len(set(verdicts.values())) == 1, "the join paths disagree"
     result = json.loads(next(iter(verdicts.values())))
     verdict = result["ranks"]["0"]
