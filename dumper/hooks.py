@@ -268,7 +268,7 @@ class Dumper:
         except Exception as exc:  # the adapter's own failure on a forward it did not expect: never the model's
             self._warn_once("adapter-failed", f"dumper: forward not dumped: the {type(self.adapter).__name__} could "
                             f"not describe this call ({type(exc).__name__}: {exc}); pass an adapter that can "
-                            "(README: any torch.nn.Module)")
+                            "(docs/models-and-engines.md: any other torch.nn.Module)")
             return False
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)

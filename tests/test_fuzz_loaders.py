@@ -3,7 +3,8 @@ run.json, and random values put into their JSON. The analyzer's entry point
 (``analyzer.diverge.first_divergence``, what the CLI runs) must either give a result or raise
 ``DumpError`` (the CLI's one-line exit 2); any other exception is a crash.
 
-The test prints how many inputs it tried and how many crashes it found (for the README).
+The test prints how many inputs it tried and how many crashes it found (docs/reliability.md
+gives those figures).
 Budget: about 45 s of fuzzing; set DUMPDIFF_FUZZ_SECONDS to fuzz longer.
 """
 
