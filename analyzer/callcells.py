@@ -9,7 +9,7 @@ lacks are left out, as everywhere in the verdict.
 Pairs are taken in chunks, each a few (pairs x calls) boolean matrices: one pass over the row
 table's entries, then reductions along the calls, with no list of cells, no sort and no join of
 half a million cells against B's calls table: those took 40-60 ms of a 0.35-0.42 s strict verdict
-on the H200 (benchmarks/results/h200-s27/).
+on an H200 host.
 """
 
 from __future__ import annotations

@@ -294,10 +294,10 @@ def _read_table(path: str, lazy: bool = False):
 
 def _whole(handle):
     """The file's bytes for pyarrow: mapped, not copied (copying cost 11 ms of a 0.45 s verdict on
-    the H200, benchmarks/results/h200-table-reads-s21/); read where a file cannot be mapped (an
-    empty one). dumpdiff's rebuilds write new files and rename them into place, so a mapped file
-    is never changed under it; a tool that rewrites a saved table in place while a command reads
-    it (rsync --inplace) would end that command with SIGBUS."""
+    an H200 host); read where a file cannot be mapped (an empty one). dumpdiff's rebuilds write
+    new files and rename them into place, so a mapped file is never changed under it; a tool that
+    rewrites a saved table in place while a command reads it (rsync --inplace) would end that
+    command with SIGBUS."""
     import mmap
     import pyarrow as pa
     try:

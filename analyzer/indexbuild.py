@@ -322,7 +322,7 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
 # hashing thread's: it stays in the CPU's cache between the copy from the page cache and the
 # hashing. On the 2-core VM, reading a 3 GB prefill so against reading each tensor whole into
 # buffers up to 256 MB ahead: cold 1.7-2.2 vs 0.6-1.0 GB/s, a third of the kernel CPU; warm 7.3-8.1 vs
-# 4.5-5.3 GB/s (interleaved, `benchmarks/results/cpu-cold-reads-s26.txt`).
+# 4.5-5.3 GB/s (interleaved runs).
 ROW_BLOCK_BYTES = 2 << 20
 STREAM_AHEAD_BYTES = 64 << 20  # the kernel is asked to read this far beyond the streamed reads
 

@@ -5,11 +5,10 @@ A verdict allocates and frees hundreds of MB of transient numpy arrays of a few 
 million-entry join). By default glibc serves each from a fresh memory map, which the kernel
 zeroes page by page on first touch, and gives back at once; the next array pays again. Served
 from a heap that is neither trimmed nor shrunk, freed blocks are reused: on the 2-core VM the
-strict verdict on the 5.7 GB pair went from 0.33 to 0.26 s, the default one from 0.39 to 0.34 s
-(benchmarks/results/cpu-mallopt-s19.txt). Not during an index build: there it bought no time
-and cost 40-70 MB more memory (the build keeps its own buffers for reuse). Settings a user made
-(MALLOC_* or GLIBC_TUNABLES in the environment) are left alone; elsewhere than glibc this does
-nothing.
+strict verdict on the 5.7 GB pair went from 0.33 to 0.26 s, the default one from 0.39 to 0.34 s.
+Not during an index build: there it bought no time and cost 40-70 MB more memory (the build keeps
+its own buffers for reuse). Settings a user made (MALLOC_* or GLIBC_TUNABLES in the environment)
+are left alone; elsewhere than glibc this does nothing.
 """
 
 from __future__ import annotations
