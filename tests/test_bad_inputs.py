@@ -315,7 +315,8 @@ def test_a_named_pipe_in_the_index_folder_does_not_hang_the_comparison(dumps, tm
     """first-divergence asks the kernel to read the saved index ahead; opening a named pipe for
     that would wait for a writer forever. Beside the tables it is ignored; in place of a table
     or of the stamp, the index is rebuilt over it; in place of the lock file, the index is used
-    from memory, with a warning (with the stamp kept, or as the lock, the open hung until stop 21)."""
+    from memory, with a warning (opening a pipe in place of a table whose stamp was kept, of the
+    stamp or of the lock would hang: index files that are not regular files are damage)."""
     ref, dec = dumps
     dec = copy_dump(dec, tmp_path / "dec")
     assert dumpdiff("index", dec, "--no-progress")[0] == 0

@@ -695,7 +695,8 @@ def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_pa
 def test_dumps_without_tensor_rows_are_not_called_clean_when_alignment_is_trusted(llama_dir, tmp_path):
     """non_intrusive_mode=core stores pass metadata only (token ids, positions, sequences), no
     tensor. Without rows the alignment cannot be proved (exit 2); trusted, nothing is compared,
-    which is not "no divergence" (it was exit 0 before stop 21): exit 2, saying to dump =all."""
+    which is not "no divergence" (exit 0 would pass a CI gate that compared nothing): exit 2,
+    saying to dump =all."""
     from dump_surgery import one_line_error
     model = load_model(llama_dir, torch.float32)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(12), new_tokens=4, non_intrusive_mode="core")

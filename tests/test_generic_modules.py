@@ -1,6 +1,6 @@
 """The dumper on plain torch.nn.Module models (no HF, no engine): unusual calls must never break
 the model or record wrong bytes, and a model with its own KV cache must be dumped so that its
-decode rows pair with a reference prefill. Each case was found by trying it (stop 21)."""
+decode rows pair with a reference prefill."""
 
 from __future__ import annotations
 

@@ -143,8 +143,8 @@ def test_an_adapter_failure_never_fails_the_model_call(tmp_path, caplog):
 def test_sequences_told_apart_only_by_their_encoder_input_are_not_paired_by_guess(tmp_path):
     """Two source sentences in one batch: both decoders start with the same token, so each first
     decoder row has a twin in the reference with the same token id and another encoder output.
-    The last one used to win, and the other sequence's row was compared with it: "a real error
-    at the cross-attention, 5e6x", with no bug. Rows whose partner cannot be told are not
+    Pairing either with the last one would compare the other sequence's row with it: "a real
+    error at the cross-attention, 5e6x", with no bug. Rows whose partner cannot be told are not
     compared, and the report says why."""
     model = _tiny_t5()
     sources = torch.randint(2, 256, (2, 9), generator=torch.Generator().manual_seed(4))
