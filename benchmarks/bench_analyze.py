@@ -1,4 +1,4 @@
-"""Point 4: analysis at index speed, on a dump pair of at least 5 GB.
+"""Analysis at index speed, on a dump pair of at least 5 GB.
 
 Dumps a bigger random HF Llama on CPU (float32: prefill and decode differ naturally there):
 ``dec`` = generate() of a T-token prompt (one prefill pass + decode passes), ``ref`` = one
@@ -35,7 +35,7 @@ from common import (ROOT, compile_bytecode, dir_bytes, dump_pair, evict, files_u
                     n_params, result)
 
 
-TARGET_PAIR_BYTES = 5 * 10 ** 9  # point 4's verdict target is for pairs of at least 5 GB
+TARGET_PAIR_BYTES = 5 * 10 ** 9  # the verdict target is for pairs of at least 5 GB
 
 
 def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, new_tokens: int, dtype=torch.float32,
@@ -203,9 +203,9 @@ def run(args, ref, dec):
             ok = rec["exit"] == 1 and culprit is not None
             # Warm, "reading once" is a memory copy (~0.1 s per GB): below what starting any Python
             # program costs, so it is shown for information; the target is against storage (cold),
-            # on a pair of at least 5 GB (point 4): on a small pair the fixed costs (starting Python,
+            # on a pair of at least 5 GB (the target's size): on a small pair the fixed costs (starting Python,
             # reading the index) are most of the time, whatever the reading takes.
-            # Point 4's 0.10 is for the verdict the index answers (--strict-only); the default adds
+            # The 0.10 target is for the verdict the index answers (--strict-only); the default adds
             # the noise-aware pass, which reads a bounded sample of rows: shown, not judged.
             target = ("<= 0.10" if total >= TARGET_PAIR_BYTES else "info (pair under 5 GB)") if proto == "cold" \
                 else "info (page cache)"

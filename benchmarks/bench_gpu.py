@@ -1,4 +1,4 @@
-"""Point 5: the whole performance story on a GPU, in one run (an H200, bf16, random weights).
+"""The whole performance story on a GPU, in one run (an H200, bf16, random weights).
 
 A random HF Llama built from a config (common.GPU_LLAMA: hidden 2048, 20 layers, 16 heads, 8 kv
 heads, intermediate 5632, vocab 32000: 1.07B parameters) in bf16, a prefill of 2048 tokens and decode

@@ -1,4 +1,4 @@
-"""Point 1: hooks installed with dumping disabled cost nothing (target: at most 1% per forward).
+"""Hooks installed with dumping disabled cost nothing (target: at most 1% per forward).
 
 The boot state of the sglang workflow is ``install(model, DumperConfig(enable=False))``: the
 root forward is wrapped, no per-module hook is attached. The baseline is the same model with no

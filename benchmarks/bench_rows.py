@@ -1,4 +1,4 @@
-"""Point 3: fewer bytes. Row selection stores only the token rows a comparison needs.
+"""Fewer bytes. Row selection stores only the token rows a comparison needs.
 
 A decode run (generate: a T-token prefill + decode steps) is compared with a reference prefill
 of prompt + output (T + k rows). Only the k rows from position T on are compared by a

@@ -1,4 +1,4 @@
-"""Point 2: dumping is disk-bound, with bounded memory, and stores no tensor twice.
+"""Dumping is disk-bound, with bounded memory, and stores no tensor twice.
 
 Same run, same disk, same tensors:
 

@@ -7,7 +7,7 @@ prints ``RESULT {json}`` lines; this script collects them into one table. The GP
     python benchmarks/run_all.py [--quick] [--only off,write,rows,analyze] [--json results.json]
 
 --quick shrinks the analyzer benchmark's dump pair (about 1.5 GB instead of 5.7 GB); the
-5 GB target of point 4 then is not what is measured, and the table says so.
+5 GB target of the analysis benchmark then is not what is measured, and the table says so.
 """
 
 from __future__ import annotations
