@@ -232,6 +232,8 @@ def summarize(verdict: dict) -> str:
         else:
             why = (f"output error {top['out_err']:.3g} from input error {input_error(top)}, "
                    f"{top['amplification']:.3g}x amplification, far beyond float noise")
+        if top.get("peers") is not None and "atol" not in rule:
+            why += f"; the same {'code' if top.get('gap_before') else 'op'} in other layers jumps {top['peers']:.3g}x at most"
         if top.get("gap_before"):
             parts.append(f"A real error is introduced in {noise_place(top)} on {top['rows']} rows{sampled} ({kinds}): "
                          f"{why}. Look at the code that runs there ({GAP_CODE}) for a state or cache bug, or a kernel "
@@ -241,6 +243,8 @@ def summarize(verdict: dict) -> str:
                          f"({kinds}): {why}. Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
         parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: {NOISE_ONLY}")
+    if _suspect_sentence(noise):
+        parts.append(_suspect_sentence(noise))
     flipped = noise.get("rule", {}).get("rows_flipped_by_noise")
     if flipped:
         parts.append(f"On {flipped} rows the MoE experts flipped because input noise reached the router: their O(1) "
@@ -249,20 +253,35 @@ def summarize(verdict: dict) -> str:
 
 
 def _margin(noise: dict) -> str:
-    """How far the largest jump stayed from its line: an error within float noise cannot be told
-    from it. The largest is the first of the jumps listed (a gap's too: "before X"), and its line
-    the one it was judged against: a gap's (100x), a call's (30x), or a call's from bit-identical
-    inputs (in epsilons)."""
+    """How far the jump nearest its line stayed under it: an error within float noise cannot be
+    told from it. That jump is the first listed (a gap's too: "before X"), with the line it was
+    judged against: its peers' (the same op in other layers), a gap's, a call's, or a call's from
+    bit-identical inputs (in epsilons)."""
     jumps = noise.get("top_jumps") or []
     if not jumps or jumps[0].get("line") is None:  # a tolerance (--atol/--rtol) drew no line
         return ""
     top = jumps[0]
-    if top.get("gap"):
-        where, which = f"{top['call']} (in code not dumped)", " for code not dumped"
+    where = f"{top['call']} (in code not dumped)" if top.get("gap") else f"at {top['call']}"
+    if top.get("peers") is not None:
+        which = f" drawn from the same op in other layers (largest {top['peers']:.3g}x)"
+    elif top.get("gap"):
+        which = " for code not dumped"
     else:
-        clean = top["line"] != noise["rule"]["amplification"]
-        where, which = f"at {top['call']}", " for bit-identical inputs" * clean
-    return f" (the largest jump, {top['amplification']:.3g}x {where}, is under the {top['line']:.3g}x line{which})"
+        which = " for bit-identical inputs" * (top["line"] != noise["rule"]["amplification"])
+    return f" (the jump nearest its line, {top['amplification']:.3g}x {where}, is under its {top['line']:.3g}x line{which})"
+
+
+def _suspect_sentence(noise: dict) -> str:
+    """The suspects in words, with what would settle them: a jump far above the same op in other
+    layers is no proof of a bug in a run this noisy, and no proof of noise either."""
+    found = noise.get("suspects") or []
+    if not found:
+        return ""
+    shown = "; ".join(f"{s['call']} {s['amplification']:.3g}x against at most {s['peers']:.3g}x in other layers"
+                      + (" (its error under the epsilon floor)" if s["why"] != "under its line" else "")
+                      for s in found)
+    return (f"Suspect{'s' * (len(found) > 1)}, not named: {shown}. To settle it, dump both runs in float32 "
+            "(noise shrinks, a real error does not) or give a repeat of the reference (--noise).")
 
 
 def describe(dump: Dump) -> dict:

@@ -35,6 +35,8 @@ from .columns import Columns, distinct
 from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
 from .dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
 from .index import Index
+from .peers import (MIN_PEER_JUMP, MIN_PEERS, MIN_SUSPECT_JUMP, PEER_FACTOR, SUSPECT_FACTOR, op_classes, peer_line,
+                    peer_maxima)
 
 MIN_AMPLIFICATION = 30.0  # never call a 30x jump or less an introduced error
 MAD_FACTOR = 8.0
@@ -405,6 +407,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     pre, post = calls_b["pre"][at_calls], calls_b["post"][at_calls]
     calls = with_nesting(calls, pre, post, pairs, traits[1])
     modules = calls_b["module"][at_calls]
+    calls = with_peers(calls, table, _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION))
     if atol is not None or rtol is not None:
         rule = {"atol": atol, "rtol": rtol}
         explained = _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION)
@@ -456,6 +459,9 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
             "amplification": float(amplification[member].min()),
             "sample_rows": [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p]} for p in rows[:6].tolist()],
         }
+        judged, best = ("gap_peer_judged", "gap_peer_best") if key[1] else ("peer_judged", "peer_best")
+        if calls[judged][group].any():  # its line was drawn from the same op in other layers
+            culprit["peers"] = float(calls[best][group][calls[judged][group]].max())
         if key[1]:
             culprit.update(gap_after=key[2], gap_before=key[3])
             held = _uncompared_in_gap(calls_b, int(pairs["pass_b"][rows[0]]), culprit, uncompared)
@@ -479,11 +485,47 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     gap_cells = Columns({"amplification": calls["gap_amplification"][kept], "in_err": calls["before"][kept],
                          "out_err": calls["in_err"][kept]})
     gap_names = np.array([f"before {n}" for n in names[kept].tolist()], dtype=object)
-    call_jumps = top_jumps(calls.take(~explained), names[~explained], None if line is None else line[~explained])
-    gap_jumps = top_jumps(gap_cells, gap_names, None if gap_line is None else gap_line[kept])
+    peers = np.where(calls["peer_judged"], calls["peer_best"], np.nan)
+    gap_peers = np.where(calls["gap_peer_judged"], calls["gap_peer_best"], np.nan)
+    call_jumps = top_jumps(calls.take(~explained), names[~explained], None if line is None else line[~explained],
+                           peers[~explained])
+    gap_jumps = top_jumps(gap_cells, gap_names, None if gap_line is None else gap_line[kept], gap_peers[kept])
     jumps = call_jumps + [{**jump, "gap": True} for jump in gap_jumps]
-    verdict["top_jumps"] = sorted(jumps, key=lambda j: -j["amplification"])[:8]
+    verdict["top_jumps"] = sorted(jumps, key=_nearest_first)[:8]
+    if line is not None:
+        verdict["suspects"] = suspects(calls, names, line, gap_line, peers, gap_peers, introduced | explained,
+                                       gaps | explained)
     return verdict
+
+
+def _nearest_first(jump: dict):
+    """The jump nearest its line first (the largest where no line was drawn)."""
+    return -(jump["amplification"] / jump["line"] if jump.get("line") else jump["amplification"])
+
+
+MAX_SUSPECTS = 4
+
+
+def suspects(calls: Columns, names: np.ndarray, line, gap_line, peers, gap_peers, named, gap_named) -> list:
+    """Calls and gaps not named that noise hardly explains: far above every peer but under their
+    line (SUSPECT_FACTOR), or over it with an error under MIN_ULPS epsilons of their precision
+    (a 1% error in bfloat16). Said with what would settle them, never counted as a state bug."""
+    found = {}
+    small = calls["out_err"] <= MIN_ULPS * calls["eps"]
+    gap_small = calls["in_err"] <= MIN_ULPS * calls["eps"]
+    for gap, amp, lines, best, done, tiny_err in (
+            (False, calls["amplification"], line, peers, named, small),
+            (True, calls["gap_amplification"], gap_line, gap_peers, gap_named, gap_small)):
+        over = (amp > lines) & tiny_err
+        far = (amp >= SUSPECT_FACTOR * np.nan_to_num(best, nan=np.inf)) & (amp >= MIN_SUSPECT_JUMP)
+        for i in np.nonzero((over | far) & ~done & np.isfinite(best))[0].tolist():
+            key = (f"before {names[i]}" if gap else names[i], gap)
+            if key not in found or amp[i] > found[key]["amplification"]:
+                found[key] = {"call": key[0], "gap": gap, "amplification": float(amp[i]), "line": float(lines[i]),
+                              "peers": float(best[i]), "out_err": float(calls["in_err"][i] if gap else calls["out_err"][i]),
+                              "why": "error under the epsilon floor" if over[i] else "under its line"}
+    ranked = sorted(found.values(), key=lambda s: -s["amplification"] / max(s["peers"], 1e-30))
+    return ranked[:MAX_SUSPECTS]
 
 
 MAX_REFINEMENTS = 4
@@ -527,6 +569,8 @@ def _judged(calls: Columns, table: RowTable, modules: np.ndarray, flips, rule: d
     if ((calls["eps"] <= EPS_ACCUMULATE) & calls["float_out"]).any():  # said where there are float32 outputs
         rule["clean_input_float32"] = max(line_amp, MIN_CLEAN_FLOAT32)
     rule["gap_amplification"] = max(line_amp, MIN_GAP_AMPLIFICATION)
+    if (calls["peer_judged"] | calls["gap_peer_judged"]).any():  # said where some cell has peers
+        rule["peer_factor"], rule["min_peer_jump"] = PEER_FACTOR, MIN_PEER_JUMP
     line, gap_line = cell_lines(calls, line_amp)
     introduced = (calls["amplification"] > line) & (calls["out_err"] > MIN_ULPS * calls["eps"])
     gaps = (calls["gap_amplification"] > gap_line) & (calls["in_err"] > MIN_ULPS * calls["eps"])
@@ -546,7 +590,26 @@ def cell_lines(calls: Columns, line_amp: float):
     # a 16-bit gap from bit-identical values: the rounding argument of clean_input_line holds
     gap_line = np.where(calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE), clean_line,
                         max(line_amp, MIN_GAP_AMPLIFICATION))
+    # an error carried in, where the same op in other layers carried one too: their jumps draw the line
+    line = np.where(calls["peer_judged"], peer_line(calls["peer_best"]), line)
+    gap_line = np.where(calls["gap_peer_judged"], peer_line(calls["gap_peer_best"]), gap_line)
     return line, gap_line
+
+
+def with_peers(calls: Columns, table: RowTable, explained: np.ndarray) -> Columns:
+    """Adds, per cell, the largest jump of its call's peers (the same op in the other layers,
+    analyzer/peers.py) and whether that judges it: for a call, where it carries an error in; for
+    a gap, where what its code was given differs. A peer's jump counts where it carried an error
+    in and out (a routing flip's O(1) change is no jump)."""
+    classes = op_classes(table.calls)
+    carried = (calls["in_err"] > 0) & ~explained
+    best, count = peer_maxima(calls["amplification"], calls["ccode"], carried & (calls["out_err"] > 0), classes)
+    gap_open = (calls["gap_amplification"] > 0) & ~calls["clean_gap"] & ~explained
+    gap_best, gap_count = peer_maxima(calls["gap_amplification"], calls["ccode"], gap_open & (calls["in_err"] > 0), classes)
+    code = calls["ccode"]
+    return Columns({**{name: calls[name] for name in calls.names},
+                    "peer_best": best[code], "peer_judged": (count[code] >= MIN_PEERS) & (calls["in_err"] > 0),
+                    "gap_peer_best": gap_best[code], "gap_peer_judged": (gap_count[code] >= MIN_PEERS) & gap_open})
 
 
 def _uncompared_in_gap(calls_b: Columns, pass_b: int, culprit: dict, uncompared) -> list:
@@ -699,10 +762,13 @@ def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flip
     return explained
 
 
-def top_jumps(calls: Columns, names: np.ndarray, lines: Optional[np.ndarray] = None, limit: int = 8) -> list:
-    """The largest amplifications seen, introduced or not: context for judging the threshold.
-    ``lines``: per cell, the line it was judged against (said as "line")."""
-    ranked = np.argsort(-calls["amplification"], kind="stable")
+def top_jumps(calls: Columns, names: np.ndarray, lines: Optional[np.ndarray] = None, peers: Optional[np.ndarray] = None,
+              limit: int = 8) -> list:
+    """The jumps nearest their lines, introduced or not: context for judging the threshold.
+    ``lines``: per cell, the line it was judged against (said as "line"); ``peers``: the largest
+    jump of the same op in other layers where that drew the line (NaN elsewhere)."""
+    margin = calls["amplification"] / lines if lines is not None else calls["amplification"]
+    ranked = np.argsort(-margin, kind="stable")
     seen, best = set(), []
     for at in ranked.tolist():
         if names[at] in seen:
@@ -710,7 +776,8 @@ def top_jumps(calls: Columns, names: np.ndarray, lines: Optional[np.ndarray] = N
         seen.add(names[at])
         best.append({"call": names[at], "in_err": float(calls["in_err"][at]), "out_err": float(calls["out_err"][at]),
                      "amplification": float(calls["amplification"][at]),
-                     **({"line": float(lines[at])} if lines is not None else {})})
+                     **({"line": float(lines[at])} if lines is not None else {}),
+                     **({"peers": float(peers[at])} if peers is not None and np.isfinite(peers[at]) else {})})
         if len(best) == limit:
             break
     return best

@@ -215,6 +215,11 @@ def left_out(total: int, shown: int, what: str) -> Optional[str]:
 
 # ---- noise-aware verdict -------------------------------------------------------------------
 
+def jump_text(jump: dict) -> str:
+    """A listed jump's size against the line it was judged by: 3.1x/8x."""
+    return f"{fmt_num(jump['amplification'])}x" + (f"/{fmt_num(jump['line'])}x" if jump.get("line") else "")
+
+
 def noise_rule(noise: dict) -> str:
     """The rule the noise-aware verdict applied, in words."""
     rule = noise["rule"]
@@ -235,7 +240,11 @@ def noise_rule(noise: dict) -> str:
                   f"{clean_unit(rule)} (another order of a reduction that cancels moves it by tens)"
                   if rule.get("clean_input_float32") else "")
                + (f"; in code no hook saw (between dumped calls), a jump above {fmt_num(rule['gap_amplification'])}x"
-                  if rule.get("gap_amplification") else ""))
+                  if rule.get("gap_amplification") else "")
+               + (f"; where the same op in at least two other layers carried an error too, its line is "
+                  f"{fmt_num(rule['peer_factor'])}x their largest jump, and at least {fmt_num(rule['min_peer_jump'])}x "
+                  "(an op amplifies noise alike in every layer; a state bug stands out of its layer)"
+                  if rule.get("peer_factor") else ""))
     if rule.get("floor_from_repeat"):
         how += "; each call's noise floor from a repeat run of the reference"
     return how

@@ -87,8 +87,8 @@ def noise_section(result: dict, rank: str, verdict: dict) -> str:
     else:
         out.append(f"<p>{esc(rc.NO_NOISE_CULPRIT)}</p>")
     if noise.get("top_jumps"):
-        jumps = ", ".join(f"{code(j['call'])} {esc(rc.fmt_num(j['amplification']))}x" for j in noise["top_jumps"][:8])
-        out.append(f"<p>Largest amplifications seen (introduced or not): {jumps}</p>")
+        jumps = ", ".join(f"{code(j['call'])} {esc(rc.jump_text(j))}" for j in noise["top_jumps"][:8])
+        out.append(f"<p>Largest jumps against their lines (jump/line; introduced or not): {jumps}</p>")
     return "".join(out)
 
 

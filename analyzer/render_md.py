@@ -118,8 +118,8 @@ def noise_section(result: dict, rank: str, verdict: dict) -> List[str]:
     else:
         out.append(text(rc.NO_NOISE_CULPRIT))
     if noise.get("top_jumps"):
-        jumps = ", ".join(f"{code(j['call'])} {text(rc.fmt_num(j['amplification']))}x" for j in noise["top_jumps"][:8])
-        out += ["", f"Largest amplifications seen (introduced or not): {jumps}"]
+        jumps = ", ".join(f"{code(j['call'])} {text(rc.jump_text(j))}" for j in noise["top_jumps"][:8])
+        out += ["", f"Largest jumps against their lines (jump/line; introduced or not): {jumps}"]
     return out + [""]
 
 

@@ -8,8 +8,9 @@ from typing import List, Tuple
 
 # What a divergence with no call beyond float noise is (the summary and every report say it alike).
 NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
-              "the line (30x or more its input error; from bit-identical inputs, 8 epsilons of a 16-bit output, 6% of "
-              "the row in bfloat16, or 100 of a float32 one), which cannot be told from noise.")
+              "its line (5x the same op's largest jump in other layers, or 30x its input error where it has no "
+              "such peers; from bit-identical inputs, 8 epsilons of a 16-bit output, 6% of the row in bfloat16, or "
+              "100 of a float32 one), which cannot be told from noise.")
 
 
 # Where a gap (an error made between dumped calls) can be: said by every report alike.
@@ -174,7 +175,9 @@ def noise_lines(noise: dict) -> List[str]:
                if rule.get("clean_input_16bit") else "") + \
               (f"; from bit-identical inputs, a float32 output > {rule['clean_input_float32']:.3g} {clean_unit(rule)}"
                if rule.get("clean_input_float32") else "") + \
-              (f"; between dumped calls > {rule['gap_amplification']:.3g}x" if rule.get("gap_amplification") else "")
+              (f"; between dumped calls > {rule['gap_amplification']:.3g}x" if rule.get("gap_amplification") else "") + \
+              (f"; where the same op in other layers carried an error too, > {rule['peer_factor']:.3g}x their largest "
+               f"jump and {rule['min_peer_jump']:.3g}x" if rule.get("peer_factor") else "")
     sampled = "" if noise["rows_examined"] == noise["rows_total"] else \
         f", {noise['rows_examined']} of {plural(noise['rows_total'], 'row')} sampled"
     lines = [f"noise-aware verdict ({how}{sampled}):"]
@@ -187,8 +190,9 @@ def noise_lines(noise: dict) -> List[str]:
         if c.get("gap_before"):
             lines.append(f"    (code no hook saw: {GAP_CODE})")
     if noise.get("top_jumps"):
-        jumps = ", ".join(f"{j['call']} {fmt_num(j['amplification'])}x" for j in noise["top_jumps"][:4])
-        lines.append(f"  largest amplifications seen: {jumps}")
+        from .render_common import jump_text
+        jumps = ", ".join(f"{j['call']} {jump_text(j)}" for j in noise["top_jumps"][:4])
+        lines.append(f"  largest jumps against their lines (jump/line): {jumps}")
     return lines
 
 

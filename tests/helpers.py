@@ -50,10 +50,11 @@ def left_padded(prompts):
 
 def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prompts=None, **generate_kwargs):
     """Dump 'dec' (one left-padded batch of prompts of these lengths, or these token-id lists;
-    pad id 0, generated together) and 'ref' (each prompt+output alone, unpadded). Returns
-    (prompts, ref, dec)."""
+    pad id 0, generated together) and 'ref' (each prompt+output alone, unpadded), on the model's
+    device. Returns (prompts, ref, dec)."""
     prompts = prompts or [prompt_ids(n, seed=n)[0].tolist() for n in lengths]
-    ids, mask = left_padded(prompts)
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in left_padded(prompts))
     width = ids.shape[1]
     handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec"))
     try:
@@ -62,7 +63,7 @@ def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prom
                                  **generate_kwargs)
             handle.configure(exp_name="ref")
             for prompt, row in zip(prompts, out):
-                model(torch.tensor([prompt + row[width:].tolist()]))
+                model(torch.tensor([prompt + row[width:].tolist()], device=device))
     finally:
         handle.remove()
     return prompts, os.path.join(root, "ref"), os.path.join(root, "dec")

@@ -165,3 +165,33 @@ def test_bf16_natural_gpu_divergence_is_called_noise(arch, planted, tmp_path):
     named = [c["call"] for c in verdict.get("noise", {}).get("culprits", [])]
     prefix = "gpt_neox.layers" if arch == "gpt_neox" else "model.layers"
     assert named == ([f"{prefix}.2.mlp#0"] if planted else []), (named, verdict.get("noise", {}).get("top_jumps"))
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["clean", "kv-page"])
+def test_a_corrupted_kv_page_at_real_size_is_named_in_bf16(planted, tmp_path):
+    """bf16 on the GPU at a realistic size: a left-padded batch of 3 prompts of 180-450 tokens,
+    12 decode steps. A decode-only corrupted KV page at one layer past 0 changes that layer's
+    attention by tens of percent of the row, yet its jump (about 20x) stays under any fixed line
+    that clean runs on random weights need; against the same op in other layers (1-2x) it
+    stands out and is named at its layer. The clean run names nothing."""
+    from plants import plant_kv_page
+    from helpers import dump_padded_batch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                                  num_key_value_heads=4, intermediate_size=2816, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    if planted:
+        plant_kv_page(model, layer=5)
+    prompts = [torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (180, 310, 450)]
+    _, ref, dec = dump_padded_batch(model, tmp_path, prompts=prompts, new_tokens=12)
+    code, result = first_divergence_json(ref, dec)
+    verdict = result["ranks"]["0"]
+    named = verdict["noise"]["culprits"]
+    if planted:
+        assert result["kind"] == "state-bug" and named[0]["module"].startswith("model.layers.5.self_attn"), \
+            (named, verdict["noise"]["top_jumps"])
+    else:
+        assert result["kind"] == "batch-variance" and named == [], (named, verdict["noise"]["top_jumps"])

@@ -38,8 +38,8 @@ def test_stale_kv_behind_layer0_noise(llama_dir, tmp_path):
 def test_a_real_error_in_lm_head_alone_is_named_in_bfloat16(llama_dir, tmp_path):
     """The noise line is drawn from calls that carry an error into an error. A decode-only error
     in lm_head has no such call: only lm_head and the root that returns its logits differ, both
-    with clean inputs. Their own jumps used to set the line (1.7x above themselves), and a 30%
-    error on every decode row's logits was called float noise."""
+    with clean inputs. Had their own jumps set the line (1.7x above themselves), a 30%
+    error on every decode row's logits would pass for float noise."""
     model = load_model(llama_dir, torch.bfloat16)
 
     def scale(module, args, out):  # on one token row: decode steps (and the logits generate asks of a prefill)
@@ -48,11 +48,15 @@ def test_a_real_error_in_lm_head_alone_is_named_in_bfloat16(llama_dir, tmp_path)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6)
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
-    assert code == 1 and result["culprit"]["call"] == "lm_head#0"
+    assert code == 1 and result["kind"] == "state-bug"
     assert [c["call"] for c in verdict["noise"]["culprits"]] == ["lm_head#0"]
     assert verdict["noise"]["culprits"][0]["kinds"]["decode"] == 5
-    # one call is both: the first flipped bit and a real error, not the start of batch-variance
-    assert "state or cache bug" in verdict["summary"] and "batch-invariant" not in verdict["summary"]
+    assert "state or cache bug" in verdict["summary"]
+    # Where bfloat16 prefill and decode are otherwise bit-identical (processors with AVX-512), one
+    # call is both the first flipped bit and the real error: not the start of batch-variance.
+    # Where they are an ulp apart (AVX2 only), the first bit flips earlier, in batch-variance.
+    first_flip_is_the_bug = result["culprit"]["call"] == "lm_head#0"
+    assert ("batch-invariant" in verdict["summary"]) != first_flip_is_the_bug
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -64,9 +68,12 @@ def test_clean_float32_run_has_no_noise_aware_culprit(llama_dir, tmp_path, seed)
     assert code == 1 and verdict["rows_differing"] > 0  # natural divergence exists...
     assert verdict["noise"]["culprits"] == []  # ...and is recognised as noise
     assert "not a state bug" in verdict["summary"]
-    top, line = verdict["noise"]["top_jumps"][0], verdict["noise"]["rule"]["amplification"]
-    assert top["amplification"] < line  # the summary says by how much the largest jump stayed under the line
-    assert f"the largest jump, {top['amplification']:.3g}x at {top['call']}, is under the {line:.3g}x line" in verdict["summary"]
+    jumps = verdict["noise"]["top_jumps"]
+    top = jumps[0]  # the summary says by how much the jump nearest its line stayed under it
+    assert top["amplification"] < top["line"]
+    assert all(j["amplification"] / j["line"] <= top["amplification"] / top["line"] for j in jumps)
+    assert f"the jump nearest its line, {top['amplification']:.3g}x at {top['call']}, is under its {top['line']:.3g}x line" \
+        in verdict["summary"]
 
 
 def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
@@ -131,8 +138,12 @@ def test_a_decode_only_error_from_identical_inputs_is_named_in_bfloat16(tmp_path
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
     assert [c["call"] for c in verdict["noise"]["culprits"]] == [f"model.layers.{layer}.{module}#0"]
-    assert verdict["noise"]["culprits"][0]["kinds"] == {"decode": new_tokens - 1}
-    assert "from bit-identical inputs" in verdict["summary"]
+    named = verdict["noise"]["culprits"][0]
+    assert named["kinds"] == {"decode": new_tokens - 1}
+    # bit-identical inputs where bfloat16 prefill and decode agree up to here (AVX-512); an ulp
+    # apart on processors with AVX2 only, where the same op in the other layers draws the line
+    assert ("from bit-identical inputs" if named["in_err"] == 0 else "the same op in other layers jumps") \
+        in verdict["summary"], verdict["summary"]
 
 
 def test_the_model_is_not_named_for_an_error_its_submodule_made_on_an_earlier_row(llama_dir, tmp_path):
@@ -203,26 +214,25 @@ def test_an_error_made_in_code_no_hook_saw_is_named_between_the_dumped_calls(lla
     assert "<title>dumpdiff: DIVERGENCE (state bug before model.layers.2.input_layernorm#0)</title>" in out
 
 
-def test_the_largest_jump_said_is_the_largest_listed_a_gap_judged_by_its_line(llama_dir, tmp_path):
+def test_a_small_error_in_code_no_hook_saw_is_named_against_the_same_gap_in_other_layers(llama_dir, tmp_path):
     """A decode-only 0.01% error in an MLP the filter leaves out jumps about 57x in code no hook
-    saw: under the 100x line of such code, over the 30x line of a call. The summary said "the
-    largest jump, 2.77x at model.layers.0.self_attn.q_proj#0, is under the 30x line", skipping
-    the gap the list of largest amplifications just above it led with (seen on an H200 run)."""
+    saw: under any fixed line for such code (float32 noise through an unhooked attention core
+    reaches 30-40x on random weights), yet the same gap in the other layers jumps a few x at
+    most. Judged against them, it is named; the report says which line named it."""
     model = load_model(llama_dir, torch.float32)
     _scale_output(model.model.layers[1].mlp, 1.0001, lambda out: out.shape[1] == 1)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=5, filter="embed|self_attn|norm")
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
-    noise = verdict["noise"]
-    top = noise["top_jumps"][0]
-    assert noise["culprits"] == [] and top["gap"] and top["call"] == "before model.layers.2.input_layernorm#0", top
-    assert noise["rule"]["amplification"] < top["amplification"] < noise["rule"]["gap_amplification"] == top["line"]
-    said = (f"the largest jump, {top['amplification']:.3g}x before model.layers.2.input_layernorm#0 (in code not "
-            f"dumped), is under the {noise['rule']['gap_amplification']:.3g}x line for code not dumped")
-    assert said in verdict["summary"], verdict["summary"]
+    gap = verdict["noise"]["culprits"]
+    assert [(c["gap_after"], c["gap_before"]) for c in gap] == [("model.layers.1.post_attention_layernorm#0",
+                                                                 "model.layers.2.input_layernorm#0")]
+    assert result["kind"] == "state-bug" and gap[0]["kinds"] == {"decode": 4}
+    named = next(j for j in verdict["noise"]["top_jumps"] if j["call"] == "before model.layers.2.input_layernorm#0")
+    assert named["amplification"] > named["line"] >= 5 * named["peers"] and named["line"] < 100
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
-    listed = next(line for line in out.splitlines() if "largest amplifications seen:" in line)
-    assert listed.split(": ", 1)[1].startswith(f"{top['call']} {top['amplification']:.3g}x"), listed
+    listed = next(line for line in out.splitlines() if "largest jumps against their lines" in line)
+    assert f"before model.layers.2.input_layernorm#0 {named['amplification']:.3g}x/{named['line']:.3g}x" in listed, listed
 
 
 @pytest.fixture(scope="module")
@@ -371,3 +381,20 @@ def test_a_state_bug_on_one_prompt_row_of_600_is_judged_whatever_the_sample(llam
     assert result["kind"] == "state-bug", verdict["summary"]
     assert [c["call"] for c in verdict["noise"]["culprits"]] == ["model.layers.1.mlp.down_proj#0"]
     assert dumpdiff("first-divergence", ref, dec, "--no-progress", "--fail-on", "state-bug")[0] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_corrupted_kv_page_is_named_at_its_layer(tmp_path, dtype):
+    """A decode-only corrupted KV page (16 cached slots of one layer holding another page's
+    contents) in a left-padded batch, float32 and bfloat16: named at that layer's attention,
+    whether the rest of the run is bit-identical or an ulp apart on this processor."""
+    from helpers import dump_padded_batch
+    from plants import plant_kv_page
+    model_dir = make_tiny_llama(tmp_path / "model", seed=3, num_hidden_layers=5, hidden_size=128, intermediate_size=256)
+    model = load_model(model_dir, dtype)
+    plant_kv_page(model, layer=3)
+    _, ref, dec = dump_padded_batch(model, tmp_path / "d", lengths=(40, 57, 64), new_tokens=6)
+    code, result = first_divergence_json(ref, dec)
+    named = result["ranks"]["0"]["noise"]["culprits"]
+    assert result["kind"] == "state-bug" and named[0]["module"].startswith("model.layers.3.self_attn"), named
+    assert named[0]["kinds"] == {"decode": named[0]["rows"]}
