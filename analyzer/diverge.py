@@ -93,7 +93,8 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
             if flips:
                 verdict["routing_flips"] = flips
             verdict["noise"] = noise_verdict(alignment, ia, ib, table, atol, rtol, floors.get(r), flipped_rows,
-                                             unseen_outputs, verdict["per_row"])
+                                             unseen_outputs, verdict["per_row"],
+                                             dump_b.run.get("dtype") or dump_a.run.get("dtype"))
             verdict["summary"] = summarize(verdict)
         verdict["alignment"] = {"proof": alignment.proof, "rows_b": alignment.rows_b,
                                 "unaligned_b": alignment.unaligned_b, "unkeyed_b": alignment.unkeyed_b,

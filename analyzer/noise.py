@@ -390,8 +390,11 @@ def derive_threshold(calls: Columns, sampled: Optional[np.ndarray] = None) -> di
 
 def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
                   floor_by_call: Optional[Dict[str, float]] = None, flips=(), uncompared=frozenset(),
-                  per_row: Sequence[dict] = ()) -> dict:
-    """``flips``: (router call, MoE block module, paired rows whose experts flipped at a near tie,
+                  per_row: Sequence[dict] = (), model_dtype: Optional[str] = None) -> dict:
+    """``model_dtype``: the dtype of the model's weights, as the dumps record it: no call computes
+    more precisely than its weights, whatever dtype it outputs (a bfloat16 model's final norm
+    over a float32 residual returns float32 made with bfloat16 weights: its clean noise reached
+    90 float32-sized floors on a GPU). ``flips``: (router call, MoE block module, paired rows whose experts flipped at a near tie,
     their logits' relative errors), from analyzer/moe.py. ``uncompared``: the names of calls with
     an output that cannot be compared row by row (a gap that holds one names it). ``per_row``:
     the strict verdict's per-row culprits (the sample holds some rows of each)."""
@@ -400,6 +403,9 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
     pairs = alignment.cols
     traits = call_traits(table, b)
+    weights = BY_NAME.get(model_dtype or "")
+    if weights is not None and weights.floating:
+        traits = (np.maximum(traits[0], eps(weights)), traits[1])
     calls = per_call_errors(errors, table, pairs, traits, floor_by_call or {})
     at_calls, at = calls_of_b(table, b, pairs["pass_b"][calls["pair"]], calls["ccode"])
     calls = calls.take(at)
