@@ -174,7 +174,7 @@ def test_a_corrupted_kv_page_at_real_size_is_named_in_bf16(planted, tmp_path):
     attention by tens of percent of the row, yet its jump (about 20x) stays under any fixed line
     that clean runs on random weights need; against the same op in other layers (1-2x) it
     stands out and is named at its layer. The clean run names nothing."""
-    from plants import plant_kv_page
+    from plants import plant
     from helpers import dump_padded_batch
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(0)
@@ -184,7 +184,7 @@ def test_a_corrupted_kv_page_at_real_size_is_named_in_bf16(planted, tmp_path):
     model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     if planted:
-        plant_kv_page(model, layer=5)
+        plant(model, "kv-garbage", 5)
     prompts = [torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (180, 310, 450)]
     _, ref, dec = dump_padded_batch(model, tmp_path, prompts=prompts, new_tokens=12)
     code, result = first_divergence_json(ref, dec)

@@ -389,10 +389,10 @@ def test_a_corrupted_kv_page_is_named_at_its_layer(tmp_path, dtype):
     contents) in a left-padded batch, float32 and bfloat16: named at that layer's attention,
     whether the rest of the run is bit-identical or an ulp apart on this processor."""
     from helpers import dump_padded_batch
-    from plants import plant_kv_page
+    from plants import plant
     model_dir = make_tiny_llama(tmp_path / "model", seed=3, num_hidden_layers=5, hidden_size=128, intermediate_size=256)
     model = load_model(model_dir, dtype)
-    plant_kv_page(model, layer=3)
+    plant(model, "kv-page", 3)
     _, ref, dec = dump_padded_batch(model, tmp_path / "d", lengths=(40, 57, 64), new_tokens=6)
     code, result = first_divergence_json(ref, dec)
     named = result["ranks"]["0"]["noise"]["culprits"]
