@@ -281,8 +281,10 @@ def _suspect_sentence(noise: dict) -> str:
     shown = "; ".join(f"{s['call']} {s['amplification']:.3g}x against at most {s['peers']:.3g}x in other layers"
                       + (" (its error under the epsilon floor)" if s["why"] != "under its line" else "")
                       for s in found)
-    return (f"Suspect{'s' * (len(found) > 1)}, not named: {shown}. To settle it, dump both runs in float32 "
-            "(noise shrinks, a real error does not) or give a repeat of the reference (--noise).")
+    coarse = any(s["precision_eps"] > np.finfo(np.float32).eps for s in found)  # 16-bit: float32 shrinks noise 65000x
+    how = ("dump both runs in float32 (noise shrinks, a real error does not) or give" if coarse else "give")
+    return (f"Suspect{'s' * (len(found) > 1)}, not named: {shown}. To settle it, {how} a second dump of the "
+            "reference run (--noise): each call's own noise is then measured, not inferred.")
 
 
 def describe(dump: Dump) -> dict:

@@ -533,7 +533,8 @@ def suspects(calls: Columns, names: np.ndarray, line, gap_line, peers, gap_peers
             if key not in found or amp[i] > found[key]["amplification"]:
                 found[key] = {"call": key[0], "gap": gap, "amplification": float(amp[i]), "line": float(lines[i]),
                               "peers": float(best[i]), "out_err": float(calls["in_err"][i] if gap else calls["out_err"][i]),
-                              "why": "error under the epsilon floor" if over[i] else "under its line"}
+                              "precision_eps": float(calls["eps"][i]),
+                              "why": "error under the epsilon floor" if amp[i] > lines[i] else "under its line"}
     ranked = sorted(found.values(), key=lambda s: -s["amplification"] / max(s["peers"], 1e-30))
     return ranked[:MAX_SUSPECTS]
 
