@@ -49,13 +49,18 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
     pairs = alignment.pairs.set_index("pair")
     found = []
     for router in sorted(routers, key=lambda r: order.get(r["call"], 0)):
+        ids_from = "router output"
+        if not router["indices"]:  # the ids the experts were given, where dumped: what the engine picked
+            given = _experts_ids(b, router)
+            if given:
+                router, ids_from = {**router, "indices": given[0], "k": given[1]}, "experts input"
         chosen = router["indices"] or router["logits"]
         mine = table.frame(table.tensor_mask(chosen) & table["comparable"])
         outs = table.frame(table.call_mask(router["call"]) & table["is_out"] & table["differ"])
         differing = mine[mine["pair"].isin(outs["pair"])]
         if differing.empty:
             continue
-        k, k_from = (router["k"], "router output") if router["indices"] else (config_k, "model config")
+        k, k_from = (router["k"], ids_from) if router["indices"] else (config_k, "model config")
         if k is None:
             k, k_from = _experts_k(b, router), "expert calls"
         entry = {"layer": layer_of(router["module"]), "call": router["call"], "module": router["module"],
@@ -189,17 +194,30 @@ def _config_k(run: dict) -> Optional[int]:
     return None
 
 
-def _experts_k(index: Index, router: dict) -> Optional[int]:
-    """top-k from the expert calls next to the router: an integer [tokens, k] input of the experts
-    module, or the rows all per-expert calls of one pass received over the pass's tokens."""
-    parent = router["parent"]
+def _experts_ids(index: Index, router: dict):
+    """(tensor, k) of the expert ids the experts module next to the router takes as an input
+    (an integer [tokens, k], as HF's fused experts do), or None. Recomputing the top k of the
+    router's logits misses a flip where two bfloat16 logits tie: the engine broke the tie one way
+    on one side, and the other way on the other."""
     tensors = index.tensors
-    mine = tensors[tensors["call"].str.startswith(f"{parent}.expert") & (tensors["io"] == "in")]
+    mine = tensors[tensors["call"].str.startswith(f"{router['parent']}.expert") & (tensors["io"] == "in")]
     for t in mine.drop_duplicates("tensor").itertuples(index=False):
         shape = json.loads(t.shape)
         if "int" in t.dtype and t.token_dims != "null" and len(shape) >= 2 and \
                 (router["num_experts"] is None or shape[-1] < router["num_experts"]):
-            return shape[-1]
+            return t.tensor, shape[-1]
+    return None
+
+
+def _experts_k(index: Index, router: dict) -> Optional[int]:
+    """top-k from the expert calls next to the router: an integer [tokens, k] input of the experts
+    module, or the rows all per-expert calls of one pass received over the pass's tokens."""
+    parent = router["parent"]
+    given = _experts_ids(index, router)
+    if given:
+        return given[1]
+    tensors = index.tensors
+    mine = tensors[tensors["call"].str.startswith(f"{parent}.expert") & (tensors["io"] == "in")]
     per_expert = re.compile(re.escape(parent) + r"\.experts?\.\d+#")
     firsts = mine[mine["call"].str.match(per_expert) & (mine["slot"].isin(["0", "hidden_states", "x"]))]
     if firsts.empty:

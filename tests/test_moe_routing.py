@@ -82,20 +82,23 @@ def test_planted_router_perturbation_flips_are_named(perturbed):
         assert f"`g1.0@{pos}` decode" in md and f"<code>g1.0@{pos}</code> decode" in page
 
 
-def test_top_k_from_config_or_expert_calls_when_router_gives_only_logits(perturbed, monkeypatch):
-    """Routers that return logits only (older HF Linear gates): top-k of the logits, k from the
-    model's config.json, else from the experts module's [tokens, k] input."""
+def test_routers_that_give_only_logits_are_read_through_the_ids_the_experts_took(perturbed, monkeypatch):
+    """Routers that return logits only (older HF Linear gates): the expert ids the experts module
+    takes as its [tokens, k] input are what the engine picked (a top k recomputed from bfloat16
+    logits misses a flip at an exact tie). Without such an input, the top k of the logits, k
+    from the model's config.json."""
     ref, dec, planted = perturbed
     found = moe.find_routers
     monkeypatch.setattr(moe, "find_routers", lambda index: [dict(r, indices=None, k=None) for r in found(index)])
     result = first_divergence(ref, dec, progress=False)
     layer1 = next(f for f in result["ranks"]["0"]["routing_flips"] if f["layer"] == 1)
-    assert layer1["k_from"] == "model config" and layer1["rows_flipped"] == len(planted)
+    assert layer1["k_from"] == "experts input" and layer1["k"] == 2 and layer1["rows_flipped"] == len(planted)
     assert sorted(e["pos"] for e in layer1["examples"]) == sorted(planted)
-    monkeypatch.setattr(moe, "_config_k", lambda run: None)
+    monkeypatch.setattr(moe, "_experts_ids", lambda index, router: None)  # experts that take no ids
     result = first_divergence(ref, dec, progress=False)
     layer1 = next(f for f in result["ranks"]["0"]["routing_flips"] if f["layer"] == 1)
-    assert layer1["k_from"] == "expert calls" and layer1["k"] == 2 and layer1["rows_flipped"] == len(planted)
+    assert layer1["k_from"] == "model config" and layer1["rows_flipped"] == len(planted)
+    assert sorted(e["pos"] for e in layer1["examples"]) == sorted(planted)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
