@@ -52,7 +52,7 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
         ids_from = "router output"
         if not router["indices"]:  # the ids the experts were given, where dumped: what the engine picked
             given = _experts_ids(b, router)
-            if given:
+            if given and not a.tensors[a.tensors["tensor"] == given[0]].empty:  # and dumped on both sides
                 router, ids_from = {**router, "indices": given[0], "k": given[1]}, "experts input"
         chosen = router["indices"] or router["logits"]
         mine = table.frame(table.tensor_mask(chosen) & table["comparable"])

@@ -404,7 +404,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     pairs = alignment.cols
     traits = call_traits(table, b)
     weights = BY_NAME.get(model_dtype or "")
-    if weights is not None and weights.floating:
+    if weights is not None and weights.floating and weights.size >= 2:  # a float8 model still computes in 16 bits or more
         traits = (np.maximum(traits[0], eps(weights)), traits[1])
     calls = per_call_errors(errors, table, pairs, traits, floor_by_call or {})
     at_calls, at = calls_of_b(table, b, pairs["pass_b"][calls["pair"]], calls["ccode"])
@@ -413,7 +413,10 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     pre, post = calls_b["pre"][at_calls], calls_b["post"][at_calls]
     calls = with_nesting(calls, pre, post, pairs, traits[1])
     modules = calls_b["module"][at_calls]
-    calls = with_peers(calls, table, _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION))
+    first = calls_b.firsts("call")
+    kind_of = dict(zip(calls_b["call"][first].tolist(), calls_b["cls"][first].tolist()))
+    calls = with_peers(calls, table, _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION),
+                       [str(kind_of.get(c, "")) for c in table.calls.tolist()])
     if atol is not None or rtol is not None:
         rule = {"atol": atol, "rtol": rtol}
         explained = _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION)
@@ -466,7 +469,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
             "sample_rows": [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p]} for p in rows[:6].tolist()],
         }
         judged, best = ("gap_peer_judged", "gap_peer_best") if key[1] else ("peer_judged", "peer_best")
-        if calls[judged][group].any():  # its line was drawn from the same op in other layers
+        if "amplification" in rule and calls[judged][group].any():  # its line was drawn from the same op in other layers
             culprit["peers"] = float(calls[best][group][calls[judged][group]].max())
         if key[1]:
             culprit.update(gap_after=key[2], gap_before=key[3])
@@ -491,16 +494,19 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     gap_cells = Columns({"amplification": calls["gap_amplification"][kept], "in_err": calls["before"][kept],
                          "out_err": calls["in_err"][kept]})
     gap_names = np.array([f"before {n}" for n in names[kept].tolist()], dtype=object)
-    peers = np.where(calls["peer_judged"], calls["peer_best"], np.nan)
-    gap_peers = np.where(calls["gap_peer_judged"], calls["gap_peer_best"], np.nan)
+    lined = "amplification" in rule  # under --atol/--rtol no line was drawn, from peers or otherwise
+    peers = np.where(calls["peer_judged"] & lined, calls["peer_best"], np.nan)
+    gap_peers = np.where(calls["gap_peer_judged"] & lined, calls["gap_peer_best"], np.nan)
     call_jumps = top_jumps(calls.take(~explained), names[~explained], None if line is None else line[~explained],
                            peers[~explained])
     gap_jumps = top_jumps(gap_cells, gap_names, None if gap_line is None else gap_line[kept], gap_peers[kept])
     jumps = call_jumps + [{**jump, "gap": True} for jump in gap_jumps]
     verdict["top_jumps"] = sorted(jumps, key=_nearest_first)[:8]
     if line is not None:
-        verdict["suspects"] = suspects(calls, names, line, gap_line, peers, gap_peers, introduced | explained,
-                                       gaps | explained)
+        # a row with a named error holds its victims (the culprit's parent carries its error, diluted)
+        named_rows = np.isin(calls["pair"], calls["pair"][introduced | gaps])
+        verdict["suspects"] = suspects(calls, names, line, gap_line, peers, gap_peers,
+                                       introduced | explained | named_rows, gaps | explained | named_rows)
     return verdict
 
 
@@ -514,9 +520,10 @@ SUSPECT_ULPS = 8.0
 
 
 def suspects(calls: Columns, names: np.ndarray, line, gap_line, peers, gap_peers, named, gap_named) -> list:
-    """Calls and gaps not named that noise hardly explains: far above every peer but under their
-    line (SUSPECT_FACTOR), or over it with an error under MIN_ULPS epsilons of their precision
-    (a 1% error in bfloat16). Said with what would settle them, never counted as a state bug."""
+    """Calls and gaps not named, on rows where nothing was named, that noise hardly explains: far
+    above every peer but under their line (SUSPECT_FACTOR), or over it with an error under the
+    least an error must be (least_error; within SUSPECT_ULPS of it: a 1% error in bfloat16).
+    Said with what would settle them, never counted as a state bug."""
     found = {}
     # under the least error, but within SUSPECT_ULPS of it: a 1% error of a bfloat16 row (1.3
     # epsilons) is, a float32 kernel's own few epsilons are not
@@ -616,16 +623,19 @@ def cell_lines(calls: Columns, line_amp: float):
     return line, gap_line
 
 
-def with_peers(calls: Columns, table: RowTable, explained: np.ndarray) -> Columns:
+def with_peers(calls: Columns, table: RowTable, explained: np.ndarray, kinds: Sequence[str] = ()) -> Columns:
     """Adds, per cell, the largest jump of its call's peers (the same op in the other layers,
     analyzer/peers.py) and whether that judges it: for a call, where it carries an error in; for
     a gap, where what its code was given differs. A peer's jump counts where it carried an error
-    in and out (a routing flip's O(1) change is no jump)."""
-    classes = op_classes(table.calls)
+    in and out (a routing flip's O(1) change is no jump). ``kinds``: each call's module class."""
+    classes = op_classes(table.calls, kinds)
     carried = (calls["in_err"] > 0) & ~explained
-    best, count = peer_maxima(calls["amplification"], calls["ccode"], carried & (calls["out_err"] > 0), classes)
+    # a jump of inf or NaN (downstream of a NaN) says nothing of a peer's noise
+    best, count = peer_maxima(calls["amplification"], calls["ccode"],
+                              carried & (calls["out_err"] > 0) & np.isfinite(calls["amplification"]), classes)
     gap_open = (calls["gap_amplification"] > 0) & ~calls["clean_gap"] & ~explained
-    gap_best, gap_count = peer_maxima(calls["gap_amplification"], calls["ccode"], gap_open & (calls["in_err"] > 0), classes)
+    gap_best, gap_count = peer_maxima(calls["gap_amplification"], calls["ccode"],
+                                      gap_open & (calls["in_err"] > 0) & np.isfinite(calls["gap_amplification"]), classes)
     code = calls["ccode"]
     return Columns({**{name: calls[name] for name in calls.names},
                     "peer_best": best[code], "peer_judged": (count[code] >= MIN_PEERS) & (calls["in_err"] > 0),

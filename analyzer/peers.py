@@ -18,7 +18,7 @@ miss), and at least MIN_PEER_JUMP. Calls with no such peers keep the run-wide li
 from __future__ import annotations
 
 import re
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -30,10 +30,14 @@ MIN_SUSPECT_JUMP = 4.0
 _NUMBER = re.compile(r"(?<=\.)\d+(?=[.#]|$)|^\d+(?=[.#]|$)")
 
 
-def op_classes(calls: np.ndarray) -> np.ndarray:
-    """Per call name, a class code shared with its peers (the name with numeric path parts
-    taken out); a call with no numeric part is alone in its class."""
-    keys = [_NUMBER.sub("*", name) if _NUMBER.search(name) else f"\0{name}" for name in calls.tolist()]
+def op_classes(calls: np.ndarray, kinds: Sequence[str] = ()) -> np.ndarray:
+    """Per call name, a class code shared with its peers: the name with numeric path parts taken
+    out, and the module class (``kinds``, per call) where known, so that an nn.Sequential's
+    Linear and activation, or a dense first layer's MLP and the MoE blocks after it, are not
+    peers. A call with no numeric part is alone in its class."""
+    kinds = list(kinds) or [""] * len(calls)
+    keys = [(_NUMBER.sub("*", name) if _NUMBER.search(name) else f"\0{name}") + f"\0{kind}"
+            for name, kind in zip(calls.tolist(), kinds)]
     return np.unique(np.asarray(keys, dtype=object).astype(str), return_inverse=True)[1].reshape(-1) \
         if len(keys) else np.zeros(0, np.int64)
 

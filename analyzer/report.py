@@ -8,9 +8,9 @@ from typing import List, Tuple
 
 # What a divergence with no call beyond float noise is (the summary and every report say it alike).
 NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
-              "its line (5x the same op's largest jump in other layers, or 30x its input error where it has no "
-              "such peers; from bit-identical inputs, 8 epsilons of a 16-bit output, 6% of the row in bfloat16, or "
-              "100 of a float32 one), which cannot be told from noise.")
+              "its line (5x the same op's largest jump in other layers and at least 8x, or 30x its input error where "
+              "it has no such peers) or under what a kernel makes from identical inputs (8 epsilons of a 16-bit "
+              "output, 6% of the row in bfloat16; 100 of a float32 one), which cannot be told from noise.")
 
 
 # Where a gap (an error made between dumped calls) can be: said by every report alike.

@@ -414,5 +414,8 @@ def test_an_error_under_the_float32_floor_is_a_suspect_not_a_state_bug(llama_dir
     suspect = verdict["noise"]["suspects"][0]
     assert suspect["call"] == "model.layers.2.mlp#0" and suspect["amplification"] > 2.5 * suspect["peers"]
     assert "not named: model.layers.2.mlp#0 " in verdict["summary"] and "(--noise)" in verdict["summary"]
+    top = verdict["noise"]["top_jumps"][0]  # over its line, and the summary says so
+    assert top["call"] == "model.layers.2.mlp#0" and top["amplification"] > top["line"]
+    assert f"{top['amplification']:.3g}x at model.layers.2.mlp#0, is over its {top['line']:.3g}x line" in verdict["summary"]
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--fail-on", "state-bug")
     assert code == 0, out + err
