@@ -432,16 +432,33 @@ def plant_stale_kv(model, layer: int, position: int = 3):
     attn.register_forward_pre_hook(corrupt, with_kwargs=True)
 
 
-def test_bfloat16_prefill_and_decode_are_bit_identical_here(llama_dir, tmp_path):
-    """The baseline the planted-bug tests stand on; two identical runs exit 0."""
+@pytest.fixture(scope="module")
+def bf16_clean(llama_dir, tmp_path_factory):
+    """(exit code, report) of a clean bfloat16 run of the tiny Llama: 0 where prefill and decode
+    are bit-identical on this processor (AVX-512), 1 where its kernels put them an ulp apart
+    (AVX2 only). The tests whose planted op must be the first bit flip check it here."""
     model = load_model(llama_dir, torch.bfloat16)
-    ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6)
+    ref, dec, _ = dump_pair(model, tmp_path_factory.mktemp("bf16-clean"), prompt_ids(20), new_tokens=6)
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
-    assert code == 0, out + err
-    assert "NO DIVERGENCE" in out and "alignment proof: OK" in out
+    return code, out + err
 
 
-def test_planted_batch_variant_op_is_the_culprit(llama_dir, tmp_path):
+def needs_bit_identical_bf16(bf16_clean):
+    if bf16_clean[0] != 0:
+        pytest.skip("bfloat16 prefill and decode differ on this processor before any planted op (AVX2 kernels): "
+                    "the planted op cannot be the first bit flip")
+
+
+def test_a_clean_bfloat16_run_is_identical_or_batch_variance(bf16_clean):
+    """The baseline the planted-bug tests stand on: no divergence where this processor's kernels
+    keep bfloat16 prefill and decode bit-identical, float noise called batch-variance where not."""
+    code, report = bf16_clean
+    assert "alignment proof: OK" in report
+    assert ("NO DIVERGENCE" in report) if code == 0 else (code == 1 and "DIVERGENCE (batch-variance)" in report), report
+
+
+def test_planted_batch_variant_op_is_the_culprit(llama_dir, tmp_path, bf16_clean):
+    needs_bit_identical_bf16(bf16_clean)
     model = load_model(llama_dir, torch.bfloat16)
     plant_batch_variant(model, layer=2)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6)
@@ -502,10 +519,12 @@ def plant_absorbed_input_change(module: torch.nn.Linear):
         "the first difference is model.layers.1.mlp#0's input (5 rows)",  # not gate_proj's, which ends first
         "made in code outside every hooked module (DUMPER_FILTER='embed_tokens|mlp')"]),
 ])
-def test_a_difference_no_call_makes_is_explained(llama_dir, tmp_path, case, planted, note_has):
+def test_a_difference_no_call_makes_is_explained(llama_dir, tmp_path, bf16_clean, case, planted, note_has):
     """No call has clean inputs and a differing output: the note says which call's input holds the
     first difference, whose code made it, and whether any compared output changed; it sends the
     user to DUMPER_FILTER only when a filter left modules unhooked."""
+    if planted in ("o_proj", "lm_head"):  # a change rounded away: only seen where nothing else differs
+        needs_bit_identical_bf16(bf16_clean)
     model = load_model(llama_dir, torch.bfloat16)
     config = {}
     if planted == "o_proj":
