@@ -233,7 +233,7 @@ def summarize(verdict: dict) -> str:
         else:
             why = (f"output error {top['out_err']:.3g} from input error {input_error(top)}, "
                    f"{top['amplification']:.3g}x amplification, far beyond float noise")
-        if top.get("peers") is not None and "atol" not in rule:
+        if top.get("peers") is not None:  # a line drawn from peers (none under --atol/--rtol)
             why += f"; the same {'code' if top.get('gap_before') else 'op'} in other layers jumps {top['peers']:.3g}x at most"
         if top.get("gap_before"):
             parts.append(f"A real error is introduced in {noise_place(top)} on {top['rows']} rows{sampled} ({kinds}): "
@@ -244,8 +244,9 @@ def summarize(verdict: dict) -> str:
                          f"({kinds}): {why}. Look there for a state or cache bug, or a kernel wrong at this batch shape.")
     elif strict:
         parts.append(f"No call introduces an error beyond float noise{_margin(noise)}: {NOISE_ONLY}")
-    if _suspect_sentence(noise):
-        parts.append(_suspect_sentence(noise))
+    suspected = _suspect_sentence(noise)
+    if suspected:
+        parts.append(suspected)
     flipped = noise.get("rule", {}).get("rows_flipped_by_noise")
     if flipped:
         parts.append(f"On {flipped} rows the MoE experts flipped because input noise reached the router: their O(1) "
@@ -285,7 +286,8 @@ def _suspect_sentence(noise: dict) -> str:
     shown = "; ".join(f"{s['call']} {s['amplification']:.3g}x against at most {s['peers']:.3g}x in other layers"
                       + (" (its error under the epsilon floor)" if s["why"] != "under its line" else "")
                       for s in found)
-    coarse = any(s["precision_eps"] > np.finfo(np.float32).eps for s in found)  # 16-bit: float32 shrinks noise 65000x
+    from .noise import EPS_ACCUMULATE  # only once a noise-aware verdict was made
+    coarse = any(s["precision_eps"] > EPS_ACCUMULATE for s in found)  # 16-bit: float32 shrinks noise 65000x
     how = ("dump both runs in float32 (noise shrinks, a real error does not) or give" if coarse else "give")
     return (f"Suspect{'s' * (len(found) > 1)}, not named: {shown}. To settle it, {how} a second dump of the "
             "reference run (--noise): each call's own noise is then measured, not inferred.")

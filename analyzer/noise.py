@@ -590,8 +590,9 @@ def _judged(calls: Columns, table: RowTable, modules: np.ndarray, flips, rule: d
     if (calls["peer_judged"] | calls["gap_peer_judged"]).any():  # said where some cell has peers
         rule["peer_factor"], rule["min_peer_jump"] = PEER_FACTOR, MIN_PEER_JUMP
     line, gap_line = cell_lines(calls, line_amp)
-    introduced = (calls["amplification"] > line) & (calls["out_err"] > least_error(calls))
-    gaps = (calls["gap_amplification"] > gap_line) & (calls["in_err"] > least_error(calls))
+    least = least_error(calls)
+    introduced = (calls["amplification"] > line) & (calls["out_err"] > least)
+    gaps = (calls["gap_amplification"] > gap_line) & (calls["in_err"] > least)
     explained = _flipped_by_noise(calls, table, modules, flips, line_amp)
     return introduced & ~explained, gaps & ~explained, explained
 

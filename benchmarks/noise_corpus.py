@@ -47,7 +47,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from plants import PLANTS, expected_module, plant  # noqa: E402
-from helpers import dumper, left_padded, load_model, prompt_ids  # noqa: E402
+from helpers import dump_padded_batch, load_model, prompt_ids  # noqa: E402
 
 CLEAN_ARCHS = ("llama", "qwen3", "gemma2", "qwen3_moe", "mamba", "jamba")  # jamba: attention + mamba + MoE
 PLANT_ARCHS = ("llama", "qwen3", "gemma2", "qwen3_moe")  # those with layers[L].self_attn and a KV cache
@@ -210,23 +210,6 @@ def trained_llama(models: str, device: str) -> str:
 
 # ---------------------------------------------------------------- one run
 
-def dump_run(model, root: str, prompts: list, new_tokens: int, device: str, last_rows: int):
-    """'dec': one generate over the left-padded batch; 'ref': each prompt+output prefilled alone."""
-    ids, mask = left_padded(prompts)
-    width = ids.shape[1]
-    config = dumper.DumperConfig(dir=root, enable=True, exp_name="dec", cleanup_previous=True, last_rows=last_rows)
-    handle = dumper.install(model, config)
-    try:
-        with torch.no_grad():
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            handle.configure(exp_name="ref")
-            for prompt, row in zip(prompts, out.tolist()):
-                model(torch.tensor([prompt + row[width:]], device=device))
-    finally:
-        handle.remove()
-
-
 def analyze(root: str) -> dict:
     """The analyzer's verdict on root/{ref,dec}, reduced to what the tables need."""
     proc = subprocess.run([sys.executable, "-m", "analyzer.cli", "first-divergence", os.path.join(root, "ref"),
@@ -271,8 +254,9 @@ def run_one(spec: Spec, args) -> dict:
         model, prompts = build(spec, args)
         rec.update(layers=model.config.num_hidden_layers, prompt_lens=[len(p) for p in prompts])
         hooks = plant(model, spec.plant, spec.layer) if spec.plant else []
-        dump_run(model, root, prompts, NEW_TOKENS["cuda" if args.device.startswith("cuda") else "cpu"], args.device,
-                 args.last_rows)
+        new_tokens = NEW_TOKENS["cuda" if args.device.startswith("cuda") else "cpu"]
+        dump_padded_batch(model, root, prompts=prompts, new_tokens=new_tokens,
+                          config={"cleanup_previous": True, "last_rows": args.last_rows})
         for hook in hooks:
             hook.remove()
         del model

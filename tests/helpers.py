@@ -48,15 +48,16 @@ def left_padded(prompts):
     return ids, mask
 
 
-def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prompts=None, **generate_kwargs):
+def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prompts=None, config: Optional[dict] = None,
+                      **generate_kwargs):
     """Dump 'dec' (one left-padded batch of prompts of these lengths, or these token-id lists;
     pad id 0, generated together) and 'ref' (each prompt+output alone, unpadded), on the model's
-    device. Returns (prompts, ref, dec)."""
+    device; ``config``: more DumperConfig settings. Returns (prompts, ref, dec)."""
     prompts = prompts or [prompt_ids(n, seed=n)[0].tolist() for n in lengths]
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_padded(prompts))
     width = ids.shape[1]
-    handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec"))
+    handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec", **(config or {})))
     try:
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
