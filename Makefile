@@ -16,9 +16,7 @@ $(BASE): pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -qq torch==2.13.0
 	# transformers pinned to the release sglang 0.5.23 needs, so demo and tests share one version
 	# (the HF adapter reads both the old past_key_values and the newer cache argument).
-	# compat: the checkout itself goes on sys.path, so a dump folder named `dumper` next to a
-	# user's script (DUMPER_DIR=/tmp/dumper, a script in /tmp) cannot shadow the package.
-	$(BIN)/pip install -qq -e '.[hf,test]' 'transformers==5.19.0' --config-settings editable_mode=compat
+	$(BIN)/pip install -qq -e '.[hf,test]' 'transformers==5.19.0'
 	touch $@
 
 $(SGLANG): $(BASE) scripts/install-sglang-cpu.sh tests/sglang_rig/planted/pyproject.toml

@@ -2,7 +2,7 @@
 
 A mixin, for a server you start yourself (like sglang's KLDivergenceMixin):
 
-    from analyzer.pytest_plugin import KLConsistency
+    from dumpdiff.analyzer.pytest_plugin import KLConsistency
 
     class TestMyServer(KLConsistency):
         kl_url = "http://127.0.0.1:30000"        # or --kl-url / DUMPDIFF_KL_URL, or override the
@@ -16,10 +16,10 @@ whole table (and the `dumpdiff localize` command) in the assertion message.
 
 Functions, for anything else (an in-process HF model, a custom server fixture):
 
-    from analyzer.pytest_plugin import assert_kl_pass, kl_check_server, kl_check_model
+    from dumpdiff.analyzer.pytest_plugin import assert_kl_pass, kl_check_server, kl_check_model
     assert_kl_pass(kl_check_model(model, prompts, max_new_tokens=32))
 
-Or load it as a plugin (``pytest_plugins = ["analyzer.pytest_plugin"]`` in conftest.py) for
+Or load it as a plugin (``pytest_plugins = ["dumpdiff.analyzer.pytest_plugin"]`` in conftest.py) for
 the ``dumpdiff_kl`` fixture (a function url -> result that fails the test unless it passes)
 and the ``--kl-url`` / ``--kl-thresholds`` command-line options.
 """
@@ -31,9 +31,10 @@ from typing import Optional
 
 import pytest
 
-from . import kl, kl_render
-from .kl_helpers import check_server as kl_check_server  # noqa: F401 - re-exported
-from .kl_inprocess import check_model as kl_check_model  # noqa: F401 - re-exported
+from .kl import score as kl
+from .kl import render as kl_render
+from .kl.helpers import check_server as kl_check_server  # noqa: F401 - re-exported
+from .kl.inprocess import check_model as kl_check_model  # noqa: F401 - re-exported
 
 
 class KLCheckFailed(AssertionError):

@@ -1,6 +1,6 @@
 """Run a command-line module in this process and record what it cost.
 
-    python benchmarks/_measure.py OUT.json analyzer.cli index DUMP --rebuild
+    python benchmarks/_measure.py OUT.json dumpdiff.analyzer.cli index DUMP --rebuild
 
 Writes {"seconds", "exit", "max_rss_mb", "worker_max_rss_mb", "workers_rss_mb", "read_bytes",
 "rchar"} to OUT.json: wall time, peak resident memory of this process, of its largest child

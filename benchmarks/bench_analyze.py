@@ -56,7 +56,7 @@ def cli_measured(args, label: str, env=None) -> dict:
     """Run the dumpdiff CLI in a child process under benchmarks/_measure.py."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "_measure.py"), out, "analyzer.cli",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "_measure.py"), out, "dumpdiff.analyzer.cli",
                            *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **(env or {})})
     with open(out) as handle:
@@ -170,8 +170,8 @@ def run(args, ref, dec):
         # The same build in this process (imports already paid): the index work alone, as a library
         # call makes it (with worker processes where the host has cores for them, as the CLI:
         # analyzer/workers.py starts them without importing this script).
-        from analyzer.index import load_indexes
-        from analyzer.load import open_dump
+        from dumpdiff.analyzer.index.store import load_indexes
+        from dumpdiff.analyzer.dump.load import open_dump
         t_inproc = median_seconds(prepare, lambda: load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False))
         strict = median_run(prepare, ["first-divergence", ref, dec, "--strict-only", "--format", "json", "--no-progress"],
                             f"{proto}: first-divergence --strict-only")

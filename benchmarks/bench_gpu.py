@@ -32,7 +32,7 @@ import torch
 
 from common import (GPU_LLAMA, GPU_LLAMA_8B, RESULTS, ROOT, captured_bytes, files_under, fmt_bytes, llama,  # first: puts
                     median, n_params, result)  # the repository on sys.path
-import dumper
+from dumpdiff import dumper
 
 
 def section(name):
@@ -240,7 +240,7 @@ def main(argv=None):
         ref, dec = pair["full"]
         ns = argparse.Namespace(warm_only=False)
         bench_analyze.run(ns, ref, dec)
-        proc = subprocess.run([sys.executable, "-m", "analyzer.cli", "first-divergence", ref, dec, "--no-progress"],
+        proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", "first-divergence", ref, dec, "--no-progress"],
                               capture_output=True, text=True, cwd=ROOT)
         print(proc.stdout[-6000:], proc.stderr[-2000:], flush=True)
         with open(os.path.join(args.out, "first-divergence-gpu.txt"), "w") as handle:

@@ -27,7 +27,7 @@ from common import GPU_LLAMA, llama, median, n_params, result, sync
 
 import time
 
-import dumper
+from dumpdiff import dumper
 
 
 ORDERS = list(itertools.permutations(("base", "off", "wrap")))

@@ -26,7 +26,7 @@ from common import ROOT, dir_bytes, dump_pair, fmt_bytes, llama, result  # first
 
 
 def first_divergence(ref, dec):
-    proc = subprocess.run([sys.executable, "-m", "analyzer.cli", "first-divergence", ref, dec, "--format", "json",
+    proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", "first-divergence", ref, dec, "--format", "json",
                            "--no-progress", "--strict-only"], capture_output=True, text=True, cwd=ROOT)
     try:
         verdict = json.loads(proc.stdout)

@@ -33,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from common import captured_bytes, dir_bytes, files_under, fmt_bytes, fsync_path, llama, median, result  # first: puts the repository on sys.path
-import dumper
-from dumper import format as fmt
+from dumpdiff import dumper
+from dumpdiff.dumper import format as fmt
 
 
 def load_pass(path):

@@ -163,7 +163,7 @@ def captured_bytes(pass_meta: dict) -> Dict[str, int]:
 
 def dump_pair(model, root, prompt, new_tokens, device="cpu", **config):
     """Dump 'dec' (generate: prefill + decode) and 'ref' (one prefill of prompt+output) under root."""
-    import dumper
+    from dumpdiff import dumper
 
     handle = dumper.install(model, dumper.DumperConfig(dir=root, cleanup_previous=True, **config))
     with torch.no_grad():

@@ -8,7 +8,7 @@
 
 Each run builds a random-weight HF model (or the trained byte-level Llama), generates (the decode
 dump) and prefills each prompt+output once (the reference dump), then runs
-``python -m analyzer.cli first-divergence ref dec --format json``. The clean corpus varies
+``python -m dumpdiff.analyzer.cli first-divergence ref dec --format json``. The clean corpus varies
 architecture, size, batch (1, or 3 left-padded), prompt length and dtype; a clean run the verdict
 calls "state-bug" is a false alarm. The planted corpus puts one decode-only bug
 (tests/plants.py) at layer L and checks the verdict names layers.L.self_attn / .mlp.
@@ -212,7 +212,7 @@ def trained_llama(models: str, device: str) -> str:
 
 def analyze(root: str) -> dict:
     """The analyzer's verdict on root/{ref,dec}, reduced to what the tables need."""
-    proc = subprocess.run([sys.executable, "-m", "analyzer.cli", "first-divergence", os.path.join(root, "ref"),
+    proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", "first-divergence", os.path.join(root, "ref"),
                            os.path.join(root, "dec"), "--format", "json", "--no-progress"],
                           capture_output=True, text=True, cwd=ROOT, timeout=1800)
     if proc.returncode not in (0, 1):

@@ -23,12 +23,12 @@ def main():
         top, argv = int(argv[0]), argv[1:]
     if argv and argv[0] == "--":
         argv = argv[1:]
-    sys.argv = ["analyzer.cli"] + argv
+    sys.argv = ["dumpdiff.analyzer.cli"] + argv
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
     try:
-        runpy.run_module("analyzer.cli", run_name="__main__", alter_sys=True)
+        runpy.run_module("dumpdiff.analyzer.cli", run_name="__main__", alter_sys=True)
     except SystemExit:
         pass
     profile.disable()

@@ -1,6 +1,6 @@
 """dumpdiff's dumper: hooks that write every selected module's inputs and outputs, per pass.
 
-    import dumper
+    from dumpdiff import dumper
     handle = dumper.install(model)          # DUMPER_* variables decide; or pass a DumperConfig
     handle.configure(enable=True, exp_name="decode")
     model.generate(...)                     # every forward pass becomes one safetensors file

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import dumper  # noqa: E402
+from dumpdiff import dumper  # noqa: E402
 from tiny_models import make_tiny_llama  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 
     command = ["dumpdiff", "first-divergence", os.path.join(dump_root, "prefill"), os.path.join(dump_root, "decode")]
     print("$ " + " ".join(command), file=sys.stderr)
-    cli = [sys.executable, "-m", "analyzer.cli"] + command[1:]
+    cli = [sys.executable, "-m", "dumpdiff.analyzer.cli"] + command[1:]
     code = subprocess.call(cli)
     # diff(1) convention: 1 means "divergence found", which is what the demo shows.
     return 0 if code in (0, 1) else code

@@ -13,7 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import dumper  # noqa: E402
+from dumpdiff import dumper  # noqa: E402
 from tiny_models import make_tiny_llama, make_tiny_qwen3_moe  # noqa: E402,F401
 
 
@@ -72,7 +72,7 @@ def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prom
 
 def dumpdiff(*args, env: Optional[dict] = None, timeout: int = 300):
     """Run the real CLI; returns (exit code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "analyzer.cli", *map(str, args)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from analyzer.compare import error_stats
-from analyzer.dtypes import of_torch, to_float64
-from analyzer.fingerprint import fingerprints, row_stats
-from analyzer.torchbits import from_torch, to_torch
+from dumpdiff.analyzer.verdict.compare import error_stats
+from dumpdiff.analyzer.dump.dtypes import of_torch, to_float64
+from dumpdiff.analyzer.index.fingerprint import fingerprints, row_stats
+from dumpdiff.analyzer.dump.torchbits import from_torch, to_torch
 from helpers import ROOT, dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -67,7 +67,7 @@ def test_rows_taken_a_block_at_a_time_give_each_row_its_own_figures(dtype, monke
     """Large tensors are hashed and measured in blocks of rows: every block, the last partial one
     included, must give the figures the row alone gives (an inf in a late block is still counted
     in its own row)."""
-    import analyzer.fingerprint as fingerprint
+    from dumpdiff.analyzer.index import fingerprint
     rows = (torch.randn(37, 40, generator=torch.Generator().manual_seed(2)) * 9).to(dtype)
     if dtype.is_floating_point:
         rows[30, 7], rows[36, 0] = float("inf"), float("nan")
@@ -113,7 +113,7 @@ def test_verdicts_import_neither_torch_nor_pandas(tmp_path):
     probe = ("import json, runpy, sys\n"
              "sys.argv = ['dumpdiff', 'first-divergence', sys.argv[1], sys.argv[2], '--strict-only', '--format', "
              "'json', '--no-progress']\n"
-             "try:\n    runpy.run_module('analyzer.cli', run_name='__main__')\n"
+             "try:\n    runpy.run_module('dumpdiff.analyzer.cli', run_name='__main__')\n"
              "except SystemExit as exc:\n    code = exc.code\n"
              "print(json.dumps({'exit': code, 'torch': 'torch' in sys.modules, 'pandas': 'pandas' in sys.modules, "
              "'numpy.ma': 'numpy.ma' in sys.modules}), "
@@ -144,8 +144,8 @@ def test_index_tables_are_built_without_pandas_and_read_back_by_it(tmp_path):
     import pandas as pd
     import pyarrow.parquet as pq
 
-    from analyzer import arrowbuild
-    from analyzer.errors import DumpError
+    from dumpdiff.analyzer.index import arrow as arrowbuild
+    from dumpdiff.analyzer.errors import DumpError
     passes = [{"n": np.array([1, -2], np.int64), "x": np.array([0.5, np.nan]), "ok": np.array([True, False]),
                "text": ["naïve", None], "name": arrowbuild.dictionary(["b.out.0", "a.in.0"], np.array([1, 1]))},
               {"n": np.array([3], np.int64), "x": np.array([-0.0]), "ok": np.array([True]), "text": ["✓"],
@@ -171,7 +171,7 @@ def test_noise_row_errors_match_torch(dtype):
     tolerance test."""
     import math
 
-    from analyzer.noise import _compare_rows
+    from dumpdiff.analyzer.verdict.noise import _compare_rows
     ref = awkward_values(dtype).reshape(-1)
     ref = ref[: (len(ref) // 4) * 4].reshape(4, -1)
     test = ref.clone()
@@ -191,7 +191,7 @@ def test_noise_row_errors_match_torch(dtype):
 def test_noise_rows_stored_in_different_element_types_are_compared_by_value():
     """A tensor kept in bfloat16 by one run and float32 by the other: its rows are compared as
     numbers, not as bit patterns of different widths."""
-    from analyzer.noise import _compare_rows
+    from dumpdiff.analyzer.verdict.noise import _compare_rows
     ref = (torch.randn(3, 16) * 3).to(torch.bfloat16)
     test = ref.float()
     test[1, 4] += 0.25
@@ -204,9 +204,9 @@ def test_noise_rows_stored_in_different_element_types_are_compared_by_value():
 def test_row_reader_reads_a_small_pass_read_broadly_once(tmp_path, monkeypatch):
     """The noise-aware walk asks for one row of every tensor of each decode pass: past a few
     tensors the (small) pass file is read whole, once, and every row read equals a row read alone."""
-    from analyzer import rowread
-    from analyzer.index import load_index
-    from analyzer.load import open_dump
+    from dumpdiff.analyzer.index import rows as rowread
+    from dumpdiff.analyzer.index.store import load_index
+    from dumpdiff.analyzer.dump.load import open_dump
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     _, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=3)
 
@@ -233,9 +233,10 @@ def test_rows_sliced_from_decode_files_equal_rows_read_alone(tmp_path, monkeypat
     offsets the index holds (batchread._from_spans): every row of every tensor, batches in
     file order or not, entries in any order, equals the row the row reader finds through the
     file's header, in the same element type."""
-    from analyzer import batchread, rowread
-    from analyzer.index import load_index
-    from analyzer.load import open_dump
+    from dumpdiff.analyzer.index import batches as batchread
+    from dumpdiff.analyzer.index import rows as rowread
+    from dumpdiff.analyzer.index.store import load_index
+    from dumpdiff.analyzer.dump.load import open_dump
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     _, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(12), new_tokens=10)
     monkeypatch.setattr(batchread, "GROUP_BYTES", group_bytes)
@@ -276,7 +277,7 @@ def test_many_decode_steps_read_with_few_file_descriptors(tmp_path):
 
     def few_files():
         resource.setrlimit(resource.RLIMIT_NOFILE, (24, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    proc = subprocess.run([sys.executable, "-m", "analyzer.cli", "first-divergence", ref, dec, "--no-progress",
+    proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", "first-divergence", ref, dec, "--no-progress",
                            "--format", "json"], capture_output=True, text=True, cwd=ROOT, preexec_fn=few_files, timeout=300)
     assert proc.returncode == 1 and json.loads(proc.stdout)["ranks"]["0"]["noise"]["rows_examined"] >= 48, proc.stderr
 
@@ -284,7 +285,7 @@ def test_many_decode_steps_read_with_few_file_descriptors(tmp_path):
 def test_input_error_is_the_running_max_over_the_sequence():
     """A call's input error on a row counts every earlier row of its sequence (a scan or an
     attention carries them forward), per call and per sequence, whatever order rows come in."""
-    from analyzer.noise import _running_max
+    from dumpdiff.analyzer.verdict.noise import _running_max
     values = np.array([0.0, 3.0, 1.0, np.inf, 2.0, 0.5, 0.0])
     ccode = np.array([0, 0, 0, 0, 1, 1, 1])
     seq = np.array(["s", "s", "t", "s", "s", "s", "s"], dtype=object)
@@ -323,8 +324,8 @@ import logging, sys
 with open(sys.argv[2], "a") as ran:  # no __main__ guard: a worker that imports this script runs this again
     ran.write("ran\\n")
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from analyzer.index import load_indexes
-from analyzer.load import open_dump
+from dumpdiff.analyzer.index.store import load_indexes
+from dumpdiff.analyzer.dump.load import open_dump
 load_indexes([open_dump(sys.argv[1])], rebuild=True, progress=False)
 print("built")
 """
@@ -367,8 +368,8 @@ def test_a_library_caller_gets_worker_processes_that_never_run_its_script(tmp_pa
 def test_noise_row_errors_of_finite_rows_match_float64(dtype, monkeypatch):
     """Finite rows of float types of 4 bytes or fewer are compared in float32 (half the bytes):
     the same errors as the float64 formula."""
-    from analyzer import noise
-    from analyzer.noise import _compare_rows
+    from dumpdiff.analyzer.verdict import noise
+    from dumpdiff.analyzer.verdict.noise import _compare_rows
     taken = []
     fast = noise._finite_rows_in_float32
     monkeypatch.setattr(noise, "_finite_rows_in_float32", lambda *a: taken.append(fast(*a)) or taken[-1])
@@ -390,7 +391,7 @@ def test_float32_row_errors_leave_any_non_finite_row_to_the_exact_path(bad, side
     """The float32 shortcut answers only when every difference is finite, and then gives each
     row's largest |a - b| and largest |a| (rows of negative numbers included); a NaN or an inf
     on either side, anywhere, sends the whole comparison to the exact float64 path."""
-    from analyzer.noise import _finite_rows_in_float32
+    from dumpdiff.analyzer.verdict.noise import _finite_rows_in_float32
     f32 = of_torch(torch.float32)
     ref = torch.randn(5, 33, generator=torch.Generator().manual_seed(2))
     ref[1] = -ref[1].abs() - 1  # a row of negative numbers only
@@ -411,8 +412,8 @@ def test_noise_walk_over_more_small_files_than_the_cache_holds_reads_them_once(t
     """The noise-aware walk goes tensor by tensor over every sampled decode pass: once the small
     files it reads whole outgrow the row cache, it reads rows instead of re-reading each file
     for every tensor (hundreds of times the dump)."""
-    from analyzer import rowread
-    from analyzer.diverge import first_divergence
+    from dumpdiff.analyzer.index import rows as rowread
+    from dumpdiff.analyzer.verdict.diverge import first_divergence
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     model.generation_config.eos_token_id = None
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(8), new_tokens=40)
@@ -432,7 +433,7 @@ def test_key_join_matches_every_equal_key_in_order(case):
     """keyjoin.join (the verdict's joins) equals a brute-force join: every (side, probe) pair of
     equal keys, by probe position then side position, whether it takes its lookup-table path
     (unique keys, small range) or its sorted path."""
-    from analyzer.keyjoin import join
+    from dumpdiff.analyzer.index.keyjoin import join
     rng = np.random.default_rng(len(case))
     side = {"unique-small-range": rng.permutation(5000)[:3000] + 7, "duplicates": rng.integers(0, 300, 4000),
             "wide-range": rng.permutation(3000) * (1 << 40), "negative": rng.permutation(4000)[:2500] - 2000,
@@ -451,7 +452,7 @@ def test_key_join_matches_every_equal_key_in_order(case):
 
 def test_distinct_gives_what_np_unique_gives():
     """The verdict path's stand-in for np.unique: same values, same order, same dtype."""
-    from analyzer.columns import distinct
+    from dumpdiff.analyzer.index.columns import distinct
     rng = np.random.default_rng(0)
     cases = [np.zeros(0, np.int64), np.array([7]), rng.integers(-3, 40, 5000), rng.integers(0, 4, (6, 7)).astype(np.int16),
              np.array(["mlp#0.out.0", "attn#0.in.0", "mlp#0.out.0", ""], dtype=object), np.array(["b", "a", "b"])]
@@ -464,7 +465,7 @@ class _TokensOnly:
     """An index holding only a tokens table (and no prefix ids): what row_keys reads."""
 
     def __init__(self, rows):
-        from analyzer.columns import Columns
+        from dumpdiff.analyzer.index.columns import Columns
         names = ("pass", "row", "seq", "pos", "id", "mode", "valid", "step")
         self._tokens = Columns({n: np.array([r[k] for r in rows], dtype=object if n in ("seq", "mode") else np.int64)
                                 for k, n in enumerate(names)})
@@ -479,7 +480,7 @@ def test_row_keys_follow_branches_and_refuse_a_position_computed_twice_in_one_pa
     position again with another token branches off (a rejected speculative draft); one pass that
     computes a position twice (a tree of drafts) leaves its rows from there unkeyed, with a note,
     instead of keying a row under a sibling's context."""
-    from analyzer.align import row_keys
+    from dumpdiff.analyzer.verdict.align import row_keys
     prompt = [(0, r, "q", r, 10 + r, "prefill", 1, 1) for r in range(5)]
     chain = row_keys(_TokensOnly(prompt + [(1, 0, "q", 5, 20, "extend", 1, 2), (1, 1, "q", 6, 31, "extend", 1, 2),
                                            (1, 2, "q", 7, 32, "extend", 1, 2)]))[0]["key"].tolist()

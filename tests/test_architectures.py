@@ -19,8 +19,8 @@ import torch
 
 from helpers import dump_padded_batch, dump_pair, first_divergence_json, prompt_ids
 from test_core_loop import plant_stale_kv
-from analyzer.index import load_index
-from analyzer.load import open_dump
+from dumpdiff.analyzer.index.store import load_index
+from dumpdiff.analyzer.dump.load import open_dump
 
 COMMON = dict(vocab_size=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64, num_hidden_layers=3)
 ARCHS = {
@@ -138,7 +138,7 @@ def test_left_padded_batch_of_a_state_space_model_pairs_every_row(tmp_path):
 def test_a_reset_cache_reused_by_a_second_generate_starts_a_new_sequence(tmp_path):
     """A cache that reported a length and reports 0 again was reset: the next prefill is a
     prefill of a new sequence, not an extend of the old one (whose token count it would inherit)."""
-    import dumper
+    from dumpdiff import dumper
     from transformers import StaticCache
 
     from helpers import load_model, make_tiny_llama

@@ -206,7 +206,7 @@ def test_folder_names_with_non_utf8_bytes_work(dumps, tmp_path):
     copy_dump(dec, os.fsdecode(odd))
     for command in (["index", odd], ["first-divergence", os.fsencode(ref), odd]):
         # bytes in, bytes out: the index command echoes the folder name as the file system has it
-        proc = subprocess.run([sys.executable, "-m", "analyzer.cli", *command, "--no-progress"], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", *command, "--no-progress"], capture_output=True,
                               cwd=ROOT, timeout=300)
         assert proc.returncode in (0, 1) and b"Traceback" not in proc.stderr, proc.stderr
     assert b"B (under test): dec-\\udcff\\udcfe" in proc.stdout  # the report escapes them
@@ -281,8 +281,8 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
     zeroed) the index is rebuilt, and the tables opened beside it are closed then, not when the
     garbage collector gets to them (the rebuild renames new files over them)."""
     import gc
-    from analyzer.index import load_index
-    from analyzer.load import open_dump
+    from dumpdiff.analyzer.index.store import load_index
+    from dumpdiff.analyzer.dump.load import open_dump
     dec = copy_dump(dumps[1], tmp_path / "dec")
     load_index(open_dump(dec), progress=False)
     path = os.path.join(dec, "index", f"{table}.parquet")
@@ -421,7 +421,7 @@ def test_an_index_of_an_older_version_is_rebuilt_with_the_same_verdict(dumps, tm
     column) is not read as if it were current: the next command rebuilds it, saves the current
     version, and gives the verdict a fresh index gives."""
     import pyarrow.parquet as pq
-    from analyzer.index import INDEX_VERSION
+    from dumpdiff.analyzer.index.store import INDEX_VERSION
     ref, dec = dumps
     dec = copy_dump(dec, tmp_path / "dec")
     code, fresh = first_divergence_of(ref, dec)

@@ -172,7 +172,7 @@ def test_reports_count_in_the_right_number_and_markdown_escapes_no_parentheses(d
     code, md, _ = dumpdiff("report", *dumps, "--no-progress")
     assert code == 1 and "1 passes" not in md
     assert "\\(" not in md and "\\)" not in md and "(" in md
-    from analyzer.report import plural
+    from dumpdiff.analyzer.report.text import plural
     assert [plural(1, "pass"), plural(2, "pass"), plural(1, "row", "differ"), plural(3, "row", "differ")] == \
         ["1 pass", "2 passes", "1 row differs", "3 rows differ"]
     assert [plural(1, "paired row", "have"), plural(0, "entry"), plural(2, "more call")] == \
@@ -211,7 +211,7 @@ def test_verbose_ends_with_its_command_in_a_library_callers_process(model_dir, t
     calls logged progress details nobody asked for."""
     import logging
 
-    from analyzer.cli import main
+    from dumpdiff.analyzer.cli.main import main
     model = load_model(model_dir, torch.float32)
     ref, _, _ = dump_pair(model, tmp_path, prompt_ids(8), new_tokens=2)
     logger = logging.getLogger("dumpdiff")

@@ -7,8 +7,8 @@ import socket
 
 import torch
 
-import dumper
-from dumper import format as fmt
+from dumpdiff import dumper
+from dumpdiff.dumper import format as fmt
 from helpers import dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dumper
+from dumpdiff import dumper
 
 from helpers import (ROOT, dump_padded_batch, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama,
                      make_tiny_qwen3_moe, prompt_ids)
@@ -547,7 +547,7 @@ def test_a_difference_no_call_makes_is_explained(llama_dir, tmp_path, bf16_clean
 
 
 def test_identical_runs_exit_zero(llama_dir, tmp_path):
-    import dumper
+    from dumpdiff import dumper
     model = load_model(llama_dir, torch.float32)
     tokens = prompt_ids(16)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="one"))
@@ -642,7 +642,7 @@ def test_a_copied_prompt_cache_goes_on_from_its_history(llama_dir, tmp_path):
 
 
 def test_different_prompts_are_refused(llama_dir, tmp_path):
-    import dumper
+    from dumpdiff import dumper
     model = load_model(llama_dir, torch.float32)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="a"))
     with torch.no_grad():
@@ -658,7 +658,7 @@ def test_different_prompts_are_refused(llama_dir, tmp_path):
 def test_a_reference_without_the_decode_steps_is_refused(llama_dir, tmp_path):
     """A reference prefill of the prompt alone pairs the decode run's prefill rows but none of
     its decode rows: "no divergence" there would be a partial answer passed off as whole."""
-    import dumper
+    from dumpdiff import dumper
     model = load_model(llama_dir, torch.float32)
     prompt = prompt_ids(12)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
@@ -692,7 +692,8 @@ def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_pa
     gives the same verdict, to the last number. A batch of three lengths (left padding) dumped in
     float32 diverges naturally in many rows, so the spans of entries and of pairs split sequences
     and rows at odd places."""
-    from analyzer import compare, diverge
+    from dumpdiff.analyzer.verdict import compare
+    from dumpdiff.analyzer.verdict import diverge
     model = load_model(llama_dir, torch.float32)
     plant_stale_kv(model, layer=1)
     _, ref, dec = dump_padded_batch(model, tmp_path)
@@ -751,7 +752,7 @@ def test_index_progress_shows_on_a_terminal_only(llama_dir, tmp_path):
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=4)
 
     def stderr_of(*extra, terminal: bool) -> str:
-        args = [sys.executable, "-m", "analyzer.cli", "index", ref, dec, "--rebuild", *extra]
+        args = [sys.executable, "-m", "dumpdiff.analyzer.cli", "index", ref, dec, "--rebuild", *extra]
         if not terminal:
             return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300).stderr
         leader, follower = pty.openpty()
@@ -778,7 +779,7 @@ def test_index_progress_shows_on_a_terminal_only(llama_dir, tmp_path):
 def test_cli_help_names_every_environment_variable_the_analyzer_reads():
     """A user tuning a build (processes, threads) or filing a bug (debug) finds the knob in --help."""
     names = set()
-    for path in glob.glob(os.path.join(ROOT, "analyzer", "*.py")):
+    for path in glob.glob(os.path.join(ROOT, "analyzer", "**", "*.py"), recursive=True):
         with open(path) as handle:
             names |= set(re.findall(r"DUMPDIFF_[A-Z_]+", handle.read()))
     code, out, _ = dumpdiff("--help")
@@ -792,9 +793,9 @@ def test_malloc_is_tuned_in_the_dumpdiff_program_only(tmp_path):
     left alone."""
     import subprocess
     import sys
-    probe = ("import sys; sys.path.insert(0, {root!r}); from analyzer import memtune; "
+    probe = ("from dumpdiff.analyzer.index import memtune; "
              "print(memtune.keep_freed_memory(), end=' '); memtune.allow(); print(memtune.keep_freed_memory())")
-    run = lambda env: subprocess.run([sys.executable, "-c", probe.format(root=ROOT)], capture_output=True, text=True,  # noqa: E731
+    run = lambda env: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,  # noqa: E731
                                      env=env, check=True).stdout.split()
     clean = {k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
     library, program = run(clean)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import dumper
-from dumper import format as fmt
-from dumper.config import VARIABLES, ConfigError, DumperConfig
+from dumpdiff import dumper
+from dumpdiff.dumper import format as fmt
+from dumpdiff.dumper.config import VARIABLES, ConfigError, DumperConfig
 from helpers import ROOT, dumpdiff
-from analyzer.load import open_dump
+from dumpdiff.analyzer.dump.load import open_dump
 
 
 def test_env_example_documents_every_variable_with_its_default():
@@ -186,7 +186,7 @@ def test_positions_keep_only_selected_rows(tmp_path):
 
 
 def test_fingerprint_is_order_sensitive():
-    from analyzer.fingerprint import fingerprints
+    from dumpdiff.analyzer.index.fingerprint import fingerprints
     rows = torch.randn(3, 16)
     swapped = rows.clone()
     swapped[0, [3, 7]] = swapped[0, [7, 3]]
@@ -249,7 +249,7 @@ handle.remove()
 def test_misspelt_dumper_variables_warn_once_naming_the_closest():
     code, err = run_python("""
 import sys
-from dumper.config import DumperConfig, any_dumper_variable
+from dumpdiff.dumper.config import DumperConfig, any_dumper_variable
 assert not any_dumper_variable()  # sglang's plugin asks this first: DUMPER_ENABLED=1 alone must still warn
 print("-- from_env", file=sys.stderr)
 cfg = DumperConfig.from_env()

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzer.diverge import first_divergence
-from analyzer.errors import DumpError
+from dumpdiff.analyzer.verdict.diverge import first_divergence
+from dumpdiff.analyzer.errors import DumpError
 from dump_surgery import match_manifest_size
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 

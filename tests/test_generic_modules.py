@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-import dumper
-from dumper import format as fmt
-from dumper.config import DumperConfig
+from dumpdiff import dumper
+from dumpdiff.dumper import format as fmt
+from dumpdiff.dumper.config import DumperConfig
 from helpers import dumpdiff, first_divergence_json
 from test_dumper_units import Toy, read_pass
 
@@ -298,7 +298,7 @@ def test_slot_names_never_collide(tmp_path):
 
 
 def test_every_element_type_the_dumper_stores_is_one_the_analyzer_reads():
-    from analyzer.dtypes import BY_NAME
+    from dumpdiff.analyzer.dump.dtypes import BY_NAME
     assert fmt.STORED_DTYPES == set(BY_NAME)
 
 

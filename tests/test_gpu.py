@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import dumper
-from dumper import format as fmt
-from dumper.config import DumperConfig
+from dumpdiff import dumper
+from dumpdiff.dumper import format as fmt
+from dumpdiff.dumper.config import DumperConfig
 from helpers import dump_pair, first_divergence_json
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

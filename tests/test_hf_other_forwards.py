@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-import dumper
+from dumpdiff import dumper
 from helpers import first_divergence_json
 
 PLANTED = 1.01  # a decode-only (one-row pass) error on one MLP: far beyond float32 noise

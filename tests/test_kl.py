@@ -16,13 +16,15 @@ import torch
 import pytest
 
 from helpers import dumpdiff, load_model, make_tiny_llama
-from analyzer import kl, kl_prompts, kl_thresholds
-from analyzer.errors import DumpError
-from analyzer.kl_helpers import Context, _check_ids, prefill_groups, prefill_logprobs, run_match
-from analyzer.kl_inprocess import check_model
-from analyzer.localize import reading
-from analyzer.kl_render import render
-from analyzer.pytest_plugin import KLCheckFailed, assert_kl_pass
+from dumpdiff.analyzer.kl import score as kl
+from dumpdiff.analyzer.kl import prompts as kl_prompts
+from dumpdiff.analyzer.kl import thresholds as kl_thresholds
+from dumpdiff.analyzer.errors import DumpError
+from dumpdiff.analyzer.kl.helpers import Context, _check_ids, prefill_groups, prefill_logprobs, run_match
+from dumpdiff.analyzer.kl.inprocess import check_model
+from dumpdiff.analyzer.kl.localize import reading
+from dumpdiff.analyzer.kl.render import render
+from dumpdiff.analyzer.pytest_plugin import KLCheckFailed, assert_kl_pass
 
 
 # -- scoring ---------------------------------------------------------------------------------------
@@ -165,7 +167,7 @@ def test_every_helper_decodes_in_match_groups():
     """Split for chunked prefill, match decoded in groups of 2, 1, 1 while the cache-hit helpers
     decoded all 4 together: a kernel taken at batch size 1 ran in match alone, and a batch-variant
     bug read as 'no-cache path dirty, recalibrate' or pass."""
-    from analyzer.kl_helpers import run_decode_cache_hit, run_prefill_cache_hit
+    from dumpdiff.analyzer.kl.helpers import run_decode_cache_hit, run_prefill_cache_hit
 
     class CacheHitStandIn(StandInServer):
         kv_tokens, has_tokenizer = None, False
@@ -391,9 +393,9 @@ def test_cli_help_reads_like_a_man_page():
 
 def test_pytest_plugin_loads_in_a_user_suite(tmp_path):
     """A user's suite: the plugin via pytest_plugins, its fixture and options, the mixin."""
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["analyzer.pytest_plugin"]\n')
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["dumpdiff.analyzer.pytest_plugin"]\n')
     (tmp_path / "test_user.py").write_text(
-        "from analyzer.pytest_plugin import KLConsistency\n"
+        "from dumpdiff.analyzer.pytest_plugin import KLConsistency\n"
         "class TestServer(KLConsistency):\n"
         "    pass\n"
         "def test_fixture(dumpdiff_kl):\n"
@@ -501,7 +503,7 @@ def test_cli_the_vocab_size_from_the_models_config_refuses_ids_before_any_genera
 
 
 def test_json_outputs_say_their_format_and_version():
-    from analyzer.kl_render import to_json
+    from dumpdiff.analyzer.kl.render import to_json
     result = {"kind": "dumpdiff-kl", "verdict": {"kind": "pass"}}
     marked = json.loads(to_json(result))
     assert list(marked)[:2] == ["format", "version"] and marked["format"] == "dumpdiff-kl" and marked["version"] == 1
@@ -511,7 +513,7 @@ def test_json_outputs_say_their_format_and_version():
 
 
 def test_text_reports_count_in_the_right_number():
-    from analyzer.localize import to_text
+    from dumpdiff.analyzer.kl.localize import to_text
     result = {"localized": True, "divergence": True, "helper": "match", "prompt_index": None, "prompt_len": 1,
               "replay": {"output_len": 1, "cached_tokens": 0, "hit": True, "mean_kl": 0.0, "max_kl": 0.0,
                          "bit_identical": 1, "tokens": 1},

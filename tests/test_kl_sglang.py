@@ -35,7 +35,7 @@ import pytest
 
 from helpers import dumpdiff, make_tiny_llama
 from sglang_server import sglang_fixture
-from analyzer.pytest_plugin import KLConsistency
+from dumpdiff.analyzer.pytest_plugin import KLConsistency
 
 pytestmark = pytest.mark.sglang
 sglang = sglang_fixture(scope="module")

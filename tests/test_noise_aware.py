@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-import dumper
+from dumpdiff import dumper
 from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
 from test_core_loop import plant_stale_kv
 

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from analyzer import metaparse, passheader
-from analyzer.dtypes import BY_CODE
-from analyzer.errors import DumpError
-from analyzer.load import PassFile, open_dump
-from analyzer.metacheck import meta_problem
+from dumpdiff.analyzer.dump import meta as metaparse
+from dumpdiff.analyzer.dump import header as passheader
+from dumpdiff.analyzer.dump.dtypes import BY_CODE
+from dumpdiff.analyzer.errors import DumpError
+from dumpdiff.analyzer.dump.load import PassFile, open_dump
+from dumpdiff.analyzer.dump.metacheck import meta_problem
 from dump_surgery import match_manifest_size, pass_path, split_header, with_header
-from dumper.format import PASS_META_KEY
+from dumpdiff.dumper.format import PASS_META_KEY
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from analyzer.peers import MIN_PEER_JUMP, PEER_FACTOR, op_classes, peer_line, peer_maxima
+from dumpdiff.analyzer.verdict.peers import MIN_PEER_JUMP, PEER_FACTOR, op_classes, peer_line, peer_maxima
 
 
 def test_peers_differ_only_in_numeric_path_parts_and_module_class():

@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import dumper
-from analyzer.load import PassFile, open_dump
+from dumpdiff import dumper
+from dumpdiff.analyzer.dump.load import PassFile, open_dump
 from dump_surgery import one_line_error, read_manifest
-from dumper import format as fmt
-from dumper.config import ConfigError
+from dumpdiff.dumper import format as fmt
+from dumpdiff.dumper.config import ConfigError
 from helpers import ROOT, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +40,7 @@ CHILD = textwrap.dedent("""
     import json, os, resource, sys, torch
     sys.path.insert(0, {tests!r})
     from helpers import load_model, prompt_ids
-    import dumper
+    from dumpdiff import dumper
     model_dir, prompt_len, new = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     model = load_model(model_dir)
     handle = dumper.install(model)

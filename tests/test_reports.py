@@ -19,8 +19,8 @@ import pytest
 import torch
 from helpers import dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
-from analyzer.render_html import to_html
-from analyzer.render_md import to_markdown
+from dumpdiff.analyzer.report.html import to_html
+from dumpdiff.analyzer.report.markdown import to_markdown
 
 
 def decode_bug(module, args, output):
@@ -63,7 +63,7 @@ def test_markdown_names_culprit_and_reproduce_command(reports, dumps):
 
 
 def test_json_holds_what_markdown_claims(reports):
-    from analyzer.report import fmt_num
+    from dumpdiff.analyzer.report.text import fmt_num
 
     result, md = json.loads(reports["json"]), reports["md"]
     verdict = result["ranks"]["0"]
@@ -89,10 +89,10 @@ def test_json_holds_what_markdown_claims(reports):
 def test_markdown_and_html_show_the_noise_aware_verdict(reports):
     """The planted decode-only bug is named by the noise-aware verdict; both ticket formats show
     it with its input / output error and amplification, the rule applied and the summary."""
-    from analyzer import render_common as rc
-    from analyzer.render_md import text
-    from analyzer.render_svg import esc
-    from analyzer.report import fmt_num
+    from dumpdiff.analyzer.report import common as rc
+    from dumpdiff.analyzer.report.markdown import text
+    from dumpdiff.analyzer.report.svg import esc
+    from dumpdiff.analyzer.report.text import fmt_num
 
     result, md, page = json.loads(reports["json"]), reports["md"], reports["html"]
     verdict = result["ranks"]["0"]
@@ -215,7 +215,7 @@ def test_reports_without_culprit_and_with_several_ranks():
 
 def test_html_stays_small_on_a_huge_dump():
     """Thousands of calls and culprit groups: tables are capped, the timeline merged into buckets."""
-    from analyzer import render_svg
+    from dumpdiff.analyzer.report import svg as render_svg
 
     result = crafted_result("model.layers.0.mlp")
     verdict = result["ranks"]["0"]
@@ -342,7 +342,7 @@ def test_report_command_writes_markdown_by_default(reports, dumps, tmp_path):
 def test_the_summary_says_when_its_row_count_is_of_a_sample(examined, total):
     """The noise-aware verdict reads at most 512 rows; the summary's count of rows with a real
     error is of those, and says so when they are a sample."""
-    from analyzer.diverge import summarize
+    from dumpdiff.analyzer.verdict.diverge import summarize
     culprit = {"call": "model.layers.0.self_attn.attn#0", "cls": "RadixAttention", "rows": 38,
                "kinds": {"decode": 34, "extend": 4}, "out_err": 0.2, "in_err": 0.0, "amplification": 1e4}
     text = summarize({"culprit": None, "noise": {"culprits": [culprit], "rows_examined": examined, "rows_total": total}})

@@ -15,7 +15,7 @@ import torch
 from helpers import ROOT, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
 from test_core_loop import plant_batch_variant
 
-from analyzer import repro
+from dumpdiff.analyzer.report import repro
 
 # Runs a script with a meta-path finder that refuses dumpdiff's packages (and transformers, for the
 # standalone kinds), from a folder outside the repository, in isolated mode (no PYTHONPATH, no cwd).
@@ -34,7 +34,7 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def run_script(script, blocked=("analyzer", "dumper", "transformers", "helpers", "tiny_models"), *args):
+def run_script(script, blocked=("dumpdiff", "transformers", "helpers", "tiny_models"), *args):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     proc = subprocess.run([sys.executable, "-I", "-c", BLOCKED_RUNNER, str(script), ",".join(blocked), *args],
                           capture_output=True, text=True, cwd=os.path.dirname(str(script)), env=env, timeout=300)
@@ -134,7 +134,7 @@ def test_a_call_that_carries_noise_is_replayed_on_its_cached_rows(llama_dir, tmp
     assert code == 0, err
     assert "B dec pass 1 (decode, M=1)" in out, out
     # a victim: its inputs already differ, so its different outputs test nothing (was "verdict: MATCH")
-    code, out, err = run_script(tmp_path / "r" / "repro.py", ("analyzer", "dumper"))
+    code, out, err = run_script(tmp_path / "r" / "repro.py", ("dumpdiff",))
     assert code == 2 and "inputs of these rows in A and B: DIFFER" in out and "verdict: NOT TESTED" in out, out + err
 
 
@@ -148,7 +148,7 @@ def test_unknown_class_is_rebuilt_through_the_model(llama_dir, tmp_path):
     code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r", "--model", llama_dir, "--no-progress")
     assert code == 0, err
     assert "model.layers.2.mlp#0 [LlamaMLP], replayed as module" in out and "transformers" in out
-    code, out, err = run_script(tmp_path / "r" / "repro.py", ("analyzer", "dumper"))
+    code, out, err = run_script(tmp_path / "r" / "repro.py", ("dumpdiff",))
     assert code == 0, out + err
     assert "replay of A reproduces the dumped output: yes" in out
     assert "replay of B reproduces the dumped output: NO" in out
@@ -273,7 +273,7 @@ def test_replay_can_place_weights_where_a_memory_mapped_checkpoint_left_them(dty
     """A checkpoint's loader leaves weights at any offset in a 64-byte line and some CPUs' kernels
     round by alignment: the script retries the weights at each offset its element size allows,
     each one a bit-exact copy at exactly that offset."""
-    from analyzer.repro_script import runtime
+    from dumpdiff.analyzer.report.repro_script import runtime
     env = runtime()
     weight = torch.randn(33, 7).to(dtype)
     offsets = env["weight_offsets"]({"weight": weight, "bias": torch.randn(33)})

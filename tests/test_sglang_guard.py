@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dumper.engines.sglang import cuda_graph_problem
+from dumpdiff.dumper.engines.sglang import cuda_graph_problem
 from helpers import make_tiny_llama
 from sglang_server import RIG, sglang_installed
 

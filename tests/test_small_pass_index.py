@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from analyzer import indexbuild, smallpass
-from analyzer.dtypes import BY_NAME
-from analyzer.load import PassFile, open_dump
-from analyzer.rowplan import RowPlan
+from dumpdiff.analyzer.index import build as indexbuild
+from dumpdiff.analyzer.index import smallpass
+from dumpdiff.analyzer.dump.dtypes import BY_NAME
+from dumpdiff.analyzer.dump.load import PassFile, open_dump
+from dumpdiff.analyzer.index.rowplan import RowPlan
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 
 
@@ -50,7 +51,7 @@ def llama(tmp_path_factory):
 def padded_batch_dump(model, root, **config):
     """Three left-padded prompts, generated together: padding rows, and attention masks whose
     shape grows every step (every decode step's structure differs from the one before)."""
-    import dumper
+    from dumpdiff import dumper
     prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -83,7 +84,7 @@ def test_the_index_says_where_each_row_lies_in_its_file(llama, tmp_path, config)
     finds them through the file's header, for every row of a padded batch's prefill and decode
     steps (growing masks, padding rows, selected and last rows); -1 only where token dims do
     not lead."""
-    from analyzer.index import load_indexes
+    from dumpdiff.analyzer.index.store import load_indexes
     dec = padded_batch_dump(llama, tmp_path, **config)
     index = load_indexes([open_dump(str(dec))], progress=False)[0].rank(0)
     rows, tensors = index.frame("rows"), index.frame("tensors")
@@ -246,7 +247,7 @@ def test_large_passes_hashed_in_pieces_by_worker_processes_give_the_same_tables(
     """On a host with cores to spare, a large pass (a prefill) is hashed in pieces of its tensors
     by worker processes, as per-row hashing holds the GIL: the tables are those one process
     builds, pass by pass and tensor by tensor."""
-    from analyzer import index
+    from dumpdiff.analyzer.index import store as index
     dec = padded_batch_dump(llama, tmp_path)
     alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)  # every pass is large here
@@ -264,8 +265,8 @@ def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypa
     """A worker process killed mid-build (the kernel's out-of-memory killer) is a DumpError that
     says so and how to rerun (the command line prints it as one line, exit 2), not an internal
     error."""
-    from analyzer import index
-    from analyzer.errors import DumpError
+    from dumpdiff.analyzer.index import store as index
+    from dumpdiff.analyzer.errors import DumpError
     dec = padded_batch_dump(llama, tmp_path)
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)
     monkeypatch.setattr(indexbuild, "PIECE_BYTES", 4096)
@@ -291,7 +292,8 @@ def test_worker_processes_that_cannot_start_leave_the_build_to_threads(llama, tm
     warning that says why."""
     import logging
 
-    from analyzer import index, workers
+    from dumpdiff.analyzer.index import store as index
+    from dumpdiff.analyzer.index import workers
     dec = padded_batch_dump(llama, tmp_path)
     alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)

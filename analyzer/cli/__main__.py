@@ -1,0 +1,4 @@
+"""`python -m dumpdiff.analyzer.cli ...` runs the `dumpdiff` command."""
+from .main import entry
+
+entry()
