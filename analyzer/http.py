@@ -12,6 +12,9 @@ import urllib.request
 
 from .errors import DumpError
 
+# sglang's default address: where `dumpdiff kl`, `localize` and `ctl` look unless told.
+DEFAULT_URL = "http://127.0.0.1:30000"
+
 
 def post_json(url: str, body=None, timeout: float = 600.0):
     _check_address(url)
@@ -33,7 +36,7 @@ def _check_address(url: str):
     except ValueError as exc:
         raise DumpError(f"{url}: not a server address ({exc}); give http://HOST:PORT") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise DumpError(f"{url}: not a server address; give http://HOST:PORT (e.g. http://127.0.0.1:30000)")
+        raise DumpError(f"{url}: not a server address; give http://HOST:PORT (e.g. {DEFAULT_URL})")
 
 
 def _send(request, url: str, timeout: float):

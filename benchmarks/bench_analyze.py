@@ -169,7 +169,7 @@ def run(args, ref, dec):
         t_index = idx["seconds"]
         # The same build in this process (imports already paid): the index work alone, as a library
         # call makes it (with worker processes where the host has cores for them, as the CLI:
-        # analyzer/workers.py starts them without importing this script).
+        # analyzer/index/workers.py starts them without importing this script).
         from dumpdiff.analyzer.index.store import load_indexes
         from dumpdiff.analyzer.dump.load import open_dump
         t_inproc = median_seconds(prepare, lambda: load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False))

@@ -232,7 +232,7 @@ def main(argv=None):
         shutil.rmtree(os.path.join(work, "rows", "last"), ignore_errors=True)
 
     guarded("rows", rows)
-    del model
+    model = None  # frees its GPU memory before the next section
     torch.cuda.empty_cache() if device.startswith("cuda") else None
 
     def analyze():

@@ -399,7 +399,6 @@ def test_an_index_placing_rows_outside_their_files_is_refused(dumps, tmp_path, w
     """A damaged (or hand-made) index whose row offsets point past the end of a pass file, even
     by so much that offset + width wraps around in int64, is refused in one line that says to
     rebuild the index: exit 2, no traceback, for the strict and the default verdict."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
     ref, dec = dumps

@@ -172,7 +172,7 @@ def test_reports_count_in_the_right_number_and_markdown_escapes_no_parentheses(d
     code, md, _ = dumpdiff("report", *dumps, "--no-progress")
     assert code == 1 and "1 passes" not in md
     assert "\\(" not in md and "\\)" not in md and "(" in md
-    from dumpdiff.analyzer.report.text import plural
+    from dumpdiff.analyzer.wording import plural
     assert [plural(1, "pass"), plural(2, "pass"), plural(1, "row", "differ"), plural(3, "row", "differ")] == \
         ["1 pass", "2 passes", "1 row differs", "3 rows differ"]
     assert [plural(1, "paired row", "have"), plural(0, "entry"), plural(2, "more call")] == \

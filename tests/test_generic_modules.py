@@ -4,7 +4,6 @@ decode rows pair with a reference prefill."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading

@@ -7,7 +7,6 @@ random and by hand in the ways that could fool a text cache."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 
@@ -17,7 +16,6 @@ from safetensors import safe_open
 
 from dumpdiff.analyzer.dump import meta as metaparse
 from dumpdiff.analyzer.dump import header as passheader
-from dumpdiff.analyzer.dump.dtypes import BY_CODE
 from dumpdiff.analyzer.errors import DumpError
 from dumpdiff.analyzer.dump.load import PassFile, open_dump
 from dumpdiff.analyzer.dump.metacheck import meta_problem

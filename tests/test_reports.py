@@ -63,7 +63,7 @@ def test_markdown_names_culprit_and_reproduce_command(reports, dumps):
 
 
 def test_json_holds_what_markdown_claims(reports):
-    from dumpdiff.analyzer.report.text import fmt_num
+    from dumpdiff.analyzer.wording import fmt_num
 
     result, md = json.loads(reports["json"]), reports["md"]
     verdict = result["ranks"]["0"]
@@ -92,7 +92,7 @@ def test_markdown_and_html_show_the_noise_aware_verdict(reports):
     from dumpdiff.analyzer.report import common as rc
     from dumpdiff.analyzer.report.markdown import text
     from dumpdiff.analyzer.report.svg import esc
-    from dumpdiff.analyzer.report.text import fmt_num
+    from dumpdiff.analyzer.wording import fmt_num
 
     result, md, page = json.loads(reports["json"]), reports["md"], reports["html"]
     verdict = result["ranks"]["0"]

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
+from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
 from test_core_loop import plant_batch_variant
 
 from dumpdiff.analyzer.report import repro

@@ -15,6 +15,7 @@ from dumpdiff.analyzer.index import smallpass
 from dumpdiff.analyzer.dump.dtypes import BY_NAME
 from dumpdiff.analyzer.dump.load import PassFile, open_dump
 from dumpdiff.analyzer.index.rowplan import RowPlan
+from dumpdiff.analyzer.index.rows import reader_of
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 
 
@@ -93,7 +94,7 @@ def test_the_index_says_where_each_row_lies_in_its_file(llama, tmp_path, config)
                for dims, sel in zip(rows["token_dims"], rows["selected"])]
     assert ((rows["offset"] >= 0) == np.array(leading)).all()
     assert np.array(leading).mean() > 0.9
-    reader, paths = index.reader(), {p.pass_id: p.path for p in open_dump(str(dec)).ranks[0].passes}
+    reader, paths = reader_of(index), {p.pass_id: p.path for p in open_dump(str(dec)).ranks[0].passes}
     files = {pass_id: np.fromfile(path, np.uint8) for pass_id, path in paths.items()}
     for pass_id, tensor, srow, offset in zip(rows["pass"], rows["tensor"], rows["srow"], rows["offset"]):
         if offset >= 0:
@@ -247,7 +248,7 @@ def test_large_passes_hashed_in_pieces_by_worker_processes_give_the_same_tables(
     """On a host with cores to spare, a large pass (a prefill) is hashed in pieces of its tensors
     by worker processes, as per-row hashing holds the GIL: the tables are those one process
     builds, pass by pass and tensor by tensor."""
-    from dumpdiff.analyzer.index import store as index
+    from dumpdiff.analyzer.index import settings as index
     dec = padded_batch_dump(llama, tmp_path)
     alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)  # every pass is large here
@@ -265,7 +266,7 @@ def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypa
     """A worker process killed mid-build (the kernel's out-of-memory killer) is a DumpError that
     says so and how to rerun (the command line prints it as one line, exit 2), not an internal
     error."""
-    from dumpdiff.analyzer.index import store as index
+    from dumpdiff.analyzer.index import settings as index
     from dumpdiff.analyzer.errors import DumpError
     dec = padded_batch_dump(llama, tmp_path)
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)
@@ -292,7 +293,7 @@ def test_worker_processes_that_cannot_start_leave_the_build_to_threads(llama, tm
     warning that says why."""
     import logging
 
-    from dumpdiff.analyzer.index import store as index
+    from dumpdiff.analyzer.index import settings as index
     from dumpdiff.analyzer.index import workers
     dec = padded_batch_dump(llama, tmp_path)
     alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]

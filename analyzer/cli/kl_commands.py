@@ -1,39 +1,20 @@
 """`dumpdiff kl`, `dumpdiff kl calibrate` and `dumpdiff localize`: the KL consistency check of a
-live sglang server, its thresholds, and the jump from a dirty helper to the culprit op.
+live server, its thresholds, and the jump from a dirty helper to the culprit op.
 
-Registered from cli.py by add_kl_commands(main). The shared pieces of cli.py (guarded, emit,
-the exit codes) are imported when a command runs, not at import time: cli.py imports this
-module, so a top-level import back would be circular.
+Registered on the main group by add_kl_commands(main).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
 import click
 
+from ..http import DEFAULT_URL
+from .common import emit as _emit, fail, guarded, output_format as _output_format
+
 KL_FORMATS = ("text", "md", "json")
-
-
-def guarded(func):
-    """cli.guarded, resolved at call time (one-line errors, exit 2)."""
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        from .main import guarded as cli_guarded
-        return cli_guarded(func)(*args, **kwargs)
-    return wrapper
-
-
-def _emit(text: str, output, headline: str = None):
-    from .main import emit
-    emit(text, output, headline)
-
-
-def _output_format(fmt: str, output) -> str:
-    from .main import output_format
-    return output_format(fmt, output)
 
 
 def _progress(quiet: bool):
@@ -52,7 +33,7 @@ def _helpers(text: str):
 def prompt_options(func):
     """The options every command that runs the helpers shares."""
     options = [
-        click.option("--url", default="http://127.0.0.1:30000", show_default=True, envvar="DUMPDIFF_KL_URL",
+        click.option("--url", default=DEFAULT_URL, show_default=True, envvar="DUMPDIFF_KL_URL",
                      help="The sglang server (env DUMPDIFF_KL_URL)."),
         click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False, path_type=str),
                      help="JSONL: per line a list of token ids, or a text (needs the server's tokenizer). "
@@ -157,7 +138,6 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
     """
     if ctx.invoked_subcommand is not None:
         return
-    from .main import _fail
     from ..kl.score import exit_status
     from ..kl.helpers import check_server
     from ..kl.render import render
@@ -167,7 +147,7 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
     _emit(render(result, fmt), output, headline=f"verdict {result['verdict']['kind']}")
     code = exit_status(result["verdict"])
     if code == 2:
-        _fail(f"inconclusive: {result['verdict']['text']}")
+        fail(f"inconclusive: {result['verdict']['text']}")
     sys.exit(code)
 
 

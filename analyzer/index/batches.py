@@ -24,8 +24,8 @@ import numpy as np
 from .columns import distinct
 from ..dump.dtypes import BY_NAME, DType, to_float64
 from ..errors import DumpError, show
-from .store import Index
-from .rows import WHOLE_FILE_AFTER, WHOLE_FILE_BYTES, read_exactly
+from .table import Index
+from .rows import WHOLE_FILE_AFTER, WHOLE_FILE_BYTES, read_exactly, reader_of
 
 CHUNK_BYTES = 128 << 20
 GROUP_BYTES = 64 << 20  # spans of pass files read at once by _from_spans
@@ -74,7 +74,7 @@ def in_file_order(index: Index, entries: np.ndarray, batches: List[np.ndarray]) 
 def read_batches(index: Index, tensors: List[str], entries: List[np.ndarray]) -> List[Tuple[np.ndarray, DType]]:
     """For each batch: its rows (elements as bits, in entry order) and their element type. Rows
     of one batch stored in different element types in different passes come as float64 values."""
-    rows, reader = index.cols("rows"), index.reader()
+    rows, reader = index.cols("rows"), reader_of(index)
     entry = np.concatenate(entries)
     batch_of = np.repeat(np.arange(len(entries)), [len(e) for e in entries])
     place = np.concatenate([np.arange(len(e)) for e in entries])
@@ -133,7 +133,7 @@ def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np
     buffer, and each batch's rows are gathered out of a group in one numpy step: no Python step
     per row or per file. Returns which entries were filled; the row reader reads the others
     (sparse rows, token dims that do not lead)."""
-    rows, reader = index.cols("rows"), index.reader()
+    rows, reader = index.cols("rows"), reader_of(index)
     done = np.zeros(len(entry), dtype=bool)
     if "offset" not in rows or not len(entry):
         return done
@@ -257,7 +257,7 @@ def _read_spans(reader, pass_ids: np.ndarray, lows: np.ndarray, lengths: np.ndar
 
 def _mixed_rows(index: Index, tensor: str, passes: np.ndarray, srows: np.ndarray):
     """Rows of one tensor whose passes store it in different element types: as float64 values."""
-    reader = index.reader()
+    reader = reader_of(index)
     out = None
     by_pass = np.argsort(passes, kind="stable")
     pass_ids, starts = np.unique(passes[by_pass], return_index=True)

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from . import arrow as arrowbuild
-from . import store as index
 from .batches import chunks
-from .settings import env_count
+from .files import TABLES
+from .settings import env_count, index_processes
 from ..errors import DumpError
 from ..dump.layout import usable_layout
 from .fingerprint import row_stats
@@ -37,7 +37,7 @@ PASSES_PER_PROCESS = 16  # fewer small passes per worker than this: start-up cos
 
 
 def _process_pool(n_small: int, large_bytes: int):
-    workers = min(index.index_processes(), max(n_small // PASSES_PER_PROCESS, large_bytes // (2 * PIECE_BYTES)))
+    workers = min(index_processes(), max(n_small // PASSES_PER_PROCESS, large_bytes // (2 * PIECE_BYTES)))
     if workers < 2:
         return None
     try:
@@ -206,7 +206,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
 
 def _tables_of(parts: List[dict]) -> dict:
     return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts]), encode=ENCODED.get(name, ()))
-            for name in index.TABLES}
+            for name in TABLES}
 
 
 def _progress(total: int, desc: str, enabled: bool):

@@ -21,7 +21,7 @@ import numpy as np
 from .columns import distinct
 from ..dump.dtypes import DType
 from ..dump.layout import file_layout, read_whole_file
-from .store import Index
+from .table import Index
 from ..dump.load import PassFile
 from .rowplan import stored_row_view
 from ..dump.torchbits import to_torch
@@ -288,3 +288,10 @@ def read_exactly(fd: int, buffer: np.ndarray, offset: int):
         if not n:
             raise FileEnded(f"unexpected end of file at byte {offset + got}")
         got += n
+
+
+def reader_of(index: Index) -> "RowReader":
+    """The RowReader of this index, built once: its lookup tables span every tensor row."""
+    if index.row_reader is None:
+        index.row_reader = RowReader(index)
+    return index.row_reader

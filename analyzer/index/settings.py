@@ -17,3 +17,19 @@ def env_count(name: str) -> Optional[int]:
     if not raw.isdigit():
         raise DumpError(f"{name}={raw!r}: give a whole number >= 0, or unset it for the default")
     return int(raw)
+
+
+# Worker processes that index small passes (decode steps: per-tensor Python work, little reading)
+# and hash large ones in pieces, when a build has work enough for them (workers.py: they
+# never import the caller's main module, so a library caller gets them too). None: as
+# index_processes() says; a number overrides it (tests).
+INDEX_PROCESSES: Optional[int] = None
+
+
+def index_processes() -> int:
+    """How many worker processes an index build may start: DUMPDIFF_INDEX_PROCESSES (0 turns them
+    off), else the CPU count less one, at most 8. Raises DumpError for a bad setting."""
+    if INDEX_PROCESSES is not None:
+        return INDEX_PROCESSES
+    setting = env_count("DUMPDIFF_INDEX_PROCESSES")
+    return setting if setting is not None else min(max((os.cpu_count() or 1) - 1, 0), 8)

@@ -34,8 +34,8 @@ from typing import Callable, Iterable, List, Optional
 from . import score as kl
 from . import prompts as kl_prompts
 from ..errors import DumpError
-from ..http import get_json, post_json
-from ..report.text import plural
+from ..http import DEFAULT_URL, get_json, post_json
+from ..wording import plural
 
 Log = Callable[[str], None]
 
@@ -526,5 +526,5 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
     return result
 
 
-def env_url(default: str = "http://127.0.0.1:30000") -> str:
+def env_url(default: str = DEFAULT_URL) -> str:
     return os.environ.get("DUMPDIFF_KL_URL", default)

@@ -28,7 +28,8 @@ from ..http import post_json
 from .helpers import Server, decode_logprobs, expected_prefill_hit, prefill_logprobs, sampling_params
 from .prompts import check_vocab, vocab_size_of
 from ..dump.load import open_dump
-from ..report.text import noise_errors, noise_place, plural
+from ..verdict.phrases import noise_errors, noise_place
+from ..wording import plural
 
 Log = Callable[[str], None]
 

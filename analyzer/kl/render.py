@@ -7,7 +7,7 @@ import json
 import math
 
 from . import score as kl
-from ..report.text import plural
+from ..wording import plural
 
 TITLES = {kl.PASS: "PASS", kl.BATCH: "BATCH-INVARIANCE PROBLEM", kl.STATE: "STATE BUG (cache-restore path)",
           kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)", kl.INCONCLUSIVE: "INCONCLUSIVE",

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..report.text import plural
+from ..wording import plural
 
 HELPERS = ("match", "prefill_cache_hit", "decode_cache_hit")
 CACHE_HELPERS = ("prefill_cache_hit", "decode_cache_hit")

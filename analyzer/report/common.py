@@ -12,15 +12,14 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from .text import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, clean_unit, fmt_num, input_error, noise_place,  # noqa: F401
-                     noise_place_parts, agree, noun, plural, unstored_text)
+from ..wording import CONTROL, escape_controls
+from ..wording import agree, fmt_num, noun, plural  # noqa: F401  (the renderers read them as rc.*)
+from ..verdict.phrases import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, clean_unit, input_error, noise_place,  # noqa: F401
+                      noise_place_parts, unstored_text)
 from ..verdict.kinds import STATE_BUG, kind_of, kind_parts, rank_kind
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
-# Bytes that no terminal, Markdown or HTML viewer should get raw (escape, bell, NUL, DEL...), and
-# line breaks, which would end a Markdown table row or list item in the middle of a name.
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 # First numbered component of a module path: "model.layers.12.mlp" -> 12.
 _LAYER = re.compile(r"\.(\d+)(?=[.#]|$)")
 
@@ -29,7 +28,7 @@ def clean(value) -> str:
     """Any value as printable text: control bytes and unpaired surrogates (from hostile or broken
     dump metadata) become backslash escapes, so writing the report as UTF-8 cannot fail."""
     text = "" if value is None else str(value)
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    text = escape_controls(text, keep="\t")
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -155,9 +154,9 @@ def row_name(row: dict) -> str:
 def shell_quote(path: str) -> str:
     """shlex.quote, except that a path with control bytes gets bash's $'...' form: still the exact
     path, but printable, so no raw escape sequence reaches a terminal or a ticket."""
-    if not _CONTROL.search(path):
+    if not CONTROL.search(path):
         return shlex.quote(path)
-    body = "".join(f"\\x{ord(ch):02x}" if _CONTROL.match(ch) or ch in "'\\" else ch for ch in path)
+    body = "".join(f"\\x{ord(ch):02x}" if CONTROL.match(ch) or ch in "'\\" else ch for ch in path)
     return f"$'{body}'"
 
 

@@ -30,7 +30,8 @@ from ..verdict.align import align, prove
 from ..verdict.compare import RowTable, row_table, strict_verdict
 from ..verdict.diverge import check_same_model
 from ..errors import DumpError
-from ..index.store import Index, load_indexes
+from ..index.store import load_indexes
+from ..index.table import Index
 from ..dump.load import PassFile, open_dump, show
 from .repro_script import runtime, script_text
 

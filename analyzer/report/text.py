@@ -3,106 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
-from typing import List, Tuple
+from typing import List
 
-# What a divergence with no call beyond float noise is (the summary and every report say it alike).
-NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
-              "its line (5x the same op's largest jump in other layers and at least 8x, or 30x its input error where "
-              "it has no such peers) or under what a kernel makes from identical inputs (8 epsilons of a 16-bit "
-              "output, 6% of the row in bfloat16; 100 of a float32 one), which cannot be told from noise.")
-
-
-# Where a gap (an error made between dumped calls) can be: said by every report alike.
-GAP_CODE = ("a module's own forward between its children, modules left out by DUMPER_FILTER, or a dumped call "
-            "that could not be compared")
-
-
-# Verbs whose singular is not the plural + "s".
-_SINGULAR_VERBS = {"have": "has", "are": "is", "were": "was", "do": "does"}
-
-
-def noun(count: int, word: str) -> str:
-    """``word`` (singular; of a phrase, its last word) in the number ``count`` asks for: row/rows,
-    pass/passes, entry/entries."""
-    if count == 1:
-        return word
-    if re.search(r"(s|x|z|ch|sh)$", word):
-        return word + "es"
-    if re.search(r"[^aeiou]y$", word):
-        return word[:-1] + "ies"
-    return word + "s"
-
-
-def plural(count: int, word: str, verb: str = None) -> str:
-    """A count with its noun, and a verb given in its plural form, in the right number:
-    "1 pass", "2 passes", "1 row differs", "3 rows differ". Reports never say "1 passes"."""
-    text = f"{count} {noun(count, word)}"
-    return f"{text} {agree(count, verb)}" if verb else text
-
-
-def agree(count: int, verb: str) -> str:
-    """``verb``, given in its plural form, in the number ``count`` asks for: have/has, differ/differs."""
-    return verb if count != 1 else _SINGULAR_VERBS.get(verb, verb + "s")
-
-
-def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
-    """Where a noise-aware culprit introduces its error, as (text, is_name) pieces: at the call,
-    or in the code no hook saw between the call completed last and the one whose input shows it."""
-    if not c.get("gap_before"):
-        return [("at ", False), (c["call"], True), (" [", False), (c["cls"], True), ("]", False)]
-    return [("in ", False), *_gap_parts(c)]
-
-
-def _gap_parts(c: dict) -> List[Tuple[str, bool]]:
-    """'code not dumped[ or not compared (X, Y)][ inside P], between A and B' (or 'before B') as
-    (text, is_name) pieces."""
-    parts = [("code not dumped", False)]
-    if c.get("gap_uncompared"):
-        parts += [(" or not compared (", False)]
-        for k, name in enumerate(c["gap_uncompared"]):
-            parts += [(", ", False)] * bool(k) + [(name, True)]
-        parts += [(")", False)]
-    if c["call"] != c["gap_before"]:
-        parts += [(" inside ", False), (c["call"], True)]
-    if c.get("gap_after"):
-        return parts + [(", between ", False), (c["gap_after"], True), (" and ", False), (c["gap_before"], True)]
-    return parts + [(", before ", False), (c["gap_before"], True)]
-
-
-def noise_place(culprit: dict) -> str:
-    """Where a culprit's error is, in plain words without at/in: the call, or the code not dumped."""
-    if not culprit.get("gap_before"):
-        return culprit["call"]
-    return "".join(piece for piece, _ in _gap_parts(culprit))
-
-
-def clean_unit(rule: dict) -> str:
-    """What a line for calls with bit-identical inputs counts: epsilons of the output, or the
-    repeat run's floor of the call where one is given (--noise) and larger."""
-    return "epsilons (or repeat-run floors, if larger)" if rule.get("floor_from_repeat") else "epsilons"
-
-
-def input_error(culprit: dict) -> str:
-    """A culprit's input error; a call judged against its children's errors says those too."""
-    if culprit.get("inside_err"):
-        return f"{fmt_num(culprit['in_err'])} (calls inside it: up to {fmt_num(culprit['inside_err'])})"
-    return fmt_num(culprit["in_err"])
-
-
-def noise_errors(culprit: dict) -> str:
-    """A culprit's figures in words."""
-    if culprit.get("gap_before"):
-        return (f"error of what that code was given {fmt_num(culprit['in_err'])}, of what it made "
-                f"{fmt_num(culprit['out_err'])} (the input of {culprit['gap_before']}), "
-                f"amplification >= {fmt_num(culprit['amplification'])}x")
-    return (f"input error {input_error(culprit)}, output error {fmt_num(culprit['out_err'])}, "
-            f"amplification >= {fmt_num(culprit['amplification'])}x")
-
-
-# Said after the count of calls that could not be compared, in every report alike.
-NOT_COMPARABLE_NOTE = "the tensors named are not compared row by row; a call is judged on the rest, if any"
-
+from ..wording import agree, fmt_num, noun, plural, terminal_safe
+from .common import flip_example, headline_parts, k_text, rank_kind_parts, routing_headline
+from ..verdict.phrases import GAP_CODE, NOT_COMPARABLE_NOTE, clean_unit, noise_errors, noise_place, unstored_text
+from .seqnames import for_reading
 
 # Said first in the JSON output, so a reader can tell what it holds before trusting its keys; the
 # version goes up when a key changes meaning or goes away (new keys keep it).
@@ -112,14 +18,6 @@ JSON_FORMAT, JSON_VERSION = "dumpdiff-first-divergence", 1
 def to_json(result: dict) -> str:
     return json.dumps({"format": JSON_FORMAT, "version": JSON_VERSION, **result}, indent=2, default=str,
                       ensure_ascii=True)
-
-
-def fmt_num(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
 
 
 def describe_side(side: dict) -> str:
@@ -134,11 +32,6 @@ def shapes_line(culprit: dict, labels) -> str:
         tensors = ", ".join(f"{slot} {shape}" for slot, shape in info["tensors"].items())
         parts.append(f"{label} pass {info['pass']} M={info['M']}: {tensors}")
     return "\n    ".join(parts)
-
-
-def unstored_text(verdict: dict) -> str:
-    return (f"{plural(verdict['rows_unstored'], 'paired row', 'have')} no dumped tensor row on both sides (row selection, "
-            "DUMPER_POSITIONS or DUMPER_LAST_ROWS): not compared")
 
 
 def culprit_lines(culprit: dict, labels, rows_compared: int) -> List[str]:
@@ -197,7 +90,6 @@ def noise_lines(noise: dict) -> List[str]:
 
 
 def routing_lines(flips: List[dict]) -> List[str]:
-    from .common import flip_example, k_text, routing_headline
     lines = [f"routing flips (MoE): {routing_headline(flips)}"]
     for f in flips:
         if f.get("rows_flipped"):
@@ -211,8 +103,6 @@ def routing_lines(flips: List[dict]) -> List[str]:
 
 
 def to_text(result: dict) -> str:
-    from .common import headline_parts, rank_kind_parts
-    from .seqnames import for_reading
     result, note = for_reading(result)
     labels = (result["a"]["label"], result["b"]["label"])
     head = "".join(piece for piece, _ in headline_parts(result))
@@ -262,10 +152,3 @@ def to_text(result: dict) -> str:
     return terminal_safe("\n".join(out)) + "\n"
 
 
-# Control characters in names (a module called "esc\x1b]0;title\x07") would drive the terminal
-# the report is printed on: each is written as \xNN; line breaks between report lines stay.
-_UNSAFE = {c: f"\\x{c:02x}" for c in [*range(0, 9), *range(11, 32), 127, *range(0x80, 0xA0)]}
-
-
-def terminal_safe(text: str) -> str:
-    return text.translate(_UNSAFE)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..index.columns import Columns
 from ..errors import DumpError
-from ..index.store import Index
+from ..index.table import Index
 from ..index.keyjoin import lookup, row_key
 
 try:  # hashlib's own blake2b, without hashlib's start of OpenSSL (5 ms of every verdict)

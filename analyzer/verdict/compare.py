@@ -28,7 +28,8 @@ from .align import Alignment
 from .callcells import call_cells, codes_of_calls, from_cells, posts_of_b
 from ..index.columns import Columns, distinct, merged_vocabulary, recode
 from ..dump.dtypes import DType, to_float64
-from ..index.store import Index
+from ..index.rows import reader_of
+from ..index.table import Index
 from ..index.keyjoin import join, row_key
 
 MAX_LISTED = 20
@@ -203,7 +204,6 @@ def _columns(pieces, n_pairs: int, entry_dtype, rows: Dict[str, Columns], shape_
     sizes = [len(piece[0]) for piece in pieces]
     starts = np.r_[0, np.cumsum(sizes, dtype=np.int64)].tolist()
     into_shapes = {s: recode(shape_codes[s][1], shapes).astype(_index_kind(len(shapes))) for s in SIDES}
-    shape_dtype = into_shapes["a"].dtype
     kinds = {"pair": _index_kind(n_pairs), "tcode": _index_kind(len(io_of)), "ccode": call_of.dtype,
              "entry_a": entry_dtype, "entry_b": entry_dtype,
              "is_in": bool, "is_out": bool, "comparable": bool, "differ": bool}
@@ -580,7 +580,7 @@ def _figures_of_uniform_rows(tensor: str, chosen: Columns, a: Index, b: Index) -
     read at the offsets the index holds: no pass file's header is parsed. None otherwise."""
     if len(set(chosen["rowshape_a"].tolist()) | set(chosen["rowshape_b"].tolist())) != 1:
         return None
-    forms = {side.reader().row_form(p, tensor) for side, passes in ((a, chosen["pass_a"]), (b, chosen["pass_b"]))
+    forms = {reader_of(side).row_form(p, tensor) for side, passes in ((a, chosen["pass_a"]), (b, chosen["pass_b"]))
              for p in distinct(passes).tolist()}
     if len(forms) != 1:  # e.g. one pass's metadata gives the tensor other token dims: rows of [1, D] and [D]
         return None
@@ -591,7 +591,7 @@ def _figures_of_uniform_rows(tensor: str, chosen: Columns, a: Index, b: Index) -
 
 
 def _figures_row_by_row(tensor: str, chosen: Columns, a: Index, b: Index) -> dict:
-    reader_a, reader_b = a.reader(), b.reader()
+    reader_a, reader_b = reader_of(a), reader_of(b)
     ref = [reader_a.bits(p, tensor, [r]) for p, r in zip(chosen["pass_a"].tolist(), chosen["row_a"].tolist())]
     test = [reader_b.bits(p, tensor, [r]) for p, r in zip(chosen["pass_b"].tolist(), chosen["row_b"].tolist())]
     # Element-wise only where both sides hold the row alike: a pass whose metadata gives the

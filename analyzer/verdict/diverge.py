@@ -15,7 +15,7 @@ from .compare import VERDICT_ROW_COLUMNS, plan_join, row_table, strict_verdict, 
 from ..errors import DumpError
 from ..index.store import load_indexes
 from ..dump.load import Dump, open_dump, show
-from ..report.text import GAP_CODE, NOISE_ONLY, input_error, noise_place
+from .phrases import GAP_CODE, NOISE_ONLY, input_error, noise_place
 from ..index.memtune import keep_freed_memory
 from .kinds import rank_kind, worst_kind
 

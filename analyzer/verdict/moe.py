@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 
 from .align import Alignment
 from .compare import RowTable, call_order
-from ..index.store import Index
+from ..index.rows import reader_of
+from ..index.table import Index
 
 MAX_EXAMPLES = 8
 ROUTER_LEAF = re.compile(r"(^|\.)(gate|router)$")  # HF mlp.gate, block_sparse_moe.gate, ...router
@@ -72,7 +73,7 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
             found.append(entry)
             continue
         if reader_a is None:
-            reader_a, reader_b = a.reader(), b.reader()
+            reader_a, reader_b = reader_of(a), reader_of(b)
         flipped, ties = [], []
         for (pass_a, pass_b), group in differing.groupby(["pass_a", "pass_b"], sort=True):
             sel_a = _selection(reader_a.rows(int(pass_a), chosen, group["row_a"].tolist()), k, bool(router["indices"]))

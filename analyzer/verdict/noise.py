@@ -34,7 +34,8 @@ from ..index.batches import chunks, in_file_order, read_batches, row_bytes
 from ..index.columns import Columns, distinct
 from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
 from ..dump.dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
-from ..index.store import Index
+from ..index.rows import reader_of
+from ..index.table import Index
 from .peers import (MIN_PEER_JUMP, MIN_PEERS, MIN_SUSPECT_JUMP, PEER_FACTOR, SUSPECT_FACTOR, op_classes, peer_line,
                     peer_maxima)
 
@@ -399,7 +400,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     an output that cannot be compared row by row (a gap that holds one names it). ``per_row``:
     the strict verdict's per-row culprits (the sample holds some rows of each)."""
     pair_ids = sample_pairs(alignment.cols, per_row=per_row)
-    read_before = a.reader().bytes_read + b.reader().bytes_read
+    read_before = reader_of(a).bytes_read + reader_of(b).bytes_read
     errors = row_errors(table, a, b, pair_ids, atol, rtol)
     pairs = alignment.cols
     traits = call_traits(table, b)
@@ -485,7 +486,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
                            **({"gap_after": place[k][2], "gap_before": place[k][3]} if place[k][1] else {}),
                            "in_err": float(in_err[k]), "out_err": float(out_err[k]), "amplification": float(amplification[k])}
                           for p, k in zip(rows[by_place].tolist(), by_place.tolist())]
-    verdict["bytes_read"] = int(a.reader().bytes_read + b.reader().bytes_read - read_before)
+    verdict["bytes_read"] = int(reader_of(a).bytes_read + reader_of(b).bytes_read - read_before)
     # a noise flip's O(1) jump is no margin; a gap's jump is listed before the call whose input shows it
     kept = ~explained & (calls["gap_amplification"] > 0)
     # each jump with the line it stayed under (none under --atol/--rtol), so the summary's largest
