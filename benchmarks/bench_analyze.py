@@ -159,7 +159,7 @@ def run(args, ref, dec):
     protocols = (["cold"] if cold else []) + ["warm"]
     rows = {}
     for proto in protocols:
-        def prepare():
+        def prepare(proto=proto):
             if proto == "cold":
                 evict(ref, dec)
             else:

@@ -115,7 +115,7 @@ def main(argv=None):
                     handle.remove()
                 elif args.variants:  # a bare pass-through wrapper of the root forward: the floor
                     original = model.forward
-                    model.forward = functools.wraps(original)(lambda *a, **k: original(*a, **k))
+                    model.forward = functools.wraps(original)(lambda *a, original=original, **k: original(*a, **k))
                     wrapped.append(forward_times(model, ids, block, args.device))
                     del model.forward
         # After a dump: hooks were attached by the enabled pass, then dumping was disabled.

@@ -344,7 +344,7 @@ class Dumper:
     # --- module hooks ---------------------------------------------------------------------
     def _attach_hooks(self, filter_text: str):
         selected = self._selected = compile_filter(filter_text)
-        for module, path in self._paths.items():
+        for module in self._paths:
             if module is self.model or not any(selected(name, type(module).__name__) for name in self._names(module)):
                 continue
             self._hook_handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))

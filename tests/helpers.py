@@ -78,6 +78,22 @@ def dumpdiff(*args, env: Optional[dict] = None, timeout: int = 300):
 
 
 def first_divergence_json(a, b, *extra):
+    """The JSON report, checked against its published schema (every key declared, each type right)."""
     code, out, err = dumpdiff("first-divergence", a, b, "--format", "json", "--no-progress", *extra)
     assert code in (0, 1), f"exit {code}: {err}"
-    return code, json.loads(out)
+    result = json.loads(out)
+    check_schema(result, "first-divergence")
+    return code, result
+
+
+_VALIDATORS: dict = {}
+
+
+def check_schema(document, name: str):
+    """Validate ``document`` against docs/schemas/<name>.schema.json; the first error, if any, fails."""
+    import jsonschema
+    if name not in _VALIDATORS:
+        with open(os.path.join(ROOT, "docs", "schemas", f"{name}.schema.json")) as handle:
+            _VALIDATORS[name] = jsonschema.Draft202012Validator(json.load(handle))
+    error = jsonschema.exceptions.best_match(_VALIDATORS[name].iter_errors(document))
+    assert error is None, f"{name} schema: at {'/'.join(map(str, error.absolute_path))}: {error.message[:300]}"

@@ -33,7 +33,7 @@ import os
 
 import pytest
 
-from helpers import dumpdiff, make_tiny_llama
+from helpers import check_schema, dumpdiff, make_tiny_llama
 from sglang_server import sglang_fixture
 from dumpdiff.analyzer.pytest_plugin import KLConsistency
 
@@ -80,6 +80,7 @@ def kl_json(url, *args):
     code, out, err = dumpdiff("kl", "--url", url, "--format", "json", "-q", *args)
     assert code in (0, 1), err
     result = json.loads(out)
+    check_schema(result, "kl")
     # the exit status is what the table says: 1 exactly when some helper is over its threshold
     over = [n for n, h in result["helpers"].items() if h["avg_kl_div"] > h["threshold"]]
     assert code == (1 if over else 0) and sorted(over) == sorted(result["verdict"]["dirty"])

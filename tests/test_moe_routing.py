@@ -72,7 +72,7 @@ def test_planted_router_perturbation_flips_are_named(perturbed):
 
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
     assert "routing flips (MoE): The selected experts changed" in out and "first at layer 1" in out
-    line = next(l for l in out.splitlines() if l.startswith("  layer 1 model.layers.1.mlp.gate#0"))
+    line = next(text for text in out.splitlines() if text.startswith("  layer 1 model.layers.1.mlp.gate#0"))
     for pos, (before, after) in planted.items():
         assert f"g1.0@{pos} (decode: {before} -> {after})" in line
     md, page = to_markdown(result), to_html(result)

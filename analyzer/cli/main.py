@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from ..errors import DumpError
+from ..errors import DumpError, require_torch
 from ..http import DEFAULT_URL
 from .common import (EXIT_DIFFERENT, EXIT_SAME, FAIL_ON, FAIL_ON_STATE_BUG, FORMATS, emit, fail,
                      guarded, output_format)
@@ -339,6 +339,7 @@ def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment,
     \b
     Example: dumpdiff repro ref/ dec/ --out /tmp/culprit --model /models/llama && python /tmp/culprit/repro.py
     """
+    require_torch("repro")
     from ..report.repro import describe, make_repro
     result = make_repro(reference, test, out_dir, model=model_path, call=call, rank=rank,
                         trust_alignment=trust_alignment, allow_mismatch=allow_mismatch, progress=not no_progress)
@@ -365,6 +366,7 @@ def import_sglang_cmd(src, dst):
     \b
     Example: dumpdiff import-sglang /tmp/sglang_dump/ref ref && dumpdiff import-sglang /tmp/sglang_dump/dec dec
     """
+    require_torch("import-sglang")
     from ..dump.sglang_import import import_sglang
     result = import_sglang(src, dst)
     click.echo(result.describe(), nl=False)

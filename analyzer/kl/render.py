@@ -8,6 +8,7 @@ import math
 
 from . import score as kl
 from ..wording import plural
+from .result import JSON_VERSION, KLResult
 
 TITLES = {kl.PASS: "PASS", kl.BATCH: "BATCH-INVARIANCE PROBLEM", kl.STATE: "STATE BUG (cache-restore path)",
           kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)", kl.INCONCLUSIVE: "INCONCLUSIVE",
@@ -76,7 +77,7 @@ def _tail(result: dict) -> tuple:
     return worst, notes
 
 
-def to_text(result: dict) -> str:
+def to_text(result: KLResult) -> str:
     verdict = result["verdict"]
     lines = [f"dumpdiff kl: {TITLES[verdict['kind']]}"] + _header_lines(result) + [""]
     table = [COLUMNS] + rows(result)
@@ -99,7 +100,7 @@ def _md_cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def to_markdown(result: dict) -> str:
+def to_markdown(result: KLResult) -> str:
     verdict = result["verdict"]
     lines = [f"## dumpdiff kl: {TITLES[verdict['kind']]}", ""] + [f"- {_md_cell(x)}" for x in _header_lines(result)] + [""]
     lines.append("| " + " | ".join(COLUMNS) + " |")
@@ -123,11 +124,6 @@ def _finite(x):
     if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
     return x
-
-
-# The JSON outputs' markers, said first: "format" (what the file holds; for the KL check and its
-# calibration the result's "kind") and "version" (up when a key changes meaning or goes away).
-JSON_VERSION = 1
 
 
 def to_json(result: dict, name: str = None) -> str:

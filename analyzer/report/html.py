@@ -14,6 +14,7 @@ from . import common as rc
 from .seqnames import for_reading
 from . import svg
 from .svg import esc
+from ..verdict.result import FirstDivergence
 
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; form-action 'none'; base-uri 'none'"
 
@@ -168,7 +169,7 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> str:
     return "".join(out)
 
 
-def to_html(result: dict) -> str:
+def to_html(result: FirstDivergence) -> str:
     result, note = for_reading(result)
     head = rc.headline_parts(result)
     place = None if rc.headline_names_place(result) else rc.title_place(result)

@@ -14,6 +14,7 @@ from typing import List
 
 from . import common as rc
 from .seqnames import for_reading
+from ..verdict.result import FirstDivergence
 
 # What GitHub-flavoured Markdown reads as syntax anywhere in a line of prose: code, emphasis,
 # strikethrough, links (so "(" and "!" after them are plain), HTML and entities, and "|", which
@@ -176,7 +177,7 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
     return out
 
 
-def to_markdown(result: dict) -> str:
+def to_markdown(result: FirstDivergence) -> str:
     result, note = for_reading(result)
     place = None if rc.headline_names_place(result) else rc.title_place(result)
     title = f"{place[0]} {code(place[1])}" if place else ""

@@ -8,14 +8,12 @@ from typing import List
 from ..wording import agree, fmt_num, noun, plural, terminal_safe
 from .common import flip_example, headline_parts, k_text, rank_kind_parts, routing_headline
 from ..verdict.phrases import GAP_CODE, NOT_COMPARABLE_NOTE, clean_unit, noise_errors, noise_place, unstored_text
+from ..verdict.result import JSON_FORMAT, JSON_VERSION, FirstDivergence
 from .seqnames import for_reading
 
-# Said first in the JSON output, so a reader can tell what it holds before trusting its keys; the
-# version goes up when a key changes meaning or goes away (new keys keep it).
-JSON_FORMAT, JSON_VERSION = "dumpdiff-first-divergence", 1
 
 
-def to_json(result: dict) -> str:
+def to_json(result: FirstDivergence) -> str:
     return json.dumps({"format": JSON_FORMAT, "version": JSON_VERSION, **result}, indent=2, default=str,
                       ensure_ascii=True)
 
@@ -102,7 +100,7 @@ def routing_lines(flips: List[dict]) -> List[str]:
     return lines
 
 
-def to_text(result: dict) -> str:
+def to_text(result: FirstDivergence) -> str:
     result, note = for_reading(result)
     labels = (result["a"]["label"], result["b"]["label"])
     head = "".join(piece for piece, _ in headline_parts(result))

@@ -24,6 +24,7 @@ import numpy as np
 
 from dumpdiff.dumper import format as fmt
 
+from .result import RankVerdict
 from .align import Alignment
 from .callcells import call_cells, codes_of_calls, from_cells, posts_of_b
 from ..index.columns import Columns, distinct, merged_vocabulary, recode
@@ -428,7 +429,7 @@ def _call_info(b: Index, names) -> Dict[str, tuple]:
 
 
 def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[RowTable] = None,
-                   uncompared: Optional[Dict[str, str]] = None) -> dict:
+                   uncompared: Optional[Dict[str, str]] = None) -> RankVerdict:
     """``uncompared``: uncompared_calls' first answer, when the caller has it."""
     table = row_table(alignment, a, b) if table is None else table
     uncompared = uncompared_calls(table, a, b)[0] if uncompared is None else uncompared

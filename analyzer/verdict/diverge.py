@@ -1,5 +1,6 @@
 """The first-divergence pipeline: open both dumps, check they are comparable, index, align, prove,
-and give the verdict rank by rank. Returns a plain dict that every report format renders."""
+and give the verdict rank by rank. Returns the result every report format renders (typed in
+result.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+from .result import FirstDivergence
 from .align import align, metadata_only, prove, row_selection_hint
 from .compare import VERDICT_ROW_COLUMNS, plan_join, row_table, strict_verdict, uncompared_calls
 from ..errors import DumpError
@@ -38,7 +40,7 @@ def check_same_model(a: Dump, b: Dump, allow: bool):
 def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, allow_mismatch: bool = False,
                      progress: bool = True, rebuild_index: bool = False, rank: Optional[int] = None,
                      atol: Optional[float] = None, rtol: Optional[float] = None, noise_repeat: Optional[str] = None,
-                     noise_aware: bool = True) -> dict:
+                     noise_aware: bool = True) -> FirstDivergence:
     dump_a, dump_b = open_dump(path_a), open_dump(path_b)
     floors = _repeat_floors(dump_a, noise_repeat, progress) if noise_repeat else {}
     check_same_model(dump_a, dump_b, allow_mismatch)

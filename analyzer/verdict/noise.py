@@ -29,6 +29,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from .result import NoiseVerdict
 from .align import Alignment
 from ..index.batches import chunks, in_file_order, read_batches, row_bytes
 from ..index.columns import Columns, distinct
@@ -391,7 +392,7 @@ def derive_threshold(calls: Columns, sampled: Optional[np.ndarray] = None) -> di
 
 def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
                   floor_by_call: Optional[Dict[str, float]] = None, flips=(), uncompared=frozenset(),
-                  per_row: Sequence[dict] = (), model_dtype: Optional[str] = None) -> dict:
+                  per_row: Sequence[dict] = (), model_dtype: Optional[str] = None) -> NoiseVerdict:
     """``model_dtype``: the dtype of the model's weights, as the dumps record it: no call computes
     more precisely than its weights, whatever dtype it outputs (a bfloat16 model's final norm
     over a float32 residual returns float32 made with bfloat16 weights: its clean noise reached
