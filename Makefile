@@ -32,7 +32,7 @@ test: $(BASE) $(SGLANG)
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(BASE)
-	$(BIN)/python -m pytest -q -m "not sglang" tests
+	$(BIN)/python -m pytest -q -m "not sglang and not slow" tests
 
 bench: $(BASE)
 	$(BIN)/python benchmarks/run_all.py

@@ -97,8 +97,9 @@ def one_line_error(result, *needles) -> str:
 
 def both_commands(reference, dump, *extra):
     """`dumpdiff index DUMP` and `dumpdiff first-divergence REFERENCE DUMP`, as a user runs them
-    (both at once: it halves the wait, and the two share the dump's index folder as users do)."""
+    (both at once, in processes of their own: it halves the wait, and the two share the dump's index
+    folder as users do)."""
     with ThreadPoolExecutor(2) as pool:
-        index = pool.submit(dumpdiff, "index", dump, "--no-progress")
-        diverge = pool.submit(dumpdiff, "first-divergence", reference, dump, "--no-progress", *extra)
+        index = pool.submit(dumpdiff, "index", dump, "--no-progress", process=True)
+        diverge = pool.submit(dumpdiff, "first-divergence", reference, dump, "--no-progress", *extra, process=True)
         return index.result(), diverge.result()

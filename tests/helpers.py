@@ -70,11 +70,46 @@ def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prom
     return prompts, os.path.join(root, "ref"), os.path.join(root, "dec")
 
 
-def dumpdiff(*args, env: Optional[dict] = None, timeout: int = 300):
-    """Run the real CLI; returns (exit code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
-    return proc.returncode, proc.stdout, proc.stderr
+def dumpdiff(*args, env: Optional[dict] = None, timeout: int = 300, process: bool = False):
+    """Run the `dumpdiff` program with these arguments; returns (exit code, stdout, stderr).
+
+    In this process by default (click's test runner: the program's own entry point, its exit
+    code, stdout and stderr apart, its warnings included), which spares each call the start of a
+    Python. ``process``: in a process of its own, for what only a real process shows (start-up
+    imports, signals, a timeout)."""
+    if process:
+        proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", *map(str, args)], capture_output=True,
+                              text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
+        return proc.returncode, proc.stdout, proc.stderr
+    return _in_process([str(a) for a in args], env)
+
+
+def _in_process(args, env):
+    import logging
+
+    from click.testing import CliRunner
+
+    from dumpdiff.analyzer.cli.main import entry
+    logger = logging.getLogger("dumpdiff")
+    saved = sys.argv, os.getcwd(), logger.handlers[:], logger.propagate, logger.level
+    with CliRunner().isolation(env=env) as (out, err, _):
+        handler = logging.StreamHandler(sys.stderr)  # the program's log lines, as its own basicConfig writes them
+        handler.setFormatter(logging.Formatter("dumpdiff: %(message)s"))
+        logger.handlers, logger.propagate = [handler], False
+        logger.setLevel(logger.level or logging.WARNING)
+        sys.argv = ["dumpdiff", *args]
+        os.chdir(ROOT)
+        try:
+            entry()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        finally:
+            sys.argv = saved[0]
+            os.chdir(saved[1])
+            logger.handlers, logger.propagate = saved[2], saved[3]
+            logger.setLevel(saved[4])
+        return code, out.getvalue().decode("utf-8", "replace"), err.getvalue().decode("utf-8", "replace")
 
 
 def first_divergence_json(a, b, *extra):

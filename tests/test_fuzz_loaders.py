@@ -28,6 +28,8 @@ from dumpdiff.analyzer.errors import DumpError
 from dump_surgery import match_manifest_size
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 
+pytestmark = pytest.mark.slow  # minutes of CPU: left out of make test-fast
+
 SECONDS = float(os.environ.get("DUMPDIFF_FUZZ_SECONDS", "45"))
 TARGETS = ("rank0/pass-000000.safetensors", "rank0/pass-000001.safetensors", "rank0/manifest.jsonl", "run.json")
 

@@ -315,6 +315,7 @@ class BrokenRestore:
         return self.model.generate(input_ids, past_key_values=past_key_values, **kwargs)
 
 
+@pytest.mark.slow
 def test_inprocess_clean_calibrated_and_planted(tiny, prompts):
     clean = check_model(tiny, prompts, max_new_tokens=12, threshold=float("inf"))
     assert set(clean["helpers"]) == set(kl.HELPERS)

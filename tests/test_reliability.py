@@ -452,7 +452,7 @@ def test_two_analyzers_on_the_same_dumps_at_once(model_dir, child_script, tmp_pa
     runs += [("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress", "--format", "json", "--rebuild-index")] * 3
     runs += [("first-divergence", tmp_path / "b", tmp_path / "a", "--no-progress", "--format", "json", "--rebuild-index")] * 2
     with ThreadPoolExecutor(len(runs)) as pool:
-        results = list(pool.map(lambda args: dumpdiff(*args), runs))
+        results = list(pool.map(lambda args: dumpdiff(*args, process=True), runs))
     assert all(code == 0 and err == "" for code, _, err in results), [r[2] for r in results]
     for way in ("ab", "ba"):
         reports = {json.dumps(json.loads(out), sort_keys=True) for args, (_, out, _) in zip(runs, results)
@@ -471,7 +471,7 @@ def test_one_dump_named_two_ways_and_two_commands_in_other_orders_never_deadlock
     ref, dec, _ = dump_pair(load_model(model_dir), tmp_path / "d", prompt_ids(8), new_tokens=3, min_free_bytes=0)
     os.symlink(dec, tmp_path / "link")
     relative = lambda path: os.path.relpath(path, ROOT)  # noqa: E731 - dumpdiff runs in ROOT
-    code, out, err = dumpdiff("index", dec, relative(dec), tmp_path / "link", "--no-progress", timeout=60)
+    code, out, err = dumpdiff("index", dec, relative(dec), tmp_path / "link", "--no-progress", timeout=60, process=True)
     assert code == 0 and out.count("tensor rows") == 3, err
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
                                "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2)",
@@ -480,7 +480,7 @@ def test_one_dump_named_two_ways_and_two_commands_in_other_orders_never_deadlock
     runs = [("index", dec, relative(ref), "--no-progress", "--rebuild"), ("index", relative(dec), ref, "--no-progress", "--rebuild"),
             ("index", ref, tmp_path / "link", "--no-progress", "--rebuild")]
     with ThreadPoolExecutor(len(runs)) as pool:
-        results = list(pool.map(lambda args: dumpdiff(*args, timeout=60), runs))
+        results = list(pool.map(lambda args: dumpdiff(*args, timeout=60, process=True), runs))
     holder.wait()
     assert all(code == 0 for code, _, _ in results), [err for _, _, err in results]
 

@@ -21,6 +21,8 @@ from dumpdiff.analyzer.report import repro
 # standalone kinds), from a folder outside the repository, in isolated mode (no PYTHONPATH, no cwd).
 BLOCKED_RUNNER = """
 import runpy, sys
+
+pytestmark = pytest.mark.slow  # minutes of CPU: left out of make test-fast
 BLOCKED = set(sys.argv[2].split(","))
 class Blocker:
     def find_spec(self, name, path=None, target=None):

@@ -16,6 +16,8 @@ import torch
 
 from helpers import dump_padded_batch, first_divergence_json, load_model
 
+pytestmark = pytest.mark.slow  # minutes of CPU: left out of make test-fast
+
 BYTE_OFFSET = 3  # ids 0, 1, 2: pad, bos, eos; a byte b is id b + 3
 LENGTHS = (33, 53, 96)  # left-padded to 96: slot 80 holds a real token in every row
 
