@@ -6,6 +6,7 @@ Plain urllib: the analyzer talks to engines over their public HTTP API and impor
 from __future__ import annotations
 
 import json
+from typing import Any
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -16,19 +17,19 @@ from .errors import DumpError
 DEFAULT_URL = "http://127.0.0.1:30000"
 
 
-def post_json(url: str, body=None, timeout: float = 600.0):
+def post_json(url: str, body: object = None, timeout: float = 600.0) -> Any:
     _check_address(url)
     data = json.dumps(body if body is not None else {}).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
     return _send(request, url, timeout)
 
 
-def get_json(url: str, timeout: float = 60.0):
+def get_json(url: str, timeout: float = 60.0) -> Any:
     _check_address(url)
     return _send(urllib.request.Request(url, method="GET"), url, timeout)
 
 
-def _check_address(url: str):
+def _check_address(url: str) -> None:
     """One line for an address urllib would turn into a traceback ("unknown url type")."""
     try:
         parts = urllib.parse.urlsplit(url)

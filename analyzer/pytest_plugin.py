@@ -31,6 +31,7 @@ from typing import Optional
 
 import pytest
 
+from .kl.result import KLResult
 from .kl import score as kl
 from .kl import render as kl_render
 from .kl.helpers import check_server as kl_check_server  # noqa: F401 - re-exported
@@ -41,7 +42,7 @@ class KLCheckFailed(AssertionError):
     """The KL check did not pass; str() is the full report."""
 
 
-def assert_kl_pass(result: dict, allow_inconclusive: bool = False):
+def assert_kl_pass(result: KLResult, allow_inconclusive: bool = False) -> KLResult:
     """Fail with the rendered table unless the verdict is pass."""
     kind = result["verdict"]["kind"]
     if kind == kl.PASS or (allow_inconclusive and kind == kl.INCONCLUSIVE):
@@ -77,7 +78,7 @@ class KLConsistency:
                 "thresholds_file": self.kl_thresholds, "threshold": self.kl_threshold, "seed": self.kl_seed,
                 "helpers": tuple(self.kl_helpers)}
 
-    def test_kl_consistency(self, dumpdiff_kl_url):
+    def test_kl_consistency(self, dumpdiff_kl_url) -> None:
         result = kl_check_server(dumpdiff_kl_url, **self.kl_options())
         assert_kl_pass(result)
 
@@ -91,7 +92,7 @@ def _option(request, name: str):
 
 # -- as a plugin ---------------------------------------------------------------------------------
 
-def pytest_addoption(parser):
+def pytest_addoption(parser) -> None:
     group = parser.getgroup("dumpdiff-kl", "dumpdiff KL consistency check")
     group.addoption("--kl-url", default=None, help="sglang server for the KL check (or DUMPDIFF_KL_URL)")
     group.addoption("--kl-thresholds", default=None, help="thresholds file (default dumpdiff-kl-thresholds.json)")

@@ -134,7 +134,7 @@ def any_dumper_variable(environ: Optional[Mapping[str, str]] = None) -> bool:
     return any(name in environ for name in VARIABLES)
 
 
-def warn_unknown_variables(environ: Mapping[str, str]):
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
     """One warning line per misspelt DUMPER_* variable (once per process): it would be ignored."""
     for name in sorted(environ):
         if name.startswith("DUMPER_") and name not in VARIABLES and name not in SGLANG_ONLY_VARIABLES \

@@ -65,7 +65,7 @@ def start_endpoint(dumper, port: int, rank: int, world_size: int) -> ThreadingHT
                 return self._reply(400, {"error": str(exc)})
             self._reply(200, results)
 
-        def _reply(self, code, payload):
+        def _reply(self, code, payload) -> None:
             data = json.dumps(payload, default=str).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -73,7 +73,7 @@ def start_endpoint(dumper, port: int, rank: int, world_size: int) -> ThreadingHT
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, *args):  # keep the server's stderr for real problems
+        def log_message(self, *args) -> None:  # keep the server's stderr for real problems
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", port + rank), Handler)

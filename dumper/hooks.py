@@ -30,7 +30,7 @@ _STORED = frozenset(getattr(torch, name) for name in fmt.STORED_DTYPES if hasatt
 class _Call:
     __slots__ = ("name", "module", "cls", "pre", "post", "tensors", "values", "skipped")
 
-    def __init__(self, name, module, cls, pre):
+    def __init__(self, name, module, cls, pre) -> None:
         self.name, self.module, self.cls, self.pre = name, module, cls, pre
         self.post = None
         self.tensors: Dict[str, dict] = {}
@@ -57,7 +57,7 @@ def _names_under(path: str) -> Dict[str, str]:
 class _Pass:
     """Everything captured during one forward pass of the root module."""
 
-    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], exp_dir: str):
+    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], exp_dir: str) -> None:
         self.info = info
         self.kept_rows = kept_rows
         self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
@@ -77,7 +77,7 @@ class _Pass:
 class Dumper:
     """Handle returned by ``install``: ``configure``, ``flush``, ``remove``, ``state``."""
 
-    def __init__(self, model: torch.nn.Module, config: DumperConfig, adapter):
+    def __init__(self, model: torch.nn.Module, config: DumperConfig, adapter) -> None:
         self.model = model
         self.config = config
         self.adapter = adapter
@@ -124,7 +124,7 @@ class Dumper:
         self._wrap_root()
         self._announce()
 
-    def start_endpoint(self, world_size: int = 1):
+    def start_endpoint(self, world_size: int = 1) -> None:
         """Serve run-time control on 127.0.0.1 for a numeric DUMPER_SERVER_PORT."""
         port = self.config.server_port_parsed
         if isinstance(port, int) and self._endpoint is None:
@@ -132,12 +132,12 @@ class Dumper:
             self._endpoint = start_endpoint(self, port, self.rank, world_size)
 
     # --- public API -----------------------------------------------------------------------
-    def _warn_once(self, what: str, message: str):
+    def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
             self._warned.add(what)
             log.warning(message)
 
-    def _check_installed(self):
+    def _check_installed(self) -> None:
         if self._removed:
             raise RuntimeError("dumper: this handle was removed; install the dumper again to dump")
 
@@ -184,11 +184,11 @@ class Dumper:
                 "bytes_written": self._writer.bytes_written, "passes_written": self._writer.passes_written,
                 "stopped": self._writer.stopped_reason, "engine": self.adapter.engine}
 
-    def flush(self):
+    def flush(self) -> None:
         """Wait until every dumped pass is on disk."""
         self._writer.flush()
 
-    def remove(self):
+    def remove(self) -> None:
         """Detach every hook, restore the root forward, and finish writing. Once: a second call
         must not take down a dumper installed on the model since."""
         if self._removed:
@@ -209,7 +209,7 @@ class Dumper:
         self._report_sizes()
 
     # --- root wrapper: pass boundaries ----------------------------------------------------
-    def _wrap_root(self):
+    def _wrap_root(self) -> None:
         original = self._original_forward
 
         def dumped(args, kwargs):
@@ -284,7 +284,7 @@ class Dumper:
             self._detach_hooks()
         return True
 
-    def _fill_prefixes(self, info: PassInfo, exp_dir: str):
+    def _fill_prefixes(self, info: PassInfo, exp_dir: str) -> None:
         """Record a sequence's earlier token ids when this dump does not hold them already
         (a prefix-cache hit, or dumping enabled mid-request), so rows stay alignable."""
         for seq, (first, end) in info.first_positions().items():
@@ -295,7 +295,7 @@ class Dumper:
                     info.prefix_ids[seq] = ids
             self._seq_next[key] = end
 
-    def _end_pass(self, output):
+    def _end_pass(self, output) -> None:
         current = self._pass
         if self.config.non_intrusive_mode == "all" and any(c.module == "" for c in current.nesting):
             self._post(self.model, (), {}, output)
@@ -342,7 +342,7 @@ class Dumper:
         return info
 
     # --- module hooks ---------------------------------------------------------------------
-    def _attach_hooks(self, filter_text: str):
+    def _attach_hooks(self, filter_text: str) -> None:
         selected = self._selected = compile_filter(filter_text)
         for module in self._paths:
             if module is self.model or not any(selected(name, type(module).__name__) for name in self._names(module)):
@@ -354,12 +354,12 @@ class Dumper:
             self._hook_handles.append(module.register_forward_hook(self._leave_holder, always_call=True))
         self._hooked_filter = filter_text
 
-    def _enter_holder(self, module, args):
+    def _enter_holder(self, module, args) -> None:
         current = self._pass
         if current is not None and self._pass_thread == threading.get_ident():
             current.holders.append((module, self._name_of(current, module)))
 
-    def _leave_holder(self, module, args, output):
+    def _leave_holder(self, module, args, output) -> None:
         current = self._pass
         if current is not None and self._pass_thread == threading.get_ident():
             for at in range(len(current.holders) - 1, -1, -1):  # the last one: opened by this call
@@ -380,13 +380,13 @@ class Dumper:
             path = next((under[name] for _, name in reversed(current.holders) if name in under), path)
         return path
 
-    def _detach_hooks(self):
+    def _detach_hooks(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
         self._hooked_filter = None
 
-    def _pre(self, module, args, kwargs):
+    def _pre(self, module, args, kwargs) -> None:
         current = self._pass
         if current is None or self._pass_thread != threading.get_ident():
             return
@@ -402,7 +402,7 @@ class Dumper:
         self._capture(current, call, "in", list(capture.unique_slots(
             list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))))
 
-    def _post(self, module, args, kwargs, output):
+    def _post(self, module, args, kwargs, output) -> None:
         current = self._pass
         if current is None or self._pass_thread != threading.get_ident():
             return
@@ -420,7 +420,7 @@ class Dumper:
         current.order += 1
         self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output, output=True))))
 
-    def _capture(self, current: _Pass, call: _Call, io: str, leaves):
+    def _capture(self, current: _Pass, call: _Call, io: str, leaves) -> None:
         for slot, value in leaves:
             if isinstance(value, torch.Tensor):
                 self._capture_tensor(current, call, fmt.tensor_name(call.name, io, slot), value)
@@ -429,7 +429,7 @@ class Dumper:
             else:
                 call.skipped[f"{io}.{slot}"] = type(value).__name__
 
-    def _capture_tensor(self, current: _Pass, call: _Call, name: str, tensor: torch.Tensor):
+    def _capture_tensor(self, current: _Pass, call: _Call, name: str, tensor: torch.Tensor) -> None:
         if tensor.layout != torch.strided or tensor.device.type == "meta" or tensor.dtype not in _STORED:
             call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
             return
@@ -492,7 +492,7 @@ class Dumper:
         return capture.snapshot(tensor)
 
     # --- logging --------------------------------------------------------------------------
-    def _announce(self):
+    def _announce(self) -> None:
         cfg = self.config
         where = os.path.join(cfg.dir, cfg.exp_name or "<dump_date_time>")
         log.info("dumper: %s, mode=%s, filter='%s' -> %s", "ENABLED" if cfg.enable else "installed, idle",
@@ -500,7 +500,7 @@ class Dumper:
         if cfg.filter and cfg.non_intrusive_mode == "all":
             self._check_filter(cfg.filter)
 
-    def _check_filter(self, filter_text: str):
+    def _check_filter(self, filter_text: str) -> None:
         """Warn, at install or when the filter changes (before any hook runs), about a filter whose
         dump cannot be localized: one selecting no module, or one leaving out the embedding."""
         if ("filter", filter_text) in self._warned:
@@ -520,7 +520,7 @@ class Dumper:
             log.warning("dumper: DUMPER_FILTER='%s' leaves out the embedding (%s) of %s; the analyzer needs its output "
                         "to prove the alignment", filter_text, names, model_class)
 
-    def _report_sizes(self):
+    def _report_sizes(self) -> None:
         if self._writer.passes_written:
             log.info("dumper: wrote %d passes, %.1f MB", self._writer.passes_written, self._writer.bytes_written / 1e6)
 

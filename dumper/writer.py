@@ -76,7 +76,7 @@ class _RankJournal:
     writer was killed says so (readers report that passes may be missing).
     """
 
-    def __init__(self, rank_dir: str, cleanup: bool = False):
+    def __init__(self, rank_dir: str, cleanup: bool = False) -> None:
         os.makedirs(rank_dir, exist_ok=True)
         self.rank_dir = rank_dir
         self.lock_file = open(os.path.join(rank_dir, LOCK_FILE), "a+")
@@ -102,12 +102,12 @@ class _RankJournal:
             self.lock_file.close()  # e.g. a full disk: release the folder for a later try
             raise
 
-    def _set_state(self, text: str):
+    def _set_state(self, text: str) -> None:
         self.lock_file.truncate(0)
         self.lock_file.write(text + "\n")
         self.lock_file.flush()
 
-    def commit(self, line: bytes):
+    def commit(self, line: bytes) -> None:
         """Make a renamed pass file durable, then append its manifest line: the whole line or none."""
         os.fsync(self.dir_fd)  # the rename reaches the disk before the line that names the file
         start = os.fstat(self.manifest).st_size
@@ -123,7 +123,7 @@ class _RankJournal:
                 pass
             raise
 
-    def close(self):
+    def close(self) -> None:
         os.close(self.manifest)
         os.close(self.dir_fd)
         self._set_state("closed")
@@ -166,7 +166,7 @@ _writers = itertools.count(1)  # several dumpers installed in turn in one proces
 
 
 class PassWriter:
-    def __init__(self, queue_bytes: int, max_bytes: int = 0, min_free_bytes: int = 0):
+    def __init__(self, queue_bytes: int, max_bytes: int = 0, min_free_bytes: int = 0) -> None:
         self.queue_bytes = max(queue_bytes, 1)
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
@@ -211,7 +211,7 @@ class PassWriter:
             self._capturing[owner] = held + nbytes
             self._note_peak()
 
-    def _note_peak(self):
+    def _note_peak(self) -> None:
         held = self._pending_bytes + sum(self._capturing.values())
         if held > self.peak_pending_bytes:
             self.peak_pending_bytes = held
@@ -232,7 +232,7 @@ class PassWriter:
         self._queue.put(record)
         return True
 
-    def _start(self):
+    def _start(self) -> None:
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="dumper-writer", daemon=True)
@@ -248,11 +248,11 @@ class PassWriter:
                     return True
         return False
 
-    def flush(self):
+    def flush(self) -> None:
         """Block until every submitted pass is committed (or dropped after a stop)."""
         self._queue.join()
 
-    def finish(self, exp_dir: str):
+    def finish(self, exp_dir: str) -> None:
         """Commit what is queued and close the experiment's rank folders ("closed" in the lock
         file), so readers know the dump is whole; a later pass to it simply reopens it. Done on
         the writer thread, in queue order: no pass file is ever closed under a write."""
@@ -261,12 +261,12 @@ class PassWriter:
         self._queue.put(PassRecord(exp_dir, -1, {}, {}, finish=True))
         self.flush()
 
-    def _finish_now(self, exp_dir: str):
+    def _finish_now(self, exp_dir: str) -> None:
         prefix = os.path.join(exp_dir, "")
         for rank_dir in [d for d in self._journals if d.startswith(prefix)]:
             self._journals.pop(rank_dir).close()
 
-    def close(self):
+    def close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -279,7 +279,7 @@ class PassWriter:
             journal.close()
         self._journals.clear()
 
-    def write_run_info(self, exp_dir: str, info: dict):
+    def write_run_info(self, exp_dir: str, info: dict) -> None:
         """run.json once per experiment folder. The writer thread writes it only once it holds
         the rank folder's lock, so a second process started on the same experiment by mistake
         never overwrites the run.json of the one that owns it."""
@@ -288,7 +288,7 @@ class PassWriter:
         self._run_written.add(exp_dir)
         self._run_pending[exp_dir] = info
 
-    def _write_run_file(self, exp_dir: str, info: dict):
+    def _write_run_file(self, exp_dir: str, info: dict) -> None:
         # atomic: ranks of one run write the same file concurrently and must never tear it
         path = os.path.join(exp_dir, fmt.RUN_FILE)
         tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
@@ -303,7 +303,7 @@ class PassWriter:
                 os.unlink(tmp)
 
     # --- writer thread --------------------------------------------------------------------
-    def _loop(self):
+    def _loop(self) -> None:
         while True:
             record = self._queue.get()
             try:
@@ -327,7 +327,7 @@ class PassWriter:
                         self._cond.notify_all()
                 self._queue.task_done()
 
-    def _write(self, record: PassRecord):
+    def _write(self, record: PassRecord) -> None:
         if record.ready is not None:
             record.ready.synchronize()
         rank_dir = os.path.join(record.exp_dir, fmt.rank_dir_name(record.rank))
@@ -377,7 +377,7 @@ class PassWriter:
         self.bytes_written += size
         self.passes_written += 1
 
-    def _note_earlier_passes(self, rank_dir: str, passes_found: int):
+    def _note_earlier_passes(self, rank_dir: str, passes_found: int) -> None:
         """Warn once per folder when it holds passes this writer did not commit: the new ones would
         join an earlier run's dump (two prefills of one prompt in one dump) without a word. A folder
         this writer wrote to and reopens (exp_name switched away and back) holds only its own."""
@@ -387,12 +387,12 @@ class PassWriter:
                         rank_dir, passes_found, "" if passes_found == 1 else "es")
         self._folders_seen.add(rank_dir)
 
-    def _check_limit(self, nbytes: int):
+    def _check_limit(self, nbytes: int) -> None:
         if self.max_bytes and self.bytes_written + nbytes > self.max_bytes:
             raise _BudgetExceeded(f"DUMPER_MAX_BYTES={self.max_bytes} reached: {self.bytes_written} bytes written, "
                                   f"the next pass needs {nbytes}")
 
-    def _check_floor(self, rank_dir: str, coming: int):
+    def _check_floor(self, rank_dir: str, coming: int) -> None:
         if not self.min_free_bytes:
             return  # no floor: write until the disk says no (ENOSPC stops dumping just as cleanly)
         free = shutil.disk_usage(rank_dir).free
@@ -400,7 +400,7 @@ class PassWriter:
             raise _BudgetExceeded(f"only {free} bytes free on the disk of {rank_dir}; the next pass (up to {coming} "
                                   f"bytes) would go below DUMPER_MIN_FREE_BYTES={self.min_free_bytes}")
 
-    def _stop(self, exp_dir: Optional[str], reason: str):
+    def _stop(self, exp_dir: Optional[str], reason: str) -> None:
         self.stopped_reason = reason
         log.error("dumper: DUMPING STOPPED, dump is incomplete: %s (the model keeps running)", reason)
         if exp_dir:

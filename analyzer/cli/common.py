@@ -46,7 +46,7 @@ def guarded(func):
 
 
 
-def fail(message: str):
+def fail(message: str) -> None:
     click.echo(f"dumpdiff: error: {escape_controls(message)}", err=True)
     sys.exit(EXIT_TROUBLE)
 
@@ -90,7 +90,7 @@ def _writable_target(output: str) -> str:
     return target
 
 
-def emit(text: str, output: str = None, headline: str = None):
+def emit(text: str, output: str = None, headline: str = None) -> None:
     """Write the whole result at once (to a temp file then rename): never a partial file. Only a
     regular file (or a new one) is replaced: renaming over a device or a named pipe would turn
     it into a file. ``headline``: the verdict in a line, said on stderr when the result goes to a file."""

@@ -88,7 +88,7 @@ def _check_kwargs(kw: dict) -> dict:
                    "error) picks the format unless --format is given.")
 @click.pass_context
 @guarded
-def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
+def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw) -> None:
     """Score every generated token twice - as a decode output and as a prefill input - and say
     whether prefill and decode disagree because of batch-variance or a state bug.
 
@@ -167,7 +167,7 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
 @click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
               help="Output format.")
 @guarded
-def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, quiet, **kw):
+def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, quiet, **kw) -> None:
     """Propose (and write) the KL threshold for the server's model and tp.
 
     Runs the helpers --repeats times on a known-good engine and proposes margin x the largest
@@ -275,7 +275,7 @@ def _calibration_text(result: dict, md: bool) -> str:
 @click.pass_context
 @guarded
 def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, strict_only, fmt, output,
-                 quiet, **kw):
+                 quiet, **kw) -> None:
     """Replay the worst prompt of a dirty KL helper with dumping on and name the culprit op.
 
     The server must run dumpdiff's dumper with its HTTP control, idle until asked:
@@ -346,6 +346,6 @@ def read_kl_result(path: str) -> dict:
     return loaded
 
 
-def add_kl_commands(main):
+def add_kl_commands(main) -> None:
     main.add_command(kl_group)
     main.add_command(localize_cmd)

@@ -20,7 +20,7 @@ from ..http import DEFAULT_URL
 from .common import (EXIT_DIFFERENT, EXIT_SAME, FAIL_ON, FAIL_ON_STATE_BUG, FORMATS, emit, fail,
                      guarded, output_format)
 
-def _verbose(ctx, param, verbose: bool):
+def _verbose(ctx, param, verbose: bool) -> None:
     """-v/--verbose, before or after the command's name: the analyzer's progress details (INFO of
     the "dumpdiff" logger). A level on that logger, not on the root one, because the command's -v
     is parsed after main() has configured logging; put back when the command ends, so a library
@@ -40,12 +40,12 @@ SHARED_OPTIONS = (click.Option(["-v", "--verbose"], is_flag=True, expose_value=F
 class SharedOptionsGroup(click.Group):
     """A group whose SHARED_OPTIONS every command added to it (and to its subgroups) takes too."""
 
-    def add_command(self, cmd: click.Command, name: str = None):
+    def add_command(self, cmd: click.Command, name: str = None) -> None:
         _share_options(cmd)
         super().add_command(cmd, name)
 
 
-def _share_options(cmd: click.Command):
+def _share_options(cmd: click.Command) -> None:
     taken = {opt for param in cmd.params for opt in param.opts}
     cmd.params += [copy.copy(option) for option in SHARED_OPTIONS if not taken & set(option.opts)]
     for sub in getattr(cmd, "commands", {}).values():  # kl calibrate
@@ -56,7 +56,7 @@ def _share_options(cmd: click.Command):
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="dumpdiff", message="%(prog)s %(version)s")
 @click.pass_context
-def main(ctx):
+def main(ctx) -> None:
     """dumpdiff - find the operator that makes prefill and decode disagree.
 
     \b
@@ -119,7 +119,7 @@ def render(result: dict, fmt: str) -> str:
 @click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
 @guarded
 def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, allow_mismatch, rebuild_index, atol, rtol,
-                         noise_repeat, strict_only, fail_on, no_progress):
+                         noise_repeat, strict_only, fail_on, no_progress) -> None:
     """Name the first operator whose inputs match and whose output does not.
 
     REFERENCE is usually the dump of one prefill of prompt+output; TEST the dump of the prefill
@@ -188,7 +188,7 @@ def exit_status(result: dict, fail_on: str) -> int:
     return EXIT_DIFFERENT if result["divergence"] else EXIT_SAME
 
 
-def _check_noise_repeat(noise_repeat, reference: str, test: str):
+def _check_noise_repeat(noise_repeat, reference: str, test: str) -> None:
     """--noise naming REFERENCE itself (or TEST) is refused, not warned about: its differences to
     the reference would be all zero (or the divergence itself), so every floor would be zero (or
     hide the culprit), and a report saying "floors from a repeat run" would mislead; a warning
@@ -241,7 +241,7 @@ main.add_command(_report_command())
 @click.option("--rebuild", is_flag=True, help="Rebuild even when the index is fresh.")
 @click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
 @guarded
-def index_cmd(dumps, rebuild, no_progress):
+def index_cmd(dumps, rebuild, no_progress) -> None:
     """Build the parquet index of each DUMP (one row per tensor row, with its fingerprint).
 
     The index is written to DUMP/index/ (or ~/.cache/dumpdiff/index/ when DUMP is read-only)
@@ -286,7 +286,7 @@ def _parse_setting(text: str):
 @click.option("--url", default=DEFAULT_URL, show_default=True,
               help="The server (DUMPER_SERVER_PORT=reuse) or the dumper's own endpoint (numeric DUMPER_SERVER_PORT).")
 @guarded
-def ctl_cmd(method, settings, url):
+def ctl_cmd(method, settings, url) -> None:
     """Control a running dumper: the same calls as `curl -X POST URL/dumper/METHOD -d JSON`.
 
     \b
@@ -317,7 +317,7 @@ def ctl_cmd(method, settings, url):
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
 @click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
 @guarded
-def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment, allow_mismatch, no_progress):
+def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment, allow_mismatch, no_progress) -> None:
     """Write the culprit call's inputs at both shapes and a standalone script that replays it.
 
     \b
@@ -354,7 +354,7 @@ add_kl_commands(main)
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @guarded
-def import_sglang_cmd(src, dst):
+def import_sglang_cmd(src, dst) -> None:
     """Convert a dump of sglang's built-in dumper (.pt files) into a dumpdiff dump.
 
     \b
@@ -372,7 +372,7 @@ def import_sglang_cmd(src, dst):
     click.echo(result.describe(), nl=False)
 
 
-def entry():
+def entry() -> None:
     """The `dumpdiff` program (console script, ``python -m dumpdiff.analyzer.cli``). The process is ours, so
     glibc may keep freed memory for the next arrays (analyzer/memtune.py); ``main`` called from
     someone else's code leaves their process's allocator as it is."""

@@ -21,7 +21,7 @@ class FileLayout:
     asked for (a reader of a few rows needs one or two of hundreds). ``share`` hands this layout
     the checked entries of an earlier file whose tensors lie the same way (decode steps)."""
 
-    def __init__(self, header: dict, data_start: int, file_size: int):
+    def __init__(self, header: dict, data_start: int, file_size: int) -> None:
         self.header, self._start, self.file_size = header, data_start, file_size
         self._entries: Dict[str, Optional[tuple]] = {}  # offsets from the data start
 
@@ -41,7 +41,7 @@ class FileLayout:
         """The header's tensor entries (all but the metadata)."""
         return {name: entry for name, entry in self.header.items() if name != "__metadata__"}
 
-    def share(self, other: "FileLayout"):
+    def share(self, other: "FileLayout") -> None:
         """Use ``other``'s checked entries: its tensor entries and data size equal this file's."""
         self._entries = other._entries
 

@@ -215,7 +215,7 @@ def _safe_open(path: str, framework: str = "numpy"):
 class PassFile:
     """One committed pass: its metadata and lazy access to its tensors."""
 
-    def __init__(self, ref: PassRef, whole: bool = False, buffer_for=None):
+    def __init__(self, ref: PassRef, whole: bool = False, buffer_for=None) -> None:
         """``whole``: read the whole file now and keep its bytes as ``data`` (a small pass), in a
         buffer from ``buffer_for(n)`` when given (the caller's to reuse once done with this pass)."""
         self.ref = ref
@@ -266,6 +266,6 @@ class PassFile:
         from .torchbits import from_torch  # bfloat16, float8: numpy has no such type
         return from_torch(self.tensor(name))
 
-    def _check(self, name: str):
+    def _check(self, name: str) -> None:
         if name not in self.names:
             raise DumpError(f"{show(self.ref.path)}: tensor {name!r} listed in metadata is not in the file; the file is damaged")

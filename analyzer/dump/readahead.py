@@ -10,7 +10,7 @@ import threading
 from typing import Iterable
 
 
-def will_need(paths: Iterable[str]):
+def will_need(paths: Iterable[str]) -> None:
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a named pipe put there must not block
@@ -28,14 +28,14 @@ class RangeAdvisor:
     is asked for once the reads come within half a window of the last one. The reads then find
     their bytes in the page cache while the threads hash the previous ones."""
 
-    def __init__(self, path: str, ahead: int):
+    def __init__(self, path: str, ahead: int) -> None:
         self._ahead, self._asked, self._lock = ahead, 0, threading.Lock()
         try:
             self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:  # the reads themselves say what is wrong with the file
             self._fd = None
 
-    def reach(self, start: int, end: int):
+    def reach(self, start: int, end: int) -> None:
         with self._lock:  # the hint itself is given outside: it can wait on the device's queue
             if self._fd is None or self._asked >= end + self._ahead // 2:
                 return
@@ -46,7 +46,7 @@ class RangeAdvisor:
         except (OSError, AttributeError):  # no such hint here (or closed): the reads fetch the bytes
             pass
 
-    def close(self):
+    def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

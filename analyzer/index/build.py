@@ -146,7 +146,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
     def one(i, ref):
         counted = [0]
 
-        def advance(nbytes: int):
+        def advance(nbytes: int) -> None:
             with lock:
                 counted[0] += nbytes
                 bar.update(nbytes)
@@ -217,10 +217,10 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 class _NoBar:
-    def update(self, n: int = 1):
+    def update(self, n: int = 1) -> None:
         pass
 
-    def close(self):
+    def close(self) -> None:
         pass
 
 
@@ -380,7 +380,7 @@ def _open_pass(pf: PassFile):
         raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
 
 
-def _read_range(handle, at: int, into: np.ndarray, pf: PassFile, name: str):
+def _read_range(handle, at: int, into: np.ndarray, pf: PassFile, name: str) -> None:
     """Fill ``into`` with the file's bytes from ``at``; the file ending first is a truncated file."""
     try:
         read_exactly(handle.fileno(), into, at)
@@ -390,7 +390,7 @@ def _read_range(handle, at: int, into: np.ndarray, pf: PassFile, name: str):
         raise DumpError(f"{show(pf.ref.path)}: cannot read ({exc}); the file is damaged") from None
 
 
-def _locked(lock, func, *args):
+def _locked(lock, func, *args) -> None:
     with lock:
         func(*args)
 
@@ -423,7 +423,7 @@ class _ReadBuffers:
     the smallest let go first).
     A fresh buffer costs the kernel zeroing each page, as much CPU as reading into it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: List[np.ndarray] = []
 
@@ -434,7 +434,7 @@ class _ReadBuffers:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
         return np.empty(max(nbytes, 1), dtype=np.uint8)
 
-    def give(self, buffer: np.ndarray):
+    def give(self, buffer: np.ndarray) -> None:
         if buffer.nbytes > POOLED_BYTES:
             return
         with self._lock:
@@ -443,7 +443,7 @@ class _ReadBuffers:
             while sum(b.nbytes for b in self._free) > READ_AHEAD_BYTES:
                 self._free.pop(0)  # the smallest go first: a larger buffer serves any smaller tensor
 
-    def clear(self):
+    def clear(self) -> None:
         with self._lock:
             self._free.clear()
 
@@ -468,7 +468,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None, layout=None):
     state = {"held": 0, "stop": False}
     cond = threading.Condition()
 
-    def reader():
+    def reader() -> None:
         try:
             with _open_pass(pf) as handle:
                 for name in order:
@@ -497,7 +497,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None, layout=None):
                 if isinstance(error, OSError):
                     raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
                 raise error
-            def release(nbytes=nbytes, buffer=buffer, released=[]):  # noqa: B006 - one list per tensor
+            def release(nbytes=nbytes, buffer=buffer, released=[]) -> None:  # noqa: B006 - one list per tensor
                 # the consumer keeps nothing pointing into it; given back twice, it would be
                 # handed out to two tensors at once
                 if released:

@@ -17,7 +17,7 @@ import numpy as np
 
 class Columns:
     def __init__(self, data: Dict[str, np.ndarray], dictionaries: Dict[str, Tuple[np.ndarray, np.ndarray]] = None,
-                 length: int = None, arrow=None):
+                 length: int = None, arrow=None) -> None:
         self._data = dict(data)
         self._dicts = dict(dictionaries or {})  # name -> (codes, vocabulary as object array)
         self._arrow = arrow  # a pyarrow Table whose columns are converted on first use
@@ -35,7 +35,7 @@ class Columns:
         """Columns over a pyarrow Table; each is converted when first read (most are never read)."""
         return cls({}, arrow=table)
 
-    def _load(self, name: str):
+    def _load(self, name: str) -> None:
         if self._arrow is None or name in self._data or name in self._dicts or name not in self.names:
             return
         import pyarrow as pa

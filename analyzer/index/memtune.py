@@ -25,7 +25,7 @@ SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20),  # the largest glibc accepts on 64-bit
 _allowed = False
 
 
-def allow():
+def allow() -> None:
     """Called by the command-line entry point: the process is ours to tune."""
     global _allowed
     _allowed = True

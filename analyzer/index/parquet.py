@@ -13,7 +13,7 @@ class ParquetBytes:
     """The footer parsed once (or given: ``metadata``); ``read`` decodes the named columns. Not
     safe on two threads at once: give each thread its own, over the same bytes and metadata."""
 
-    def __init__(self, data, metadata=None):
+    def __init__(self, data, metadata=None) -> None:
         import pyarrow as pa
         source = pa.BufferReader(data)
         try:

@@ -61,7 +61,7 @@ def _view_shape(shape: List[int], tmeta: dict) -> tuple:
 class RowPlan:
     """The kept rows of one tensor: ``rows(tensor)`` gives them as [kept, ...]."""
 
-    def __init__(self, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray, shape: tuple):
+    def __init__(self, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray, shape: tuple) -> None:
         self.shape = shape
         self._view_meta = {"token_dims": tmeta.get("token_dims"), "selected": tmeta.get("selected")}  # for stored_row_view
         token_rows = token_rows_of(tmeta, meta, n_rows)
@@ -126,7 +126,7 @@ class PassRows:
     """The token rows of a pass, and the row plans of its tensors: passes with the same token
     rows (the decode steps of a batch) share one, so a plan is made once per tensor shape."""
 
-    def __init__(self, meta: dict, n_rows: int, valid: np.ndarray, key: tuple):
+    def __init__(self, meta: dict, n_rows: int, valid: np.ndarray, key: tuple) -> None:
         self._meta, self._n_rows, self._valid = meta, n_rows, valid
         self.key = key  # what the token rows are: equal keys, equal plans
         self._plans = {}

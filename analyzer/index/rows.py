@@ -34,7 +34,7 @@ WHOLE_FILE_AFTER = 8
 
 
 class RowReader:
-    def __init__(self, index: Index, cache_bytes: int = CACHE_BYTES):
+    def __init__(self, index: Index, cache_bytes: int = CACHE_BYTES) -> None:
         self.index = index
         rank_ids = distinct(index.cols("tokens")["rank"]).tolist()
         self.refs = {p.pass_id: p for r in rank_ids for p in index.dump.ranks[int(r)].passes}
@@ -158,7 +158,7 @@ class RowReader:
                 self._share_entries(layout)
         return layout.get(stored) if layout else None
 
-    def _share_entries(self, layout):
+    def _share_entries(self, layout) -> None:
         """Decode steps lay their tensors out alike: a file whose tensor entries and data size
         equal an earlier one's uses that one's checked entries (hundreds per file)."""
         entries, data_size = layout.tensor_entries(), layout.data_size
@@ -168,7 +168,7 @@ class RowReader:
                 return
         self._alike = [(entries, data_size, layout)] + self._alike[:3]
 
-    def drop_whole(self, pass_id: int):
+    def drop_whole(self, pass_id: int) -> None:
         """A pass read broadly is done with: its whole file leaves the cache now (pass by pass,
         it is not asked for again before the next chunk of batches)."""
         self._broad.discard(pass_id)
@@ -177,7 +177,7 @@ class RowReader:
         if slot is not None and slot["file"] is not None:
             self._cached -= slot["file"].nbytes
 
-    def read_broadly(self, pass_id: int):
+    def read_broadly(self, pass_id: int) -> None:
         """The caller is about to ask for rows of many tensors of this pass: a small file is
         read whole at the first ask (and again if it was evicted meanwhile)."""
         self._broad.add(pass_id)
@@ -266,7 +266,7 @@ class RowReader:
         self._cache.move_to_end(key)
         return slot
 
-    def _evict(self):
+    def _evict(self) -> None:
         while self._cached > self._limit and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             if old["view"] is not None:
@@ -280,7 +280,7 @@ class FileEnded(OSError):
     """The file ended before the bytes asked for: it is truncated."""
 
 
-def read_exactly(fd: int, buffer: np.ndarray, offset: int):
+def read_exactly(fd: int, buffer: np.ndarray, offset: int) -> None:
     """Fill ``buffer`` from byte ``offset`` of the file; FileEnded (an OSError) at its end."""
     view, got = memoryview(buffer), 0
     while got < buffer.nbytes:

@@ -88,7 +88,7 @@ class LazyParquet:
     rows), so a rebuild by another process (which renames new files into place) cannot change
     what this one reads."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         self._path = path
         with _open_saved(path) as handle:
             self._data = _whole(handle)
@@ -101,7 +101,7 @@ class LazyParquet:
         self._lock = threading.Lock()  # guards _prefetch and _ready (a dump compared with itself shares
         #                                this object between both sides' threads)
 
-    def prefetch(self, names):
+    def prefetch(self, names) -> None:
         """Start decoding these columns in the background, on up to a thread per core (pyarrow
         lets go of the GIL); ``column`` waits for them. Decoding them one by one, when asked, is
         serial work the verdict path would otherwise wait for."""
@@ -128,13 +128,13 @@ class LazyParquet:
             self._settle()
         return self._read(None).to_pandas(use_threads=use_threads)
 
-    def close(self):
+    def close(self) -> None:
         """Let go of the mapping now (both the bytes and the parser over them hold it)."""
         with self._lock:
             self._settle(quiet=True)
         self._data = self._file = None
 
-    def _settle(self, quiet: bool = False):
+    def _settle(self, quiet: bool = False) -> None:
         """Wait for the read-ahead (under self._lock)."""
         pending, self._prefetch = self._prefetch, {}
         for name, future in pending.items():

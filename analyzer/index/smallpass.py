@@ -107,7 +107,7 @@ class Structure:
         return cls(pf, layout, tensor_metas, stored_names, row_plans, volatile)
 
     def __init__(self, pf: PassFile, layout: FileLayout, tensor_metas: dict, stored_names: list, row_plans: PassRows,
-                 volatile: frozenset):
+                 volatile: frozenset) -> None:
         self.calls = pf.meta["calls"]
         self.key = row_plans.key
         self._header = layout.header  # a later file whose entries text repeats this one's shares it
@@ -312,7 +312,7 @@ def _large_and_scattered(layout: FileLayout, name: str, tmeta: dict) -> bool:
     return not rows_lie_in_order(tmeta) and end - begin > SCATTERED_BYTES
 
 
-def _add_stats(stats, fps: list, amaxes: list, nonfinites: list):
+def _add_stats(stats, fps: list, amaxes: list, nonfinites: list) -> None:
     fp, amax, nonfinite = stats
     fps.append(fp)
     amaxes.append(np.full(len(fp), np.nan) if amax is None else amax)

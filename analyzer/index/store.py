@@ -88,7 +88,7 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
                 todo[key] = (dump, where, stamp)
         building = list(todo.items())
 
-        def save(k: int, made: dict):
+        def save(k: int, made: dict) -> None:
             _, (_, where, stamp) = building[k]
             if folder[where]:
                 try:
@@ -154,13 +154,13 @@ def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
     return tables
 
 
-def _unsaved(where: str, exc: OSError):
+def _unsaved(where: str, exc: OSError) -> None:
     logging.getLogger("dumpdiff").warning(
         "warning: could not save the index in %s (%s); it is used from memory and rebuilt next time",
         show(where), exc.strerror or exc)
 
 
-def _warn(dump: Dump):
+def _warn(dump: Dump) -> None:
     """What the dump lacks (killed writer, disk limit) goes to stderr for every command."""
     for note in dump.warnings():
         logging.getLogger("dumpdiff").warning("warning: %s", note)
@@ -171,7 +171,7 @@ def _warn(dump: Dump):
 DELTA_COLUMNS = {"rows": ("row", "srow", "offset")}
 
 
-def _write_tables(where: str, tables: dict, stamp: dict):
+def _write_tables(where: str, tables: dict, stamp: dict) -> None:
     """Called under the index lock. The stamp goes first and comes back last, so a build killed
     half-way leaves no stamp and is redone, never trusted; each file is renamed into place whole.
     One file at a time: pyarrow writing Python file objects from several threads crashes (SIGSEGV)

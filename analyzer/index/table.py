@@ -17,7 +17,7 @@ class Index:
     made on first use; ``index.cols("tokens")`` is the same table as numpy columns, which the
     strict verdict reads (it never imports pandas)."""
 
-    def __init__(self, dump: Dump, tables: dict, where: str, rank: Optional[int] = None, shared: dict = None):
+    def __init__(self, dump: Dump, tables: dict, where: str, rank: Optional[int] = None, shared: dict = None) -> None:
         self.dump = dump
         self.where = where
         self._tables = tables  # name -> pyarrow Table (read from disk or just built)
@@ -52,7 +52,7 @@ class Index:
     tensors = property(lambda self: self.frame("tensors"))
     rows = property(lambda self: self.frame("rows"))
 
-    def prefetch(self, table: str, names):
+    def prefetch(self, table: str, names) -> None:
         """Read these columns of a table saved on disk in the background (no-op for one in memory)."""
         if isinstance(self._tables[table], LazyParquet):
             self._tables[table].prefetch(names)

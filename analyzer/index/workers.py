@@ -73,7 +73,7 @@ class WorkerPool:
     shutdown). Once a worker dies, every job not yet answered fails with WorkerDied. Raises OSError
     when the processes cannot be started here or do not get ready."""
 
-    def __init__(self, workers: int, module: str):
+    def __init__(self, workers: int, module: str) -> None:
         if not sys.executable or getattr(sys, "frozen", False):  # embedded, or a frozen app: no Python to start
             raise OSError("no Python executable to start worker processes with")
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()

@@ -43,7 +43,7 @@ Log = Callable[[str], None]
 class Server:
     """The few sglang HTTP calls the KL check needs."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._info = None
@@ -103,7 +103,7 @@ class Server:
                 "deterministic_inference": bool(info.get("enable_deterministic_inference"))}
 
     # -- calls -------------------------------------------------------------------------------
-    def flush(self, attempts: int = 20):
+    def flush(self, attempts: int = 20) -> None:
         """POST /flush_cache; sglang answers 400 while requests are still running: retry."""
         for attempt in range(attempts):
             try:
@@ -227,7 +227,7 @@ class Context:
     """What every helper needs: the server, sampling, sizes, logging."""
 
     def __init__(self, server: Server, *, max_new_tokens: int, sampling: dict, vocab_size: Optional[int],
-                 log: Log = lambda _m: None, turn_token: Optional[int] = None):
+                 log: Log = lambda _m: None, turn_token: Optional[int] = None) -> None:
         self.server = server
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
@@ -294,7 +294,7 @@ def _cached(result: dict) -> int:
     return int(result["meta_info"].get("cached_tokens") or 0)
 
 
-def _ref_notes(ref_cached: list, notes: list, ctx: Context, fulls: list):
+def _ref_notes(ref_cached: list, notes: list, ctx: Context, fulls: list) -> None:
     hit = [c for c in ref_cached if c]
     if hit:
         notes.append(f"the reference prefill restored tokens from the cache on {len(hit)} prompts (up to {max(hit)}; "
@@ -337,7 +337,7 @@ def run_match(ctx: Context, prompts: List[List[int]]) -> tuple:
     return rows, notes
 
 
-def _eviction_note(server: Server, hits: list, needed: int, notes: list):
+def _eviction_note(server: Server, hits: list, needed: int, notes: list) -> None:
     """Misses because the batch does not fit the KV pool (the warm entries were evicted)."""
     pool = server.kv_tokens
     if not all(hits) and pool and needed > pool:

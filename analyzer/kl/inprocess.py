@@ -88,7 +88,7 @@ def _cache_len(cache) -> Optional[int]:
 
 
 class _Runner:
-    def __init__(self, model, max_new_tokens: int, temperature: float, seed: int):
+    def __init__(self, model, max_new_tokens: int, temperature: float, seed: int) -> None:
         self.model = model
         self.device = _device(model)
         self.max_new_tokens = max_new_tokens

@@ -54,7 +54,7 @@ def dump_dir(url: str) -> str:
     return folder
 
 
-def _wait_written(url: str, before: list, timeout: float = 300.0):
+def _wait_written(url: str, before: list, timeout: float = 300.0) -> None:
     """Until every pass the dumper took since `before` is on disk (the writer is asynchronous)."""
     deadline = time.monotonic() + timeout
     while True:

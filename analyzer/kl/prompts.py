@@ -63,7 +63,7 @@ def read_numbered(path: str) -> list:
     return prompts
 
 
-def check_vocab(prompts: list, vocab_size: int, vocab_from: str):
+def check_vocab(prompts: list, vocab_size: int, vocab_from: str) -> None:
     """Refuse a token id the model has no embedding row for: sent, it crashes the server's
     embedding lookup, and the check then only sees a server that stopped answering.
     ``prompts``: (where, prompt) pairs, where as "FILE:LINE"; text prompts are the server's

@@ -63,7 +63,7 @@ def load(path: str) -> dict:
     return data
 
 
-def save(path: str, data: dict):
+def save(path: str, data: dict) -> None:
     """Atomic write, sorted keys: a file that diffs well in review."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as handle:

@@ -88,7 +88,7 @@ def write_bundle(out_dir: str, captured: dict, source=None) -> dict:
     return {"meta": meta, "files": files, "script": os.path.join(out_dir, SCRIPT)}
 
 
-def _write_text(path: str, text: str):
+def _write_text(path: str, text: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as handle:
         handle.write(text)
@@ -395,7 +395,7 @@ def _check_formula(kind: str, attrs: dict, sub, params: dict, inputs: dict, meta
 OTHER_WEIGHTS_REL = 0.1
 
 
-def _same_model(real, dumped, meta: dict, source):
+def _same_model(real, dumped, meta: dict, source) -> None:
     """DumpError when the model's module computes something else than the dump holds: another
     shape, or an output off by far more than kernel noise (other weights of the same shapes)."""
     if tuple(real.shape) != tuple(dumped.shape):
@@ -415,7 +415,7 @@ class ModelSource:
     and one module's parameters read from the checkpoint by name (the whole model is loaded only
     when the names do not resolve)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
             raise DumpError(f"--model {show(path)}: not an HF model directory (no config.json)")
         try:

@@ -107,7 +107,7 @@ class _Branch:
     """One sequence's token ids from position 0 as last computed, with the key of each prefix."""
     __slots__ = ("ids", "keys", "step", "gap", "late")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.ids: List[int] = []
         self.keys: List[bytes] = []
         self.step = None  # the engine step of the pass that last extended it

@@ -211,7 +211,7 @@ def _columns(pieces, n_pairs: int, entry_dtype, rows: Dict[str, Columns], shape_
     out = {name: np.empty(starts[-1], kind) for name, kind in kinds.items()}
     is_in, is_out = io_of == "in", io_of == "out"  # on codes, not strings
 
-    def fill(k: int):
+    def fill(k: int) -> None:
         at = slice(starts[k], starts[k + 1])
         pair, tcode, entry_a, entry_b = pieces[k]
         cell = {name: column[at] for name, column in out.items()}
@@ -377,7 +377,7 @@ def _per_call(table: RowTable, b: Index) -> Columns:
     if n_cells <= DENSE_CELLS:  # a flag per (pair, call) cell: no sort, a byte per cell
         flags = {name: np.zeros(n_cells, bool) for name in ("present", "in", "out")}
 
-        def mark(span):  # spans of entries on threads; where two meet on a pair, both write True
+        def mark(span) -> None:  # spans of entries on threads; where two meet on a pair, both write True
             at = slice(*span)
             key = table["pair"][at].astype(np.int64) * n_calls + table["ccode"][at]
             differ = table["differ"][at]
@@ -508,7 +508,7 @@ def calls_timeline(counts: Dict[str, np.ndarray], order: np.ndarray, calls: np.n
     return {"calls_timeline": timeline, "calls_timeline_total": int(len(present))}
 
 
-def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray, skipped=()):
+def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray, skipped=()) -> str | None:
     """Say so when the first difference appeared at a child's input, i.e. in the culprit's own code,
     or in a hooked child that could not be compared (``skipped``: not_comparable's entries)."""
     at = int(np.searchsorted(first_dirty["pair"], pair))
@@ -660,7 +660,7 @@ def uncompared_calls(table: RowTable, a: Index, b: Index) -> Tuple[Dict[str, str
     found: Dict[str, str] = {}
     outputs: Set[str] = set()
 
-    def add(tensor: str, call: str, why: str):
+    def add(tensor: str, call: str, why: str) -> None:
         found.setdefault(call, f"{tensor}: {why}")
         if tensor.startswith(call + ".out."):
             outputs.add(call)

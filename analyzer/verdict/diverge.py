@@ -26,7 +26,7 @@ from .kinds import rank_kind, worst_kind
 IDENTITY_KEYS = ("model_type", "num_layers", "dtype", "tp_size")
 
 
-def check_same_model(a: Dump, b: Dump, allow: bool):
+def check_same_model(a: Dump, b: Dump, allow: bool) -> None:
     for key in IDENTITY_KEYS:
         va, vb = a.run.get(key), b.run.get(key)
         if va is not None and vb is not None and va != vb and not allow:
@@ -111,7 +111,7 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
     return result
 
 
-def _warn_swapped(result: dict, a: Dump, b: Dump, decode_a: int):
+def _warn_swapped(result: dict, a: Dump, b: Dump, decode_a: int) -> None:
     """The reference (first argument) holds decode steps and the run under test none: the usual
     slip of giving the decode run first. The verdict still runs (the labels say which is which).
     Extend rows in a reference are no sign of it: chunked prefills and cache hits make them."""
@@ -125,7 +125,7 @@ def _filter_text(setting) -> str:
     return text[len("name="):] if text.startswith("name=") else text
 
 
-def _check_cut_off_reference(a: Dump, b: Dump, alignment, rank: int):
+def _check_cut_off_reference(a: Dump, b: Dump, alignment, rank: int) -> None:
     """A reference whose writer died mid-dump lacks the rows it never wrote: a verdict over the
     rows left would pass a partial comparison off as the whole one."""
     part = a.ranks.get(rank)
@@ -136,7 +136,7 @@ def _check_cut_off_reference(a: Dump, b: Dump, alignment, rank: int):
                         "dump the reference again")
 
 
-def _warn_cached_reference(result: dict, a: Dump, alignment, rank: int):
+def _warn_cached_reference(result: dict, a: Dump, alignment, rank: int) -> None:
     """Paired reference rows computed in extend passes: a chunked prefill or a prefix-cache hit.
     A cache or restore bug then runs in the reference too. (Decode rows in a reference are not
     said here: two decode runs compared for run-to-run determinism have them by design.)"""
@@ -149,7 +149,7 @@ def _warn_cached_reference(result: dict, a: Dump, alignment, rank: int):
           "the cache and prefill prompt+output in one chunk (sglang: --chunked-prefill-size larger than it)")
 
 
-def _check_unknown_prefixes(result: dict, b: Dump, alignment):
+def _check_unknown_prefixes(result: dict, b: Dump, alignment) -> None:
     """Rows of the run whose earlier token ids are unknown pair with nothing: say why, next to
     a verdict that covers the other rows only. Positions that jump between consecutive engine
     steps are an engine bug on exactly the rows that cannot be compared: exit 2 (a verdict over
@@ -164,7 +164,7 @@ def _check_unknown_prefixes(result: dict, b: Dump, alignment):
           "other rows only")
 
 
-def _warn(result: dict, note: str):
+def _warn(result: dict, note: str) -> None:
     """On stderr now, and in the report."""
     logging.getLogger("dumpdiff").warning("warning: %s", note)
     result["warnings"].append(note)
@@ -195,7 +195,7 @@ def _repeat_floors(dump_a: Dump, repeat_path: str, progress: bool) -> dict:
     return floors
 
 
-def _check_repeat(alignment, index_a, repeat_path: str):
+def _check_repeat(alignment, index_a, repeat_path: str) -> None:
     """A noise floor from anything but a repeat of the reference run would absorb real errors
     (the decode run given by mistake makes every difference "noise")."""
     rows_a = int(np.count_nonzero(index_a.cols("tokens")["valid"]))

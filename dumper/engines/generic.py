@@ -74,7 +74,7 @@ def dense_pass(ids: torch.Tensor, group: str, mode: str, pos=None, valid=None, p
 class GenericAdapter:
     engine = "torch"
 
-    def __init__(self, model):
+    def __init__(self, model) -> None:
         self._passes = 0
         self._warned = False
         try:
@@ -133,7 +133,7 @@ class GenericAdapter:
         ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
         return dense_pass(ids, f"p{self._passes}", "unknown", valid=torch.zeros(ids2.shape, dtype=torch.bool))
 
-    def after_pass(self, model, info, output):
+    def after_pass(self, model, info, output) -> None:
         pass
 
     def run_info(self, model) -> dict:

@@ -76,7 +76,7 @@ class _CacheState:
         self.moved = None
         return self.names, prefixes
 
-    def extend(self, ids: torch.Tensor, pos: torch.Tensor, valid: Optional[torch.Tensor]):
+    def extend(self, ids: torch.Tensor, pos: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         """Add a pass's token ids to each row's history, which stays known only while each pass
         continues it at the next position."""
         for row, known in enumerate(self.history):
@@ -93,7 +93,7 @@ class _CacheState:
         grow this one's history."""
         return None if self.history is None else [None if ids is None else list(ids) for ids in self.history]
 
-    def reorder(self, beam_idx):
+    def reorder(self, beam_idx) -> None:
         order = [int(i) for i in beam_idx.tolist()]
         self.moved = order if self.moved is None else [self.moved[i] for i in order]
 
@@ -101,7 +101,7 @@ class _CacheState:
 class HFAdapter:
     engine = "hf"
 
-    def __init__(self, model):
+    def __init__(self, model) -> None:
         self._signature = inspect.signature(model.forward)
         # the **catch-all's own name (a patched forward may call it **kw): names passed through it
         self._var_keyword = next((p.name for p in self._signature.parameters.values()
@@ -110,13 +110,13 @@ class HFAdapter:
         self._counter = itertools.count(1)
         self._last: Optional[_CacheState] = None  # the state of the pass being dumped
 
-    def attach(self, model):
+    def attach(self, model) -> None:
         """Stand in for ``_reorder_cache``, which ``generate``'s beam search calls when a model has
         one (the few that define their own keep it, and their beams are not followed)."""
         if not hasattr(model, "_reorder_cache"):
             model._reorder_cache = self._reorder_cache
 
-    def detach(self, model):
+    def detach(self, model) -> None:
         if model.__dict__.get("_reorder_cache") == self._reorder_cache:
             del model._reorder_cache
 
@@ -225,7 +225,7 @@ class HFAdapter:
             return next_pos[:, None] + torch.arange(seq_len), valid
         return (torch.arange(seq_len) + past).expand(batch, seq_len), valid
 
-    def after_pass(self, model, info: PassInfo, output):
+    def after_pass(self, model, info: PassInfo, output) -> None:
         # A forward called without a cache creates one; the next call may pass it back in.
         cache = None if isinstance(output, tuple) else _first(output, CACHE_NAMES, getattr)
         last, self._last = self._last, None

@@ -18,7 +18,7 @@ from ..passinfo import PassInfo
 _latest_requests: dict = {}  # rid -> sglang Req of the batch being built (set by the plugin)
 
 
-def remember_requests(reqs):
+def remember_requests(reqs) -> None:
     _latest_requests.clear()
     _latest_requests.update({req.rid: req for req in reqs})
 
@@ -56,7 +56,7 @@ _NEXT_TOKEN_SCORES = ("input_token_logprobs", "input_top_logprobs", "input_token
 class SglangAdapter:
     engine = "sglang"
 
-    def __init__(self, model_runner=None):
+    def __init__(self, model_runner=None) -> None:
         self.model_runner = model_runner
 
     def pass_info(self, model, args, kwargs) -> PassInfo:
@@ -92,10 +92,10 @@ class SglangAdapter:
                 info.history[rid] = (lambda r=req: list(r.origin_input_ids) + list(r.output_ids))
         return info
 
-    def after_pass(self, model, info, output):
+    def after_pass(self, model, info, output) -> None:
         pass
 
-    def rows_not_aligned(self, cls: str, name: str):
+    def rows_not_aligned(self, cls: str, name: str) -> str | None:
         """Why a tensor whose first dim has the pass's token rows still holds no row per token
         row (None: it does)."""
         if cls == "LogitsProcessor" and any(f".out.{field}" in name for field in _NEXT_TOKEN_SCORES):
@@ -139,7 +139,7 @@ FLAGS_OF_INTEREST = ("attention_backend", "sampling_backend", "chunked_prefill_s
                      "random_seed")
 
 
-def cuda_graph_problem(server_args, device: str):
+def cuda_graph_problem(server_args, device: str) -> str | None:
     """None when hooks will see every pass; else the message naming the flags to add."""
     if not str(device).startswith("cuda"):
         return None

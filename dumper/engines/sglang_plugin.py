@@ -24,7 +24,7 @@ log = logging.getLogger("dumper")
 _dumpers = []  # the dumpers installed in this process (one per ModelRunner)
 
 
-def load_plugin():
+def load_plugin() -> None:
     from ..config import DumperConfig, any_dumper_variable
     if not any_dumper_variable():
         return
@@ -41,7 +41,7 @@ def load_plugin():
                           _handle_dumper_control, HookType.REPLACE)
 
 
-def _silence_builtin_dumper():
+def _silence_builtin_dumper() -> None:
     try:
         from sglang.srt.debug_utils.dumper import dumper as builtin
     except ImportError:
@@ -77,7 +77,7 @@ def _after_init_new(result, *args, **kwargs):
     return result
 
 
-def _handle_dumper_control(scheduler, recv_req):
+def _handle_dumper_control(scheduler, recv_req) -> None:
     from sglang.srt.managers.io_struct import DumperControlReqOutput
 
     from ..control import handle
