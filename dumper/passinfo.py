@@ -82,3 +82,8 @@ def mode_of(past_len_min: int, past_len_max: int, new_tokens: int) -> str:
 class UndescribedPass(ValueError):
     """An adapter cannot tell a forward's token rows (no token ids among its arguments): the
     dumper runs that forward undumped and says so once."""
+
+
+class WarmupPass(UndescribedPass):
+    """A forward the engine runs for itself (a warm-up or profiling run, no request in it): never
+    dumped, and nothing to warn about."""

@@ -1,0 +1,116 @@
+"""The standard dumper workflow against the real vLLM server on CPU.
+
+    DUMPER_ENABLE=0 DUMPER_SERVER_PORT=40000 DUMPER_NON_INTRUSIVE_MODE=all DUMPER_DIR=... \\
+        VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server ... --enforce-eager
+    dumpdiff ctl configure enable=true exp_name=dec --url http://127.0.0.1:40000
+    <completions>                                   # prefill (or cache-hit prefill) + decode
+    dumpdiff ctl configure exp_name=ref --url ... ; POST /reset_prefix_cache ; <prefill of prompt+output>
+    dumpdiff first-divergence DIR/ref DIR/dec
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import dumpdiff, first_divergence_json, prompt_ids
+from tiny_models import make_tiny_llama
+from vllm_server import vllm_fixture
+
+pytestmark = pytest.mark.vllm
+vllm = vllm_fixture(scope="module")
+
+
+def make_model(path, layers=3):
+    """A tiny random Llama that vLLM's CPU attention runs (head_dim 32: its smallest)."""
+    return make_tiny_llama(path, num_hidden_layers=layers, hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("llama") / "model")
+
+
+def workflow_env(dump_dir, **extra):
+    return {"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "auto", "DUMPER_NON_INTRUSIVE_MODE": "all",
+            "DUMPER_DIR": str(dump_dir), **extra}
+
+
+def ctl(server, *settings, method="configure"):
+    code, out, err = dumpdiff("ctl", method, *settings, f"--url={server.dumper_url}")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def dump_decode_and_reference(server, prompts, new_tokens=6, warm=False):
+    """dec: completions (after a warm-up of the prompts when warm=True); ref: reset the prefix
+    cache, one prefill of each prompt+output."""
+    server.reset_prefix_cache()
+    if warm:
+        server.complete(prompts, max_tokens=1)  # fills the prefix cache; not dumped
+    ctl(server, "enable=true", "exp_name=dec")
+    results = server.complete(prompts, max_tokens=new_tokens)
+    ctl(server, "exp_name=ref")
+    server.reset_prefix_cache()
+    for prompt, result in zip(prompts, results):  # one at a time: a cache-free prefill each
+        server.complete([prompt + result["output_ids"]], max_tokens=1, prompt_logprobs=True)
+    ctl(server, "enable=false")
+    return results
+
+
+def test_workflow_clean_engine_batched_and_chunked(vllm, model_dir, tmp_path):
+    dumps = tmp_path / "dumps"
+    server = vllm(model_dir, env=workflow_env(dumps), extra_args=["--max-num-batched-tokens", "32"])
+    assert not dumps.exists() or not os.listdir(dumps)  # start-up is never dumped
+    assert "dumpdiff: dumper installed on LlamaForCausalLM (rank 0), idle until" in server.log_text()
+    prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (7, 12, 40)]  # 40 > 32: chunked prefill
+    dump_decode_and_reference(server, prompts)
+    code, result = first_divergence_json(dumps / "ref", dumps / "dec")
+    verdict = result["ranks"]["0"]
+    align = verdict["alignment"]
+    assert align["unaligned_b"] == 0 and align["unkeyed_b"] == 0
+    assert align["rows_b"] == sum(map(len, prompts)) + 3 * 5
+    assert "bit-identical" in align["proof"][1]
+    assert result["b"]["engine"] == "vllm" and result["b"]["dtype"] == "float32"
+    assert code == (1 if verdict["rows_differing"] else 0)
+    assert verdict.get("noise", {}).get("culprits", []) == []  # natural float32 noise is not a state bug
+    modes = {json.loads(line)["mode"] for line in (dumps / "dec" / "rank0" / "manifest.jsonl").read_text().splitlines()}
+    assert {"prefill", "decode"} <= modes and modes & {"extend", "mixed"}  # the 40-token prompt's second chunk
+    state = ctl(server, method="get_state")
+    assert state[0]["config"]["enable"] is False and state[0]["passes_written"] > 0 and state[0]["engine"] == "vllm"
+
+
+def test_planted_decode_only_bug_is_named(vllm, model_dir, tmp_path):
+    dumps = tmp_path / "dumps"
+    server = vllm(model_dir, env=workflow_env(dumps, DUMPDIFF_PLANT="decode_mlp:1"))
+    try:
+        dump_decode_and_reference(server, [prompt_ids(n, seed=n)[0].tolist() for n in (7, 12)])
+    finally:
+        server.stop()
+    code, result = first_divergence_json(dumps / "ref", dumps / "dec")
+    verdict = result["ranks"]["0"]
+    assert code == 1 and verdict["alignment"]["unaligned_b"] == 0
+    culprits = verdict["noise"]["culprits"]
+    assert [c["call"] for c in culprits] == ["model.layers.1.mlp.down_proj#0"], verdict["summary"]
+    assert culprits[0]["kinds"] == {"decode": 2 * 5}  # every decode row: 6 new tokens, the last never fed back
+
+
+def test_planted_prefix_cache_bug_is_named(vllm, model_dir, tmp_path):
+    dumps = tmp_path / "dumps"
+    server = vllm(model_dir, env=workflow_env(dumps, DUMPDIFF_PLANT="prefix_kv:1"))
+    try:
+        prompt = prompt_ids(40, seed=3)[0].tolist()
+        results = dump_decode_and_reference(server, [prompt], warm=True)
+    finally:
+        server.stop()
+    assert results[0]["cached_tokens"] == 32  # the first block came back from the prefix cache
+    code, result = first_divergence_json(dumps / "ref", dumps / "dec")
+    assert code == 1
+    verdict = result["ranks"]["0"]
+    assert verdict["alignment"]["unaligned_b"] == 0 and verdict["alignment"]["unkeyed_b"] == 0
+    culprits = verdict["noise"]["culprits"]
+    assert [c["call"] for c in culprits] == ["model.layers.1.self_attn.attn#0"], verdict["summary"]
+    assert culprits[0]["kinds"].get("extend") == 8  # the rows computed on the restored block
+    assert culprits[0]["rows"] == verdict["rows_compared"] == 8 + 5  # then every decode row
