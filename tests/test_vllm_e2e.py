@@ -60,6 +60,11 @@ def dump_decode_and_reference(server, prompts, new_tokens=6, warm=False):
     return results
 
 
+def rows_of_mode(dump, mode):
+    entries = [json.loads(line) for line in (dump / "rank0" / "manifest.jsonl").read_text().splitlines()]
+    return sum(e["rows"] for e in entries if e["mode"] == mode)
+
+
 def test_workflow_clean_engine_batched_and_chunked(vllm, model_dir, tmp_path):
     dumps = tmp_path / "dumps"
     server = vllm(model_dir, env=workflow_env(dumps), extra_args=["--max-num-batched-tokens", "32"])
@@ -76,8 +81,8 @@ def test_workflow_clean_engine_batched_and_chunked(vllm, model_dir, tmp_path):
     assert result["b"]["engine"] == "vllm" and result["b"]["dtype"] == "float32"
     assert code == (1 if verdict["rows_differing"] else 0)
     assert verdict.get("noise", {}).get("culprits", []) == []  # natural float32 noise is not a state bug
-    modes = {json.loads(line)["mode"] for line in (dumps / "dec" / "rank0" / "manifest.jsonl").read_text().splitlines()}
-    assert {"prefill", "decode"} <= modes and modes & {"extend", "mixed"}  # the 40-token prompt's second chunk
+    assert rows_of_mode(dumps / "dec", "prefill") and rows_of_mode(dumps / "dec", "decode")
+    assert rows_of_mode(dumps / "dec", "extend") + rows_of_mode(dumps / "dec", "mixed")  # the 40-token prompt's 2nd chunk
     state = ctl(server, method="get_state")
     assert state[0]["config"]["enable"] is False and state[0]["passes_written"] > 0 and state[0]["engine"] == "vllm"
 
@@ -94,7 +99,10 @@ def test_planted_decode_only_bug_is_named(vllm, model_dir, tmp_path):
     assert code == 1 and verdict["alignment"]["unaligned_b"] == 0
     culprits = verdict["noise"]["culprits"]
     assert [c["call"] for c in culprits] == ["model.layers.1.mlp.down_proj#0"], verdict["summary"]
-    assert culprits[0]["kinds"] == {"decode": 2 * 5}  # every decode row: 6 new tokens, the last never fed back
+    # every row of a decode pass; a request's first decode step may share a mixed pass with the
+    # other's prefill (requests arrive a step apart), where the planted bug does not fire
+    assert culprits[0]["kinds"] == {"decode": rows_of_mode(dumps / "dec", "decode")}
+    assert 2 * 4 <= rows_of_mode(dumps / "dec", "decode") <= 2 * 5  # 6 new tokens, the last never fed back
 
 
 def test_planted_prefix_cache_bug_is_named(vllm, model_dir, tmp_path):

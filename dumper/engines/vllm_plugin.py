@@ -39,8 +39,7 @@ def load_plugin():
 def _on_child_registered(parent, name, child):
     if _state["model"] is not None or not hasattr(type(parent), "compute_logits"):
         return None
-    _state["model"] = parent
-    _state["hook"].remove()
+    _state["model"] = parent  # the hook is removed later: torch is iterating over the hooks now
     _refuse_compiled()
     # Instance attributes shadow the class's methods until the model is whole: after its
     # weights load (start-up, so the control endpoint is up before any request), or at its
@@ -81,6 +80,8 @@ def _install_once(model):
     from ..hooks import install
     from .vllm import VllmAdapter
 
+    if _state["hook"] is not None:
+        _state["hook"].remove()
     for shadow in ("load_weights", "forward"):  # back to the class's methods; the dumper wraps forward
         model.__dict__.pop(shadow, None)
     if getattr(model, "_dumpdiff_dumper", None) is not None:

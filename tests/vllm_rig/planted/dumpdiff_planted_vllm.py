@@ -32,8 +32,7 @@ def load():
         # plant once the layer exists: the decoder stack registers its children before the model does
         if "model" in _found or not hasattr(type(parent), "compute_logits") or name != "model":
             return None
-        _found["model"] = parent
-        _found["hook"].remove()
+        _found["model"] = parent  # the hook stays (a no-op from now): torch is iterating over the hooks
         target = child.layers[int(layer)]
         if kind == "decode_mlp":
             target.mlp.down_proj.register_forward_hook(_scale_in_decode)
