@@ -286,6 +286,9 @@ def _calibration_text(result: dict, md: bool) -> str:
 @click.option("--thresholds", "thresholds_file", default=None, type=click.Path(dir_okay=False, path_type=str),
               help="As for `dumpdiff kl`.")
 @click.option("--exp-prefix", default=None, help="Dump names <prefix>-dec and <prefix>-ref [default: kl-<time>-<pid>].")
+@click.option("--dumper-url", default=None,
+              help="The dumper's own control endpoint, for a numeric DUMPER_SERVER_PORT (vLLM: "
+                   "http://127.0.0.1:PORT) [default: --url].")
 @click.option("--strict-only", is_flag=True, help="Only the bit-level verdict of first-divergence.")
 @click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
               help="Output format.")
@@ -294,8 +297,8 @@ def _calibration_text(result: dict, md: bool) -> str:
                    "error) picks the format unless --format is given.")
 @click.pass_context
 @guarded
-def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, strict_only, fmt, output,
-                 quiet, **kw):
+def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, dumper_url, strict_only,
+                 fmt, output, quiet, **kw):
     """Replay the worst prompt of a dirty KL helper with dumping on and name the culprit op.
 
     The server must run dumpdiff's dumper with its HTTP control, idle until asked:
@@ -341,7 +344,7 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     result = localize(url, helper=helper, kl_result=loaded, prompt=prompt, turn_token=kw["turn_token"],
                       exp_prefix=exp_prefix, max_new_tokens=new_tokens, temperature=kw["temperature"],
                       seed=kw["seed"], check_options=check_options, noise_aware=not strict_only,
-                      log=_progress(quiet))
+                      dumper_url=dumper_url, log=_progress(quiet))
     text = {"json": lambda r: to_json(r, "dumpdiff-localize"), "md": to_markdown}.get(fmt, to_text)(result)
     _emit(text, output, headline="divergence" if result.get("divergence") else "no divergence")
     sys.exit(1 if result.get("divergence") else 0)

@@ -34,6 +34,7 @@ from typing import Callable, Iterable, List, Optional
 from . import kl, kl_prompts
 from .errors import DumpError
 from .http import get_json, post_json
+from .kl_vllm import connect
 from .report import plural
 
 Log = Callable[[str], None]
@@ -468,7 +469,7 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
     from .kl_thresholds import resolve_thresholds
     numbered = read_local(prompts=prompts, prompts_file=prompts_file, threshold=threshold,
                           thresholds_file=thresholds_file, vocab_size=vocab_size)
-    server = Server(url, timeout=timeout)
+    server = connect(url, timeout=timeout)
     target = server.describe()
     vocab = vocab_size or kl_prompts.vocab_size_of(server.model)
     if numbered and vocab and not vocab_size:  # the model's own size, known now: still before any prompt is sent

@@ -1,0 +1,223 @@
+"""The KL check's server calls against vLLM's OpenAI-compatible server.
+
+``VllmServer`` answers what kl_helpers.Server answers (facts, flush, generate), and returns
+results in the shape the helpers read (output_ids, meta_info.output_token_logprobs,
+input_token_logprobs, cached_tokens), so the helpers and their verdicts are the engine's
+neither. Over vLLM's public API only:
+
+- facts: /v1/models (model path, ``owned_by: vllm``), /version, and the engine config from
+  /server_info (served with VLLM_SERVER_DEV_MODE=1) or else the cache_config_info gauge of
+  /metrics;
+- generate: one POST /v1/completions per prompt, sent together so the engine batches them;
+  ``prompt_logprobs`` gives every prompt token's logprob (the reference prefill);
+- cached tokens: usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details);
+- flush: POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1).
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
+
+from .errors import DumpError
+from .http import get_json, post_json
+
+NEEDS_DEV_MODE = ("vLLM serves /reset_prefix_cache only in development mode: restart the server with "
+                  "VLLM_SERVER_DEV_MODE=1 in its environment (the KL check empties the prefix cache between runs)")
+NEEDS_DETAILS = ("vLLM reports a request's cached tokens only with --enable-prompt-tokens-details: restart the "
+                 "server with it (the cache-hit helpers check that the prefix came back from the cache)")
+
+
+def is_vllm(url: str) -> bool:
+    """True when /v1/models says vLLM serves the model (sglang's server does not say so)."""
+    try:
+        models = get_json(url.rstrip("/") + "/v1/models", timeout=30)
+    except DumpError:
+        return False
+    data = models.get("data") if isinstance(models, dict) else None
+    return bool(data) and isinstance(data[0], dict) and data[0].get("owned_by") == "vllm"
+
+
+class VllmServer:
+    engine = "vllm"
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._info = None
+
+    # -- facts -------------------------------------------------------------------------------
+    def info(self) -> dict:
+        if self._info is None:
+            models = get_json(self.url + "/v1/models", timeout=60)
+            entry = models["data"][0]
+            info = {"served_model_name": entry.get("id"), "model_path": entry.get("root") or entry.get("id"),
+                    "max_model_len": entry.get("max_model_len")}
+            try:
+                info["version"] = (get_json(self.url + "/version", timeout=30) or {}).get("version")
+            except DumpError:
+                pass
+            info.update(self._engine_config())
+            self._info = info
+        return self._info
+
+    def _engine_config(self) -> dict:
+        try:
+            config = get_json(self.url + "/server_info?config_format=json", timeout=60)["vllm_config"]
+        except (DumpError, KeyError, TypeError):
+            return _config_from_metrics(self.url)
+        cache, sched = config.get("cache_config") or {}, config.get("scheduler_config") or {}
+        model, parallel = config.get("model_config") or {}, config.get("parallel_config") or {}
+        return {"block_size": cache.get("block_size"), "enable_prefix_caching": cache.get("enable_prefix_caching"),
+                "num_blocks": cache.get("num_gpu_blocks"), "max_num_batched_tokens": sched.get("max_num_batched_tokens"),
+                "enable_chunked_prefill": sched.get("enable_chunked_prefill"),
+                "tp_size": parallel.get("tensor_parallel_size"), "dtype": str(model.get("dtype") or "") or None,
+                "skip_tokenizer_init": model.get("skip_tokenizer_init"), "dev_mode": True}
+
+    @property
+    def model(self) -> str:
+        return str(self.info().get("model_path"))
+
+    @property
+    def tp(self) -> int:
+        return int(self.info().get("tp_size") or 1)
+
+    @property
+    def page_size(self) -> int:
+        return int(self.info().get("block_size") or 16)
+
+    @property
+    def radix_cache(self) -> bool:
+        return self.info().get("enable_prefix_caching") is not False
+
+    @property
+    def chunk_size(self) -> Optional[int]:
+        value = self.info().get("max_num_batched_tokens")
+        return int(value) if self.info().get("enable_chunked_prefill") is not False and value else None
+
+    @property
+    def kv_tokens(self) -> Optional[int]:
+        blocks = self.info().get("num_blocks")
+        return int(blocks) * self.page_size if blocks else None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return not self.info().get("skip_tokenizer_init", False)
+
+    def describe(self) -> dict:
+        info = self.info()
+        return {"url": self.url, "engine": "vllm", "version": info.get("version"), "model": self.model,
+                "served_model_name": info.get("served_model_name"), "tp": self.tp, "dtype": info.get("dtype"),
+                "device": None, "radix_cache": self.radix_cache, "page_size": self.page_size,
+                "chunked_prefill_size": self.chunk_size, "attention_backend": None,
+                "deterministic_inference": False}
+
+    # -- calls -------------------------------------------------------------------------------
+    def flush(self, attempts: int = 20):
+        """POST /reset_prefix_cache; vLLM refuses (reports false) while requests still hold blocks."""
+        import time
+        for _ in range(attempts):
+            try:
+                reply = post_json(self.url + "/reset_prefix_cache", {}, timeout=60)
+            except DumpError as exc:
+                if "HTTP 404" in str(exc):
+                    raise DumpError(NEEDS_DEV_MODE) from None
+                raise DumpError(f"could not reset the prefix cache: {exc}") from None
+            if reply is not False and not (isinstance(reply, dict) and reply.get("success") is False):
+                return
+            time.sleep(0.5)
+        raise DumpError(f"{self.url}/reset_prefix_cache kept refusing; are other requests running on the server?")
+
+    def generate(self, input_ids: List[List[int]], max_new_tokens: int, *, sampling: dict,
+                 return_logprob: bool = True, logprob_start_len: int = -1) -> list:
+        """One completion per prompt, sent at once; results as sglang's /generate shapes them.
+        max_new_tokens 0 (a prefill alone) asks for one token and reports none."""
+        params = {k: v for k, v in sampling.items() if k != "sampling_seed"}
+        if "sampling_seed" in sampling:
+            params["seed"] = sampling["sampling_seed"]
+
+        def one(prompt):
+            body = {"model": self.info()["served_model_name"], "prompt": [list(prompt)],
+                    "max_tokens": max(1, max_new_tokens), "ignore_eos": True, "logprobs": 1,
+                    "return_tokens_as_token_ids": True, **params}
+            if return_logprob and logprob_start_len == 0:
+                body["prompt_logprobs"] = 1
+            reply = post_json(self.url + "/v1/completions", body, timeout=self.timeout)
+            return _as_result(reply, prompt, max_new_tokens, f"{self.url}/v1/completions")
+
+        if not input_ids:
+            return []
+        with ThreadPoolExecutor(max_workers=len(input_ids)) as pool:
+            return list(pool.map(one, input_ids))
+
+    def tokenize(self, texts: List[str], add_special_tokens: bool = True) -> List[List[int]]:
+        out = []
+        for text in texts:
+            reply = post_json(self.url + "/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens},
+                              timeout=120)
+            tokens = reply.get("tokens") if isinstance(reply, dict) else None
+            if not isinstance(tokens, list):
+                raise DumpError(f"{self.url}/tokenize: unexpected reply {str(reply)[:200]}")
+            out.append(tokens)
+        return out
+
+
+def _token_id(token: str, where: str) -> int:
+    match = re.fullmatch(r"token_id:(-?\d+)", str(token))
+    if not match:
+        raise DumpError(f"{where}: output token {token!r} is not 'token_id:N' (return_tokens_as_token_ids)")
+    return int(match.group(1))
+
+
+def _as_result(reply, prompt: list, max_new_tokens: int, where: str) -> dict:
+    try:
+        choice = reply["choices"][0]
+        logprobs = choice["logprobs"] or {}
+    except (KeyError, IndexError, TypeError):
+        raise DumpError(f"{where}: not a completion reply: {str(reply)[:200]}") from None
+    details = (reply.get("usage") or {}).get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        raise DumpError(NEEDS_DETAILS)
+    ids = [_token_id(t, where) for t in logprobs.get("tokens") or []]
+    values = logprobs.get("token_logprobs") or []
+    meta = {"cached_tokens": int(details.get("cached_tokens") or 0),
+            "output_token_logprobs": [[v, i] for v, i in zip(values, ids)][:max_new_tokens]}
+    prompt_lps = choice.get("prompt_logprobs")
+    if prompt_lps is not None:
+        meta["input_token_logprobs"] = [_prompt_entry(entry, token) for entry, token in zip(prompt_lps, prompt)]
+    return {"output_ids": ids[:max_new_tokens], "meta_info": meta}
+
+
+def _prompt_entry(entry, token: int) -> list:
+    """[logprob of the prompt token, its id]; vLLM keys each position's dict by token id."""
+    if entry is None:  # the first token: nothing before it to predict it
+        return [None, token]
+    scored = entry.get(str(token)) if isinstance(entry, dict) else None
+    if not isinstance(scored, dict):  # the check then says the positions do not line up
+        return [None, next(iter(entry), None) if isinstance(entry, dict) else None]
+    return [scored.get("logprob"), token]
+
+
+def _config_from_metrics(url: str) -> dict:
+    """Block size and prefix caching from the cache_config_info gauge (no dev mode needed)."""
+    try:
+        text = get_json(url + "/metrics", timeout=30)
+    except DumpError:
+        return {}
+    line = next((ln for ln in str(text).splitlines() if ln.startswith("vllm:cache_config_info{")), "")
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    out = {}
+    if labels.get("block_size", "").isdigit():
+        out["block_size"] = int(labels["block_size"])
+    if labels.get("enable_prefix_caching") in ("True", "False"):
+        out["enable_prefix_caching"] = labels["enable_prefix_caching"] == "True"
+    if labels.get("num_gpu_blocks", "").isdigit():
+        out["num_blocks"] = int(labels["num_gpu_blocks"])
+    return out
+
+
+def connect(url: str, timeout: float = 600.0):
+    """The KL client for the engine at ``url``: vLLM when /v1/models says so, else sglang."""
+    from .kl_helpers import Server
+    return VllmServer(url, timeout) if is_vllm(url) else Server(url, timeout)
