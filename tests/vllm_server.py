@@ -33,18 +33,19 @@ class VllmServer(SglangServer):
     """`python -m vllm.entrypoints.openai.api_server` on CPU, in its own process group.
 
     env: extra environment (DUMPER_* from the test process are dropped first).
-    extra_args: appended to the command line. DUMPER_SERVER_PORT, when given as "auto", gets
+    extra_args: appended to the command line; eager=False leaves out --enforce-eager. DUMPER_SERVER_PORT, when given as "auto", gets
     a free port (``dumper_url`` then points at it).
     """
 
     def __init__(self, model_path, *, env: dict | None = None, extra_args=(), log_path=None,
-                 startup_timeout: float = 300.0, python: str = VLLM_PYTHON):
+                 startup_timeout: float = 300.0, python: str = VLLM_PYTHON, eager: bool = True):
         env = dict(env or {})
         if env.get("DUMPER_SERVER_PORT") == "auto":
             env["DUMPER_SERVER_PORT"] = str(free_port())
         super().__init__(model_path, env={**CPU_ENV, **env}, log_path=log_path, startup_timeout=startup_timeout,
                          python=python)
-        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path, *CPU_ARGS,
+        args = [a for a in CPU_ARGS if eager or a != "--enforce-eager"]
+        self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path, *args,
                     "--host", "127.0.0.1", "--port", str(self.port), *map(str, extra_args)]
         self.env.pop("SGLANG_USE_CPU_ENGINE", None)
         port = self.env.get("DUMPER_SERVER_PORT", "-1")
