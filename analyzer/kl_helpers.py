@@ -34,7 +34,6 @@ from typing import Callable, Iterable, List, Optional
 from . import kl, kl_prompts
 from .errors import DumpError
 from .http import get_json, post_json
-from .kl_vllm import connect
 from .report import plural
 
 Log = Callable[[str], None]
@@ -469,6 +468,7 @@ def check_server(url: str, *, prompts=None, prompts_file: Optional[str] = None, 
     from .kl_thresholds import resolve_thresholds
     numbered = read_local(prompts=prompts, prompts_file=prompts_file, threshold=threshold,
                           thresholds_file=thresholds_file, vocab_size=vocab_size)
+    from .kl_vllm import connect  # a client of this module's Server
     server = connect(url, timeout=timeout)
     target = server.describe()
     vocab = vocab_size or kl_prompts.vocab_size_of(server.model)

@@ -22,6 +22,7 @@ from typing import List, Optional
 
 from .errors import DumpError
 from .http import get_json, post_json
+from .kl_helpers import Server
 
 NEEDS_DEV_MODE = ("vLLM serves /reset_prefix_cache only in development mode: restart the server with "
                   "VLLM_SERVER_DEV_MODE=1 in its environment (the KL check empties the prefix cache between runs)")
@@ -39,15 +40,10 @@ def is_vllm(url: str) -> bool:
     return bool(data) and isinstance(data[0], dict) and data[0].get("owned_by") == "vllm"
 
 
-class VllmServer:
+class VllmServer(Server):
+    """kl_helpers.Server's facts and calls, over vLLM's API; info() holds the same keys."""
     engine = "vllm"
 
-    def __init__(self, url: str, timeout: float = 600.0):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self._info = None
-
-    # -- facts -------------------------------------------------------------------------------
     def info(self) -> dict:
         if self._info is None:
             models = get_json(self.url + "/v1/models", timeout=60)
@@ -63,47 +59,21 @@ class VllmServer:
         return self._info
 
     def _engine_config(self) -> dict:
+        """sglang's names for vLLM's settings: a block is a page, the prefix cache a radix
+        cache, and a step's token budget the prefill chunk (chunked prefill is on in V1)."""
         try:
             config = get_json(self.url + "/server_info?config_format=json", timeout=60)["vllm_config"]
         except (DumpError, KeyError, TypeError):
             return _config_from_metrics(self.url)
         cache, sched = config.get("cache_config") or {}, config.get("scheduler_config") or {}
         model, parallel = config.get("model_config") or {}, config.get("parallel_config") or {}
-        return {"block_size": cache.get("block_size"), "enable_prefix_caching": cache.get("enable_prefix_caching"),
-                "num_blocks": cache.get("num_gpu_blocks"), "max_num_batched_tokens": sched.get("max_num_batched_tokens"),
-                "enable_chunked_prefill": sched.get("enable_chunked_prefill"),
+        blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
+        return {"page_size": size, "disable_radix_cache": cache.get("enable_prefix_caching") is False,
+                "max_total_num_tokens": blocks * size if blocks and size else None,
+                "chunked_prefill_size": sched.get("max_num_batched_tokens")
+                if sched.get("enable_chunked_prefill") is not False else None,
                 "tp_size": parallel.get("tensor_parallel_size"), "dtype": str(model.get("dtype") or "") or None,
-                "skip_tokenizer_init": model.get("skip_tokenizer_init"), "dev_mode": True}
-
-    @property
-    def model(self) -> str:
-        return str(self.info().get("model_path"))
-
-    @property
-    def tp(self) -> int:
-        return int(self.info().get("tp_size") or 1)
-
-    @property
-    def page_size(self) -> int:
-        return int(self.info().get("block_size") or 16)
-
-    @property
-    def radix_cache(self) -> bool:
-        return self.info().get("enable_prefix_caching") is not False
-
-    @property
-    def chunk_size(self) -> Optional[int]:
-        value = self.info().get("max_num_batched_tokens")
-        return int(value) if self.info().get("enable_chunked_prefill") is not False and value else None
-
-    @property
-    def kv_tokens(self) -> Optional[int]:
-        blocks = self.info().get("num_blocks")
-        return int(blocks) * self.page_size if blocks else None
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return not self.info().get("skip_tokenizer_init", False)
+                "skip_tokenizer_init": model.get("skip_tokenizer_init")}
 
     def describe(self) -> dict:
         info = self.info()
@@ -209,15 +179,14 @@ def _config_from_metrics(url: str) -> dict:
     labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
     out = {}
     if labels.get("block_size", "").isdigit():
-        out["block_size"] = int(labels["block_size"])
+        out["page_size"] = int(labels["block_size"])
     if labels.get("enable_prefix_caching") in ("True", "False"):
-        out["enable_prefix_caching"] = labels["enable_prefix_caching"] == "True"
-    if labels.get("num_gpu_blocks", "").isdigit():
-        out["num_blocks"] = int(labels["num_gpu_blocks"])
+        out["disable_radix_cache"] = labels["enable_prefix_caching"] == "False"
+    if labels.get("num_gpu_blocks", "").isdigit() and "page_size" in out:
+        out["max_total_num_tokens"] = int(labels["num_gpu_blocks"]) * out["page_size"]
     return out
 
 
 def connect(url: str, timeout: float = 600.0):
     """The KL client for the engine at ``url``: vLLM when /v1/models says so, else sglang."""
-    from .kl_helpers import Server
     return VllmServer(url, timeout) if is_vllm(url) else Server(url, timeout)

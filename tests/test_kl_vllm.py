@@ -19,6 +19,7 @@ import json
 import pytest
 
 from helpers import dumpdiff
+from test_kl_sglang import kl_json
 from test_vllm_e2e import make_model
 from vllm_server import vllm_fixture
 
@@ -32,15 +33,6 @@ PLANTED_ATTN = "model.layers.1.self_attn.attn#0"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("kl-llama") / "model", layers=2)
-
-
-def kl_json(url, *args):
-    code, out, err = dumpdiff("kl", "--url", url, "--format", "json", "-q", *args)
-    assert code in (0, 1), err
-    result = json.loads(out)
-    over = [n for n, h in result["helpers"].items() if h["avg_kl_div"] > h["threshold"]]
-    assert code == (1 if over else 0) and sorted(over) == sorted(result["verdict"]["dirty"])
-    return code, result
 
 
 def test_clean_engine_passes_with_real_cache_hits(vllm, model_dir):

