@@ -188,5 +188,13 @@ def _config_from_metrics(url: str) -> dict:
 
 
 def connect(url: str, timeout: float = 600.0):
-    """The KL client for the engine at ``url``: vLLM when /v1/models says so, else sglang."""
-    return VllmServer(url, timeout) if is_vllm(url) else Server(url, timeout)
+    """The KL client for the engine at ``url``: sglang when its server info answers, else vLLM
+    when /v1/models says so; else sglang's error (it names what was asked)."""
+    sglang = Server(url, timeout)
+    try:
+        sglang.info()
+        return sglang
+    except DumpError:
+        if not is_vllm(url):
+            raise
+    return VllmServer(url, timeout)
