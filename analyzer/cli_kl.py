@@ -53,7 +53,7 @@ def prompt_options(func):
     """The options every command that runs the helpers shares."""
     options = [
         click.option("--url", default="http://127.0.0.1:30000", show_default=True, envvar="DUMPDIFF_KL_URL",
-                     help="The sglang server (env DUMPDIFF_KL_URL)."),
+                     help="The sglang or vLLM server, detected from its API (env DUMPDIFF_KL_URL)."),
         click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False, path_type=str),
                      help="JSONL: per line a list of token ids, or a text (needs the server's tokenizer). "
                           "Default: seeded synthetic token ids."),
@@ -123,6 +123,11 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw):
     avg_kl_div is the mean over prompts of per-prompt means, and it is dirty above the
     threshold. Tokens are aligned by position (the ids sglang reports next to logprobs are
     only checked: it reports id vocab_size-1 as 0).
+
+    \b
+    A vLLM server is detected from /v1/models and asked over /v1/completions with
+    prompt_logprobs; start it with VLLM_SERVER_DEV_MODE=1 (the cache reset) and
+    --enable-prompt-tokens-details (its cached tokens).
 
     \b
     Prefills from scratch (references, match's decode run, warm-up, turn 1) go in groups that
@@ -317,6 +322,9 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     introduced: the state bug). The reading of them follows the dumps' pass modes: extend
     passes read a cached prefix, so a reference with any (prompt+output longer than
     --chunked-prefill-size) is not cache-free, and the reading says so.
+
+    On vLLM (no /dumper route on its server) start it with DUMPER_SERVER_PORT=<port> and
+    --enforce-eager, and give --dumper-url http://127.0.0.1:<port>.
 
     Exit status: 0 no divergence (or nothing to localize), 1 culprit found, 2 trouble.
 

@@ -56,7 +56,9 @@ def post(url, body):
 
 def test_bad_control_requests_then_kill_mid_dump(vllm, model_dir, tmp_path):
     dumps = tmp_path / "dumps"
-    server = vllm(model_dir, env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "auto", "DUMPER_DIR": str(dumps)})
+    server = vllm(model_dir, env={"DUMPER_ENABLE": "1", "DUMPER_EXP_NAME": "boot", "DUMPER_SERVER_PORT": "auto",
+                                  "DUMPER_DIR": str(dumps)})
+    assert not dumps.exists()  # enabled from launch, yet start-up passes (no request in them) are not dumped
     control = server.dumper_url
     for method, body, says in [
         ("configure", {"dir": "/etc"}, "cannot be set at run time"),
