@@ -8,7 +8,8 @@ torch's own module-registration hook: the first module with ``compute_logits`` (
 LM classes) that registers a child is the model being built. There, under vLLM's current
 config, a compiled or graph-captured model fails start-up with the flag to add; otherwise our
 dumper is installed once its weights are loaded (the model runner loading it, found up the
-stack, holds each pass's requests) and the hook is removed. The control endpoint is our own (numeric
+stack, holds each pass's requests) and the hook is removed. No vLLM code is patched: only this
+model instance's own methods are shadowed until then. The control endpoint is our own (numeric
 DUMPER_SERVER_PORT on 127.0.0.1, rank r on port + r): vLLM's API server has no /dumper route.
 """
 
