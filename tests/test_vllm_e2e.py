@@ -122,3 +122,20 @@ def test_planted_prefix_cache_bug_is_named(vllm, model_dir, tmp_path):
     assert [c["call"] for c in culprits] == ["model.layers.1.self_attn.attn#0"], verdict["summary"]
     assert culprits[0]["kinds"].get("extend") == 8  # the rows computed on the restored block
     assert culprits[0]["rows"] == verdict["rows_compared"] == 8 + 5  # then every decode row
+
+
+def test_tensor_parallel_two_ranks(vllm, model_dir, tmp_path):
+    """Each rank's worker installs its own dumper and control endpoint (port + rank); rank 0
+    forwards control requests to the others; each rank's dump aligns with its reference."""
+    dumps = tmp_path / "dumps"
+    server = vllm(model_dir, tp=2, env=workflow_env(dumps), startup_timeout=400)
+    try:
+        assert "(rank 1), idle until http://127.0.0.1:" in server.log_text()
+        dump_decode_and_reference(server, [prompt_ids(10, seed=5)[0].tolist()], new_tokens=4)
+    finally:
+        server.stop()
+    assert sorted(os.listdir(dumps / "dec")) >= ["rank0", "rank1", "run.json"]
+    code, result = first_divergence_json(dumps / "ref", dumps / "dec")
+    assert set(result["ranks"]) == {"0", "1"} and result["b"]["tp_size"] == 2
+    for verdict in result["ranks"].values():
+        assert verdict["alignment"]["unaligned_b"] == 0 and "bit-identical" in verdict["alignment"]["proof"][1]

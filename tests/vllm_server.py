@@ -14,7 +14,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sglang_server import SglangServer, free_port, server_fixture
+from sglang_server import SglangServer, _cpu_binding, free_port, server_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("DUMPDIFF_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -33,20 +33,24 @@ class VllmServer(SglangServer):
     """`python -m vllm.entrypoints.openai.api_server` on CPU, in its own process group.
 
     env: extra environment (DUMPER_* from the test process are dropped first).
-    extra_args: appended to the command line; eager=False leaves out --enforce-eager. DUMPER_SERVER_PORT, when given as "auto", gets
+    extra_args: appended to the command line; eager=False leaves out --enforce-eager; tp: tensor
+    parallel ranks (one worker process each, cores split between them). DUMPER_SERVER_PORT, when given as "auto", gets
     a free port (``dumper_url`` then points at it).
     """
 
     def __init__(self, model_path, *, env: dict | None = None, extra_args=(), log_path=None,
-                 startup_timeout: float = 300.0, python: str = VLLM_PYTHON, eager: bool = True):
+                 startup_timeout: float = 300.0, python: str = VLLM_PYTHON, eager: bool = True, tp: int = 1):
         env = dict(env or {})
         if env.get("DUMPER_SERVER_PORT") == "auto":
             env["DUMPER_SERVER_PORT"] = str(free_port())
+        if tp > 1:  # one group of cores per rank, as vLLM's CPU workers bind them
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(tp))
         super().__init__(model_path, env={**CPU_ENV, **env}, log_path=log_path, startup_timeout=startup_timeout,
                          python=python)
         args = [a for a in CPU_ARGS if eager or a != "--enforce-eager"]
         self.cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path, *args,
-                    "--host", "127.0.0.1", "--port", str(self.port), *map(str, extra_args)]
+                    "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", str(tp),
+                    *map(str, extra_args)]
         self.env.pop("SGLANG_USE_CPU_ENGINE", None)
         port = self.env.get("DUMPER_SERVER_PORT", "-1")
         self.dumper_url = f"http://127.0.0.1:{port}" if port.isdigit() else None
