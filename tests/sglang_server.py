@@ -182,6 +182,11 @@ class SglangServer:
 
     # -- HTTP ------------------------------------------------------------------------------
 
+    @property
+    def control_url(self) -> str:
+        """Where the dumper's /dumper/* routes are: the server's own port (DUMPER_SERVER_PORT=reuse)."""
+        return self.url
+
     def _status(self, path: str) -> int | None:
         try:
             with urllib.request.urlopen(self.url + path, timeout=5) as r:

@@ -15,7 +15,8 @@ import os
 
 import pytest
 
-from helpers import dumpdiff, first_divergence_json, prompt_ids
+from helpers import first_divergence_json, prompt_ids
+from test_sglang_e2e import ctl, workflow_env as sglang_workflow_env
 from tiny_models import make_tiny_llama
 from vllm_server import vllm_fixture
 
@@ -34,14 +35,7 @@ def model_dir(tmp_path_factory):
 
 
 def workflow_env(dump_dir, **extra):
-    return {"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "auto", "DUMPER_NON_INTRUSIVE_MODE": "all",
-            "DUMPER_DIR": str(dump_dir), **extra}
-
-
-def ctl(server, *settings, method="configure"):
-    code, out, err = dumpdiff("ctl", method, *settings, f"--url={server.dumper_url}")
-    assert code == 0, err
-    return json.loads(out)
+    return sglang_workflow_env(dump_dir, port="auto", **extra)  # a free port for the dumper's own endpoint
 
 
 def dump_decode_and_reference(server, prompts, new_tokens=6, warm=False):

@@ -55,6 +55,10 @@ class VllmServer(SglangServer):
         port = self.env.get("DUMPER_SERVER_PORT", "-1")
         self.dumper_url = f"http://127.0.0.1:{port}" if port.isdigit() else None
 
+    @property
+    def control_url(self) -> str:
+        return self.dumper_url  # the dumper's own endpoint: vLLM's server has no /dumper route
+
     def complete(self, prompts, max_tokens: int = 8, *, prompt_logprobs: bool = False, **fields) -> list:
         """POST /v1/completions, one request per prompt, all at once (the engine batches them as
         sglang batches a list). Greedy, EOS ignored: exactly max_tokens new tokens each.
