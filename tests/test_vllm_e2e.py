@@ -38,15 +38,15 @@ def workflow_env(dump_dir, **extra):
     return sglang_workflow_env(dump_dir, port="auto", **extra)  # a free port for the dumper's own endpoint
 
 
-def dump_decode_and_reference(server, prompts, new_tokens=6, warm=False):
+def dump_decode_and_reference(server, prompts, new_tokens=6, warm=False, names=("dec", "ref")):
     """dec: completions (after a warm-up of the prompts when warm=True); ref: reset the prefix
     cache, one prefill of each prompt+output."""
     server.reset_prefix_cache()
     if warm:
         server.complete(prompts, max_tokens=1)  # fills the prefix cache; not dumped
-    ctl(server, "enable=true", "exp_name=dec")
+    ctl(server, "enable=true", f"exp_name={names[0]}")
     results = server.complete(prompts, max_tokens=new_tokens)
-    ctl(server, "exp_name=ref")
+    ctl(server, f"exp_name={names[1]}")
     server.reset_prefix_cache()
     for prompt, result in zip(prompts, results):  # one at a time: a cache-free prefill each
         server.complete([prompt + result["output_ids"]], max_tokens=1, prompt_logprobs=True)
@@ -79,6 +79,16 @@ def test_workflow_clean_engine_batched_and_chunked(vllm, model_dir, tmp_path):
     assert rows_of_mode(dumps / "dec", "extend") + rows_of_mode(dumps / "dec", "mixed")  # the 40-token prompt's 2nd chunk
     state = ctl(server, method="get_state")
     assert state[0]["config"]["enable"] is False and state[0]["passes_written"] > 0 and state[0]["engine"] == "vllm"
+
+    # a prefix-cache hit on the clean engine: its rows align (the prefix ids are recorded) and
+    # nothing is called a state bug
+    results = dump_decode_and_reference(server, [prompts[2]], warm=True, names=("hit-dec", "hit-ref"))
+    assert results[0]["cached_tokens"] == 32
+    code, result = first_divergence_json(dumps / "hit-ref", dumps / "hit-dec")
+    verdict = result["ranks"]["0"]
+    assert verdict["alignment"]["unaligned_b"] == 0 and verdict["alignment"]["rows_b"] == 8 + 5
+    assert rows_of_mode(dumps / "hit-dec", "extend") == 8  # computed on the restored block
+    assert verdict.get("noise", {}).get("culprits", []) == []
 
 
 def test_planted_decode_only_bug_is_named(vllm, model_dir, tmp_path):
