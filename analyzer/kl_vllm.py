@@ -17,6 +17,7 @@ neither. Over vLLM's public API only:
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
@@ -85,8 +86,7 @@ class VllmServer(Server):
 
     # -- calls -------------------------------------------------------------------------------
     def flush(self, attempts: int = 20):
-        """POST /reset_prefix_cache; vLLM refuses (reports false) while requests still hold blocks."""
-        import time
+        """POST /reset_prefix_cache; vLLM refuses ({"success": false}) while requests hold blocks."""
         for _ in range(attempts):
             try:
                 reply = post_json(self.url + "/reset_prefix_cache", {}, timeout=60)
