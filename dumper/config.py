@@ -30,7 +30,8 @@ VARIABLES = {
     "DUMPER_FILTER": ("", "which modules to hook: a regex searched in the module path, or key=regex with key name|layer_id|cls"),
     "DUMPER_NON_INTRUSIVE_MODE": ("all", "off = nothing, core = pass metadata only (token ids, positions, sequences), all = inputs and outputs of every selected module"),
     "DUMPER_CLEANUP_PREVIOUS": ("0", "1 deletes an existing experiment folder of the same name before the first write"),
-    "DUMPER_SERVER_PORT": ("-1", "-1 no control endpoint; reuse = the engine's HTTP port (/dumper/*); a number = own endpoint on 127.0.0.1"),
+    "DUMPER_SERVER_PORT": ("-1", "-1 no control endpoint; reuse = the engine's HTTP port (/dumper/*, sglang); a number = own "
+                           "endpoint on 127.0.0.1, rank r on port + r (vLLM, which has no /dumper route)"),
     "DUMPER_MAX_BYTES": ("0", "stop dumping once this many bytes are written (0 = no limit); the dump is marked incomplete"),
     "DUMPER_MIN_FREE_BYTES": ("1073741824", "stop dumping when the disk would keep less free space than this"),
     "DUMPER_QUEUE_BYTES": ("2147483648", "host memory the background writer may hold; forward passes wait (back-pressure) beyond it"),

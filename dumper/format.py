@@ -78,7 +78,7 @@ PASS_KEYS = ("pass", "step", "rank", "mode", "tokens", "seqs", "token_shape", "c
 
 MODES = ("prefill", "extend", "decode", "mixed", "unknown")
 
-# Element types a pass file holds (the analyzer reads each one, analyzer/dtypes.py); a tensor of
+# Element types a pass file holds (the analyzer reads each one, analyzer/dump/dtypes.py); a tensor of
 # any other type (complex, quantized, float8 variants without a safetensors code) is recorded
 # under the call's "skipped", with its type.
 STORED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32",

@@ -20,7 +20,7 @@ import torch
 from . import capture
 from . import format as fmt
 from .config import ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
-from .passinfo import PassInfo, UndescribedPass
+from .passinfo import PassInfo, UndescribedPass, WarmupPass
 from .writer import PassRecord, PassWriter
 
 log = logging.getLogger("dumper")
@@ -262,6 +262,8 @@ class Dumper:
         cfg = self.config
         try:
             info = self.adapter.pass_info(self.model, args, kwargs)
+        except WarmupPass:
+            return False
         except UndescribedPass as exc:
             self._warn_once("undescribed", f"dumper: forward not dumped: {exc}")
             return False

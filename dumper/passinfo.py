@@ -71,6 +71,15 @@ class PassInfo:
         return [row for row, k in enumerate(keep) if k]
 
 
+def int_list(value) -> List[int]:
+    """Token ids, positions or lengths as plain ints, from a tensor, an array or a list."""
+    if value is None:
+        return []
+    if hasattr(value, "detach"):
+        return value.detach().cpu().reshape(-1).tolist()
+    return [int(v) for v in value]
+
+
 def mode_of(past_len_min: int, past_len_max: int, new_tokens: int) -> str:
     if past_len_max == 0:
         return "prefill"
@@ -82,3 +91,8 @@ def mode_of(past_len_min: int, past_len_max: int, new_tokens: int) -> str:
 class UndescribedPass(ValueError):
     """An adapter cannot tell a forward's token rows (no token ids among its arguments): the
     dumper runs that forward undumped and says so once."""
+
+
+class WarmupPass(UndescribedPass):
+    """A forward the engine runs for itself (a warm-up or profiling run, no request in it): never
+    dumped, and nothing to warn about."""

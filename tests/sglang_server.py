@@ -182,6 +182,11 @@ class SglangServer:
 
     # -- HTTP ------------------------------------------------------------------------------
 
+    @property
+    def control_url(self) -> str:
+        """Where the dumper's /dumper/* routes are: the server's own port (DUMPER_SERVER_PORT=reuse)."""
+        return self.url
+
     def _status(self, path: str) -> int | None:
         try:
             with urllib.request.urlopen(self.url + path, timeout=5) as r:
@@ -282,17 +287,24 @@ def sglang_fixture(scope: str = "function"):
     """Make a pytest fixture (any scope) that yields `start(model_path, **SglangServer
     kwargs) -> SglangServer` and stops every server it started when the scope ends.  Logs go
     to the pytest temp dir.  Skips when sglang is not installed in this interpreter."""
+    return server_fixture(SglangServer, sglang_installed,
+                          "sglang not installed: run scripts/install-sglang-cpu.sh (make test does)", scope)
+
+
+def server_fixture(server_class, installed, missing: str, scope: str = "function"):
+    """A fixture yielding `start(model_path, **kwargs)` for any server class of this shape;
+    skips with `missing` when `installed()` is false."""
     import pytest
 
     @pytest.fixture(scope=scope)
     def _fixture(tmp_path_factory):
-        if not sglang_installed():
-            pytest.skip("sglang not installed: run scripts/install-sglang-cpu.sh (make test does)")
+        if not installed():
+            pytest.skip(missing)
         servers = []
 
-        def start(model_path, **kwargs) -> SglangServer:
-            kwargs.setdefault("log_path", tmp_path_factory.mktemp("sglang") / "server.log")
-            server = SglangServer(model_path, **kwargs)
+        def start(model_path, **kwargs):
+            kwargs.setdefault("log_path", tmp_path_factory.mktemp(server_class.__name__.lower()) / "server.log")
+            server = server_class(model_path, **kwargs)
             servers.append(server)
             return server.start()
 

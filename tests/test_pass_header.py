@@ -1,4 +1,4 @@
-"""dumpdiff reads pass headers with its own parser (analyzer/passheader.py, metaparse.py), which
+"""dumpdiff reads pass headers with its own parser (analyzer/dump/header.py, meta.py), which
 recalls text repeated from earlier passes (a decode step's calls and tensor entries) instead of
 parsing it again. Whatever it accepts must read exactly as safetensors and json.loads read the
 same bytes; what it cannot vouch for is left to them. Checked on real pass files, damaged at

@@ -29,13 +29,13 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model", num_hidden_layers=3)
 
 
-def workflow_env(dump_dir, **extra):
-    return {"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_NON_INTRUSIVE_MODE": "all",
+def workflow_env(dump_dir, port="reuse", **extra):
+    return {"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": port, "DUMPER_NON_INTRUSIVE_MODE": "all",
             "DUMPER_DIR": str(dump_dir), **extra}
 
 
 def ctl(server, *settings, method="configure"):
-    code, out, err = dumpdiff("ctl", method, *settings, f"--url={server.url}")
+    code, out, err = dumpdiff("ctl", method, *settings, f"--url={server.control_url}")
     assert code == 0, err
     return json.loads(out)
 

@@ -1,5 +1,5 @@
 """Small passes (decode steps) are indexed from a structure worked out once per shape of step
-(analyzer/smallpass.py): the tables must be the ones the tensor-by-tensor path builds, for every
+(analyzer/index/smallpass.py): the tables must be the ones the tensor-by-tensor path builds, for every
 row layout the dumper writes, and a step whose structure changed must not reuse the old one."""
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def prompt_options(func):
     """The options every command that runs the helpers shares."""
     options = [
         click.option("--url", default=DEFAULT_URL, show_default=True, envvar="DUMPDIFF_KL_URL",
-                     help="The sglang server (env DUMPDIFF_KL_URL)."),
+                     help="The sglang or vLLM server, detected from its API (env DUMPDIFF_KL_URL)."),
         click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False, path_type=str),
                      help="JSONL: per line a list of token ids, or a text (needs the server's tokenizer). "
                           "Default: seeded synthetic token ids."),
@@ -104,6 +104,11 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw) -> None:
     avg_kl_div is the mean over prompts of per-prompt means, and it is dirty above the
     threshold. Tokens are aligned by position (the ids sglang reports next to logprobs are
     only checked: it reports id vocab_size-1 as 0).
+
+    \b
+    A vLLM server is detected from /v1/models and asked over /v1/completions with
+    prompt_logprobs; start it with VLLM_SERVER_DEV_MODE=1 (the cache reset) and
+    --enable-prompt-tokens-details (its cached tokens).
 
     \b
     Prefills from scratch (references, match's decode run, warm-up, turn 1) go in groups that
@@ -266,6 +271,9 @@ def _calibration_text(result: dict, md: bool) -> str:
 @click.option("--thresholds", "thresholds_file", default=None, type=click.Path(dir_okay=False, path_type=str),
               help="As for `dumpdiff kl`.")
 @click.option("--exp-prefix", default=None, help="Dump names <prefix>-dec and <prefix>-ref [default: kl-<time>-<pid>].")
+@click.option("--dumper-url", default=None,
+              help="The dumper's own control endpoint, for a numeric DUMPER_SERVER_PORT (vLLM: "
+                   "http://127.0.0.1:PORT) [default: --url].")
 @click.option("--strict-only", is_flag=True, help="Only the bit-level verdict of first-divergence.")
 @click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
               help="Output format.")
@@ -274,8 +282,8 @@ def _calibration_text(result: dict, md: bool) -> str:
                    "error) picks the format unless --format is given.")
 @click.pass_context
 @guarded
-def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, strict_only, fmt, output,
-                 quiet, **kw) -> None:
+def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, dumper_url, strict_only,
+                 fmt, output, quiet, **kw) -> None:
     """Replay the worst prompt of a dirty KL helper with dumping on and name the culprit op.
 
     The server must run dumpdiff's dumper with its HTTP control, idle until asked:
@@ -294,6 +302,9 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     introduced: the state bug). The reading of them follows the dumps' pass modes: extend
     passes read a cached prefix, so a reference with any (prompt+output longer than
     --chunked-prefill-size) is not cache-free, and the reading says so.
+
+    On vLLM (no /dumper route on its server) start it with DUMPER_SERVER_PORT=<port> and
+    --enforce-eager, and give --dumper-url http://127.0.0.1:<port>.
 
     Exit status: 0 no divergence (or nothing to localize), 1 culprit found, 2 trouble.
 
@@ -321,7 +332,7 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     result = localize(url, helper=helper, kl_result=loaded, prompt=prompt, turn_token=kw["turn_token"],
                       exp_prefix=exp_prefix, max_new_tokens=new_tokens, temperature=kw["temperature"],
                       seed=kw["seed"], check_options=check_options, noise_aware=not strict_only,
-                      log=_progress(quiet))
+                      dumper_url=dumper_url, log=_progress(quiet))
     text = {"json": lambda r: to_json(r, "dumpdiff-localize"), "md": to_markdown}.get(fmt, to_text)(result)
     _emit(text, output, headline="divergence" if result.get("divergence") else "no divergence")
     sys.exit(1 if result.get("divergence") else 0)

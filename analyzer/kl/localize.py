@@ -25,8 +25,10 @@ from typing import Callable, Optional
 from . import score as kl
 from ..errors import DumpError
 from ..http import post_json
-from .helpers import Server, decode_logprobs, expected_prefill_hit, prefill_logprobs, sampling_params
+from .server import Server
+from .helpers import decode_logprobs, expected_prefill_hit, prefill_logprobs, sampling_params
 from .prompts import check_vocab, vocab_size_of
+from .vllm import connect
 from ..dump.load import open_dump
 from ..verdict.phrases import noise_errors, noise_place
 from ..wording import plural
@@ -85,17 +87,18 @@ def choose(result: dict, helper: Optional[str]) -> tuple:
     return helper, list(h["worst_prompt_ids"]), h.get("worst_turn_token"), h.get("worst")
 
 
-def replay(server: Server, url: str, helper: str, prompt: list, exp_dec: str, exp_ref: str, *, max_new_tokens: int,
+def replay(server: Server, control: str, helper: str, prompt: list, exp_dec: str, exp_ref: str, *, max_new_tokens: int,
            sampling: dict, turn_token: Optional[int], vocab_size: Optional[int], log: Log) -> dict:
-    """Dump the helper's decode run into exp_dec and its reference prefill into exp_ref."""
+    """Dump the helper's decode run into exp_dec and its reference prefill into exp_ref
+    (``control``: the URL of the dumper's /dumper routes)."""
     def dumped(exp: str, ids: list, new_tokens: int, **kw):
-        dumper_call(url, "configure", {"enable": True, "exp_name": exp})
+        dumper_call(control, "configure", {"enable": True, "exp_name": exp})
         try:
             return server.generate([ids], new_tokens, sampling=sampling, **kw)[0]
         finally:
-            dumper_call(url, "configure", {"enable": False})
+            dumper_call(control, "configure", {"enable": False})
 
-    dumper_call(url, "configure", {"enable": False})
+    dumper_call(control, "configure", {"enable": False})
     server.flush()
     if helper == "prefill_cache_hit":
         server.generate([prompt], 0, sampling=sampling, return_logprob=False)  # warm, not dumped
@@ -130,12 +133,14 @@ def replay(server: Server, url: str, helper: str, prompt: list, exp_dec: str, ex
 def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict] = None, prompt: Optional[list] = None,
              turn_token: Optional[int] = None, exp_prefix: Optional[str] = None, max_new_tokens: Optional[int] = None,
              temperature: float = 0.0, seed: int = 0, check_options: Optional[dict] = None, noise_aware: bool = True,
-             log: Log = lambda _m: None) -> dict:
+             dumper_url: Optional[str] = None, log: Log = lambda _m: None) -> dict:
     """Replay a dirty helper's worst prompt with dumping on and name the culprit.
 
     The prompt comes from `prompt` (ids), else from `kl_result` (a `dumpdiff kl --format json`
     result), else from a fresh KL check (`check_options` go to check_server). Returns a dict:
     localized (bool), helper, prompt, dumps, replay figures, culprits, the first-divergence result.
+    ``dumper_url``: the dumper's own control endpoint (a numeric DUMPER_SERVER_PORT; vLLM's
+    server has no /dumper route), else the server's.
     """
     from ..verdict.diverge import first_divergence
     from .helpers import check_server, read_local
@@ -146,8 +151,12 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
     elif prompt is None and kl_result is None:  # a KL check will run: its files first, before any server call
         read_local(**{k: options.get(k) for k in ("prompts", "prompts_file", "threshold", "thresholds_file",
                                                      "vocab_size")})
-    server = Server(url)
-    folder = dump_dir(url)  # fail early: no dumper control on this server
+    server = connect(url)
+    if dumper_url is None and getattr(server, "engine", "sglang") == "vllm":
+        raise DumpError("vLLM's server has no /dumper route: give --dumper-url http://127.0.0.1:PORT, the "
+                        "DUMPER_SERVER_PORT the server was started with")
+    control = dumper_url or url
+    folder = dump_dir(control)  # fail early: no dumper control on this server
     prompt_index, check = None, None
     if max_new_tokens is not None:
         options["max_new_tokens"] = max_new_tokens
@@ -173,11 +182,11 @@ def localize(url: str, *, helper: Optional[str] = None, kl_result: Optional[dict
     exp_dec, exp_ref = f"{stamp}-dec", f"{stamp}-ref"
     notes = []
     sampling = sampling_params(server, temperature, seed, notes)
-    before = dumper_call(url, "get_state")
+    before = dumper_call(control, "get_state")
     t0 = time.monotonic()
-    figures = replay(server, url, helper, prompt, exp_dec, exp_ref, max_new_tokens=max_new_tokens, sampling=sampling,
+    figures = replay(server, control, helper, prompt, exp_dec, exp_ref, max_new_tokens=max_new_tokens, sampling=sampling,
                      turn_token=turn_token, vocab_size=vocab, log=log)
-    _wait_written(url, before)
+    _wait_written(control, before)
     replay_seconds = time.monotonic() - t0
     if not figures["hit"]:
         notes.append(f"the replay did not restore the expected cache state (cached_tokens {figures['cached_tokens']}): "

@@ -1,4 +1,4 @@
-"""Render a KL check result (kl_helpers.check_server / kl_inprocess.check_model) as text,
+"""Render a KL check result (helpers.check_server / inprocess.check_model) as text,
 Markdown or JSON. Nothing here computes: every figure comes from the result dict."""
 
 from __future__ import annotations

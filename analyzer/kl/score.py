@@ -1,6 +1,6 @@
 """KL consistency check: score the same token twice and classify the disagreement.
 
-Every helper (see kl_helpers.py, kl_inprocess.py) produces, per prompt, the logprobs of the
+Every helper (see helpers.py, inprocess.py) produces, per prompt, the logprobs of the
 generated tokens as the decode run gave them and as a later reference prefill of
 prompt+output gave them. Per token
 

@@ -9,11 +9,7 @@ This module imports nothing from sglang: it reads ForwardBatch fields by name.
 
 from __future__ import annotations
 
-from typing import List
-
-import torch
-
-from ..passinfo import PassInfo
+from ..passinfo import PassInfo, int_list
 
 _latest_requests: dict = {}  # rid -> sglang Req of the batch being built (set by the plugin)
 
@@ -30,12 +26,7 @@ def find_forward_batch(args, kwargs):
     return None
 
 
-def _as_list(value) -> List[int]:
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().reshape(-1).tolist()
-    return [int(v) for v in value]
+_as_list = int_list
 
 
 def _mode_name(forward_mode) -> str:
