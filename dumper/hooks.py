@@ -347,7 +347,8 @@ class Dumper:
     def _run_info(self) -> dict:
         info = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "engine": self.adapter.engine,
                 "model_class": type(self.model).__name__,
-                "config": {k: getattr(self.config, k) for k in ("filter", "non_intrusive_mode", "positions", "last_rows")},
+                "config": {k: getattr(self.config, k) for k in ("filter", "non_intrusive_mode", "positions", "last_rows",
+                                                                  "fingerprints")},
                 "versions": _versions()}
         info.update(self.adapter.run_info(self.model))
         return info
