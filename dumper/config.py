@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 
 log = logging.getLogger("dumper")
 
-MODES = ("off", "core", "fingerprint", "all")
+MODES = ("off", "core", "all", "fingerprint")
 HOOKED_MODES = ("fingerprint", "all")  # modes that hook modules (core writes pass metadata only)
 FINGERPRINT_CHOICES = ("auto", "1", "0")
 TRUE_WORDS = ("1", "true", "yes", "on")
