@@ -41,19 +41,20 @@ class PassPrints:
 
     def add(self, meta: dict, rows: torch.Tensor):
         """Stage a tensor's [n, width] rows; ``meta["print"]`` becomes [first row, n] of the pass's
-        fingerprint table when they are worked on."""
+        fingerprint table when they are worked on. Called once per captured tensor: kept short."""
         n, width = rows.shape
         key = (rows.device, rows.dtype, width)
-        blocks = self._blocks.setdefault(key, [])
-        block = next((b for b in blocks if b.rows.shape[0] - b.used >= n), None)
-        if block is None:
-            per_row = max(width * rows.element_size(), 1)
-            block = _Block(torch.empty((max(n, BLOCK_BYTES // per_row, 1), width), dtype=rows.dtype, device=rows.device))
-            blocks.append(block)
-        block.rows[block.used:block.used + n].copy_(rows)
-        block.owners.append((meta, block.used, n))
-        block.used += n
-        self.on_cuda |= rows.is_cuda
+        blocks = self._blocks.get(key)
+        block = blocks[-1] if blocks else None  # only the last block of a key has room left
+        if block is None or block.rows.shape[0] - block.used < n:
+            block = _Block(torch.empty((max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1), width),
+                                       dtype=rows.dtype, device=rows.device))
+            self._blocks.setdefault(key, []).append(block)
+            self.on_cuda |= rows.is_cuda
+        used = block.used
+        block.rows[used:used + n].copy_(rows)
+        block.owners.append((meta, used, n))
+        block.used = used + n
         self._staged += n * width * rows.element_size()
         if self._staged > self.stage_bytes:
             self._work()
@@ -62,13 +63,16 @@ class PassPrints:
         """Fingerprint every staged row; the blocks are then free for more."""
         for blocks in self._blocks.values():
             for block in blocks:
-                if not block.used:
+                if not block.owners:
                     continue
-                self._results.append(rowprint.row_stats(block.rows[:block.used]))
+                if block.used:
+                    self._results.append(rowprint.row_stats(block.rows[:block.used]))
                 for meta, first, n in block.owners:
                     meta["print"] = [self._rows + first, n]
                 self._rows += block.used
                 block.used, block.owners = 0, []
+        for key, blocks in self._blocks.items():  # emptied: the last block of each key is reused
+            del blocks[:-1]
         self._staged = 0
 
     def finish(self) -> Optional[torch.Tensor]:

@@ -152,3 +152,26 @@ def test_cuda_prints_are_the_cpu_prints(dtype):
     if dtype.is_floating_point:
         rows[3, 7], rows[5, 0] = float("nan"), float("inf")
     assert torch.equal(rowprint.row_stats(rows.cuda()).cpu(), rowprint.row_stats(rows))
+
+
+@pytest.mark.parametrize("stage_bytes", [1, 1 << 30], ids=["worked-on-at-each-tensor", "at-the-end"])
+def test_a_pass_prints_each_tensor_as_alone_and_as_it_was_when_staged(stage_bytes):
+    """The dumper stages many tensors' rows together and works on them later (at the pass's end,
+    or when the staged bytes exceed the budget): each tensor's rows still get their own prints,
+    and a kernel that rewrites a tensor in place after its hook cannot change them."""
+    from dumper.passprints import PassPrints
+    tensors = [_rows(torch.bfloat16, n=3, width=64), _rows(torch.float32, n=5, width=7, seed=1),
+               _rows(torch.bfloat16, n=2, width=64, seed=2), _rows(torch.int64, n=4, width=1, seed=3),
+               _rows(torch.float32, n=0, width=7)]
+    expected = [rowprint.row_stats(t) for t in tensors]
+    prints = PassPrints(stage_bytes)
+    metas = [{} for _ in tensors]
+    for meta, tensor in zip(metas, tensors):
+        prints.add(meta, tensor)
+    for tensor in tensors:
+        tensor.zero_()  # in place, after the hooks
+    table = prints.finish()
+    assert table.shape[1] == sum(t.shape[0] for t in tensors)
+    for meta, want in zip(metas, expected):
+        first, count = meta["print"]
+        assert torch.equal(table[:, first:first + count], want)
