@@ -59,10 +59,11 @@ class _Pass:
     """Everything captured during one forward pass of the root module."""
 
     def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], exp_dir: str, mode: str = "all",
-                 prints: Optional[PassPrints] = None):
+                 prints: Optional[PassPrints] = None, print_host_tensors: bool = False):
         self.info = info
         self.mode = mode  # fixed for the whole pass, whatever a control thread changes
         self.prints = prints  # the row fingerprints computed on the device (mode fingerprint, or carried)
+        self.print_host_tensors = print_host_tensors  # also those of CPU tensors (else GPU tensors only)
         self.kept_rows = kept_rows
         self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
         self.exp_dir = exp_dir
@@ -277,8 +278,9 @@ class Dumper:
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
-        carried = cfg.non_intrusive_mode == "fingerprint" or (cfg.non_intrusive_mode == "all" and cfg.fingerprints != "0")
-        self._pass = _Pass(info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None)
+        every = cfg.non_intrusive_mode == "fingerprint" or cfg.fingerprints == "1"
+        carried = every or (cfg.non_intrusive_mode == "all" and cfg.fingerprints == "auto")
+        self._pass = _Pass(info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None, every)
         if cfg.non_intrusive_mode in HOOKED_MODES:
             if self._hooked_filter != cfg.filter:
                 self._detach_hooks()
@@ -484,8 +486,7 @@ class Dumper:
         elif current.kept_index is not None and dims is not None:
             meta["selected"] = False  # one row per sequence: small, kept whole
         call.tensors[name] = meta
-        if current.prints is not None and (current.mode == "fingerprint" or self.config.fingerprints == "1"
-                                           or data.is_cuda):
+        if current.prints is not None and (current.print_host_tensors or data.is_cuda):
             self._stage_print(current, meta, data, dims)
         if current.mode != "fingerprint":
             current.tensors[name] = self._copy_off(current, data, fresh)
