@@ -16,6 +16,8 @@ so the prefill is left out; states are measured in interleaved rounds, medians r
 
     python benchmarks/bench_fingerprint.py                       (CPU: a small Llama, float32)
     python benchmarks/bench_fingerprint.py --model 8b --device cuda --skip all,index   (Llama-3-8B's shape, bf16)
+    python benchmarks/bench_fingerprint.py --model 8b --layers 2 --prompt 16 --steps 4 --rounds 1 --skip all,index
+                                         (the bytes at Llama-3-8B's row widths, on a CPU)
 """
 
 from __future__ import annotations
@@ -113,12 +115,16 @@ def main():
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's); bytes per "
+                        "layer do not change with it")
     parser.add_argument("--skip", default="", help="comma list of: all, index")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
-    shape = GPU_LLAMA_8B if args.model == "8b" else CPU_LLAMA
+    shape = dict(GPU_LLAMA_8B if args.model == "8b" else CPU_LLAMA)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
     model = llama(dtype, args.device, **shape)
     ids = torch.randint(3, shape["vocab_size"], (args.batch, args.prompt),
                         generator=torch.Generator().manual_seed(0)).to(args.device)

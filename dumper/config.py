@@ -33,7 +33,7 @@ VARIABLES = {
     "DUMPER_NON_INTRUSIVE_MODE": ("all", "off = nothing, core = pass metadata only (token ids, positions, sequences), "
                                   "fingerprint = per token row of every selected tensor a fingerprint and its largest |x| and "
                                   "NaN/inf count, computed on its device (a few bytes per row), all = inputs and outputs of every selected module"),
-    "DUMPER_FINGERPRINTS": ("auto", "mode all: also store each tensor's row fingerprints computed on its device, so the index "
+    "DUMPER_FINGERPRINTS": ("0", "mode all: also store each tensor's row fingerprints computed on its device, so the index "
                             "reads them instead of hashing; auto = for tensors on a GPU, 1 = always, 0 = never"),
     "DUMPER_CLEANUP_PREVIOUS": ("0", "1 deletes an existing experiment folder of the same name before the first write"),
     "DUMPER_SERVER_PORT": ("-1", "-1 no control endpoint; reuse = the engine's HTTP port (/dumper/*); a number = own endpoint on 127.0.0.1"),
@@ -74,7 +74,7 @@ class DumperConfig:
     queue_bytes: int = 2 << 30
     positions: str = ""
     last_rows: int = 0
-    fingerprints: str = "auto"
+    fingerprints: str = "0"  # docs/performance.md says why not auto
 
     def __post_init__(self):
         if self.non_intrusive_mode not in MODES:
