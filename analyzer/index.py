@@ -146,6 +146,8 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
     from .printindex import ROWPRINT, index_kind
     kind = index_kind(dumps)  # one fingerprint kind for dumps compared together
     places = [index_location(dump) for dump in dumps]
+    if kind == ROWPRINT:  # a folder of its own: a full dump compared both ways is not rebuilt each time
+        places = [os.path.join(place, ROWPRINT) for place in places]
     with contextlib.ExitStack() as held:
         folder = _locked_folders(places, held)  # place -> its folder's identity (None: not saved)
         tables: Dict[object, dict] = {}

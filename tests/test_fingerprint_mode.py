@@ -227,3 +227,31 @@ def test_fingerprint_dumps_of_two_ranks_are_compared_rank_by_rank(llama_dir, tmp
     assert code == 1 and set(result["ranks"]) == {"0", "1"}
     assert result["ranks"]["0"]["culprit"]["module"].startswith("model.layers.0.")
     assert result["ranks"]["1"]["culprit"]["call"] == "model.layers.1.self_attn#0"
+
+
+def test_a_full_dump_keeps_one_index_per_fingerprint_kind(pairs):
+    """Compared with a fingerprint dump and with a full dump in turn, a full dump's two indexes
+    are each built once: neither comparison rebuilds the other's."""
+    _, dumps = pairs
+    (full_ref, full_dec), (fp_ref, fp_dec) = dumps["full"], dumps["fp"]
+    first_divergence_json(full_ref, full_dec)
+    first_divergence_json(full_ref, fp_dec)
+    stamps = {kind: os.path.join(full_ref, "index", *sub, "stamp.json") for kind, sub in (("xxh3", ()), ("rowprint", ("rowprint",)))}
+    before = {kind: os.stat(path).st_mtime_ns for kind, path in stamps.items()}
+    first_divergence_json(full_ref, full_dec)
+    first_divergence_json(full_ref, fp_dec)
+    assert {kind: os.stat(path).st_mtime_ns for kind, path in stamps.items()} == before
+
+
+def test_a_fingerprint_dump_against_a_metadata_only_dump_is_one_line_exit_2(llama_dir, pairs, tmp_path):
+    _, dumps = pairs
+    model = load_model(llama_dir, torch.float32)
+    core_ref, _, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6, non_intrusive_mode="core")
+    one_line_error(dumpdiff("first-divergence", core_ref, dumps["fp"][1], "--no-progress", "--allow-mismatch"),
+                   "NON_INTRUSIVE_MODE")
+
+
+def test_focus_says_in_one_line_when_its_env_file_cannot_be_written(pairs, tmp_path):
+    _, dumps = pairs
+    one_line_error(dumpdiff("focus", *dumps["fp"], "--no-progress", "--env-file", tmp_path / "no" / "such" / "f.env"),
+                   "--env-file")
