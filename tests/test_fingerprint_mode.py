@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dump_surgery import copy_dump, edit_pass_meta, one_line_error, pass_path, rewrite_header
-from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
+from helpers import (dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, make_tiny_qwen3_moe,
+                     prompt_ids)
 from test_core_loop import plant_stale_kv
 
 FP = {"non_intrusive_mode": "fingerprint"}
@@ -255,3 +256,32 @@ def test_focus_says_in_one_line_when_its_env_file_cannot_be_written(pairs, tmp_p
     _, dumps = pairs
     one_line_error(dumpdiff("focus", *dumps["fp"], "--no-progress", "--env-file", tmp_path / "no" / "such" / "f.env"),
                    "--env-file")
+
+
+def test_row_selected_fingerprint_dumps_give_the_row_selected_full_dumps_verdict(llama_dir, tmp_path):
+    """DUMPER_POSITIONS with fingerprints: the rows kept are printed as the full dump stores them."""
+    model = _model(llama_dir, "bfloat16-stale-kv")
+    prompt = prompt_ids(20)
+    full = dump_pair(model, tmp_path / "full", prompt, new_tokens=6, positions="20:")[:2]
+    fp = dump_pair(model, tmp_path / "fp", prompt, new_tokens=6, positions="20:", **FP)[:2]
+    _, want = first_divergence_json(*full)
+    for ref, dec in (fp, (full[0], fp[1])):
+        code, got = first_divergence_json(ref, dec)
+        assert code == 1 and _strict_part(got) == _strict_part(want)
+    assert want["ranks"]["0"]["rows_compared"] == 5 and want["culprit"]["call"] == "model.layers.1.self_attn#0"
+
+
+def test_an_moe_models_fingerprint_dump_gives_the_full_dumps_verdict(tmp_path):
+    """Expert buffers hold a data-dependent subset of tokens: printed whole, not comparable row by
+    row, with the same reason as in a full dump."""
+    model = load_model(make_tiny_qwen3_moe(tmp_path / "moe"), torch.float32)
+    prompt = prompt_ids(16)
+    full = dump_pair(model, tmp_path / "full", prompt, new_tokens=5)[:2]
+    fp = dump_pair(model, tmp_path / "fp", prompt, new_tokens=5, **FP)[:2]
+    code, want = first_divergence_json(*full)
+    got_code, got = first_divergence_json(*fp)
+    assert got_code == code
+    assert got["ranks"]["0"]["not_comparable"] == want["ranks"]["0"]["not_comparable"]
+    assert any("experts" in n["call"] for n in got["ranks"]["0"]["not_comparable"])
+    if code == 1:
+        assert _strict_part(got) == _strict_part(want)
