@@ -81,3 +81,32 @@ def test_fingerprint_dump_of_the_sglang_server_names_the_planted_call(sglang, mo
         assert focused["culprit"][key] == full["culprit"][key] is not None
     noise = [c["call"] for c in focused["ranks"]["0"]["noise"]["culprits"]]
     assert focused["kind"] == full["kind"] and noise == [c["call"] for c in full["ranks"]["0"]["noise"]["culprits"]]
+
+
+def test_per_head_norm_rows_of_a_flat_engine_are_printed_token_by_token(sglang, tmp_path):
+    """sglang's Qwen3 applies q_norm and k_norm to [T*heads, head_dim], held as [T, heads, head_dim]:
+    their prints are per token row too, so the norms are compared row by row on a fingerprint dump
+    and its verdict (with a decode-only error in layer 1's q_norm) is the full dump's."""
+    from tiny_models import make_tiny_qwen3
+    model = make_tiny_qwen3(tmp_path / "qwen3", num_hidden_layers=2)
+    dumps = tmp_path / "dumps"
+    server = sglang(model, env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps),
+                                "DUMPER_NON_INTRUSIVE_MODE": "fingerprint", "DUMPDIFF_PLANT": "q_norm:1"},
+                    extra_args=["--dtype", "bfloat16"])
+    try:
+        prompt = prompt_ids(12, seed=12)[0].tolist()
+        dump_run(server, prompt, "-fp")
+        dump_run(server, prompt, "-full", "non_intrusive_mode=all")
+    finally:
+        server.stop()
+    code, fp = first_divergence_json(dumps / "ref-fp", dumps / "dec-fp")
+    _, full = first_divergence_json(dumps / "ref-full", dumps / "dec-full")
+    verdict = fp["ranks"]["0"]
+    assert code == 1 and not any("_norm" in n["call"] for n in verdict["not_comparable"])
+    assert fp["culprit"]["call"] == full["culprit"]["call"]
+    assert [(r["pos"], r["culprit"]) for r in verdict["per_row"]] == \
+        [(r["pos"], r["culprit"]) for r in full["ranks"]["0"]["per_row"]]
+    timeline = {c["call"]: c for c in verdict["calls_timeline"]}
+    norm = timeline["model.layers.1.self_attn.q_norm#0"]
+    assert norm["rows"] == verdict["rows_compared"] and norm["rows"] > 0  # compared on every token row
+    assert timeline == {c["call"]: c for c in full["ranks"]["0"]["calls_timeline"]}
