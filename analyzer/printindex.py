@@ -102,14 +102,18 @@ def print_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) ->
         if dtype is None:
             raise DumpError(f"{show(path)}: tensor {name!r} has element type {tmeta.get('dtype')!r}; the file is damaged")
         held = name in pf.names
-        bits = None
-        if held:
+        bits, begin = None, None
+        if held and layout is not None:  # the header gives shape and place: bytes are read only if needed
+            dtype, shape, begin, _ = layout.get(name)
+        elif held:
             bits, dtype = pf.bits(name)
             shape = list(bits.shape)
         else:
             shape = _stored_shape(tmeta, meta)
         plan = plans.plan(path, name, tmeta, shape)
         place = tmeta.get("print")
+        if held and bits is None and (place is None or carried is None or may_hold_token_ids(plan, dtype)):
+            bits, dtype = pf.bits(name)
         if place is not None and carried is not None:
             stats = _carried_rows(carried, place, plan, name, path)
         elif held:
@@ -117,13 +121,14 @@ def print_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) ->
         else:
             raise DumpError(f"{show(path)}: tensor {name!r} has neither bytes nor row fingerprints; the file is damaged")
         fps, amax, nonfinite = stats
-        view = plan.rows(bits) if held else None
-        is_ids = holds_token_ids(plan, view, dtype, token_ids) if held else _prints_token_ids(plan, dtype, fps, token_ids)
-        begin = layout.get(name)[2] if held and layout is not None else None
+        if not held:
+            is_ids = _prints_token_ids(plan, dtype, fps, token_ids)
+        else:  # bits not read: by its shape it cannot hold the token ids
+            is_ids = bits is not None and holds_token_ids(plan, plan.rows(bits), dtype, token_ids)
         columns = {"row": plan.kept_rows, "fp": fps, "rowshape": plan.row_shape_text(dtype.name), "amax": amax,
                    "nonfinite": nonfinite, "srow": plan.srow.astype(np.int32), "offset": plan.row_offsets(begin, dtype)}
         stored_rows[name] = (columns, plan.why, is_ids)
-        if on_bytes and held:
+        if on_bytes and bits is not None:
             on_bytes(bits.nbytes)
     return pass_tables(meta["calls"], tensor_metas, stored_rows)
 

@@ -112,7 +112,7 @@ def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(lla
     from analyzer.load import PassFile, open_dump
     from analyzer.passtables import stored_tensors
     from analyzer.rowplan import pass_rows
-    checked = 0
+    checked, integer_tensors = 0, set()
     for path in (ref, dec):
         for ref_ in open_dump(path).ranks[0].passes:
             pf = PassFile(ref_)
@@ -120,6 +120,7 @@ def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(lla
             metas, stored = stored_tensors(pf)
             valid = np.asarray(pf.meta["tokens"]["valid"], dtype=bool)
             plans = pass_rows(pf.meta, len(valid), valid)
+            integer_tensors |= {name for name in stored if metas[name]["dtype"].startswith("int")}
             for name in stored:
                 bits, dtype = pf.bits(name)
                 plan = plans.plan(pf.ref.path, name, metas[name], bits.shape)
@@ -136,6 +137,12 @@ def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(lla
     def no_hashing(*args, **kwargs):
         raise AssertionError("the index hashed tensor bytes")
     monkeypatch.setattr(printindex, "_printed_here", no_hashing)
+    read = []
+    bits_of = PassFile.bits
+    monkeypatch.setattr(PassFile, "bits", lambda self, name: read.append(name) or bits_of(self, name))
+    printindex.build_many([open_dump(ref)], progress=False)
+    # the prints, and the integer tensors that might hold the token ids: no float tensor's bytes
+    assert "~rowprints" in read and set(read) - {"~rowprints"} <= integer_tensors, sorted(set(read))
     from analyzer.diverge import first_divergence
     carried = first_divergence(ref, dec, progress=False, rebuild_index=True)
     assert carried["culprit"] == plain["culprit"] if plain["culprit"] else carried["culprit"] is None
