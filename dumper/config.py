@@ -18,7 +18,9 @@ from typing import Mapping, Optional
 
 log = logging.getLogger("dumper")
 
-MODES = ("off", "core", "all")
+MODES = ("off", "core", "all", "fingerprint")
+HOOKED_MODES = ("fingerprint", "all")  # modes that hook modules (core writes pass metadata only)
+FINGERPRINT_CHOICES = ("auto", "1", "0")
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 
@@ -28,7 +30,11 @@ VARIABLES = {
     "DUMPER_DIR": ("/tmp/dumper", "root folder of all dumps; each experiment is a subfolder"),
     "DUMPER_EXP_NAME": ("", "experiment (subfolder) name; empty means dump_<date>_<time>"),
     "DUMPER_FILTER": ("", "which modules to hook: a regex searched in the module path, or key=regex with key name|layer_id|cls"),
-    "DUMPER_NON_INTRUSIVE_MODE": ("all", "off = nothing, core = pass metadata only (token ids, positions, sequences), all = inputs and outputs of every selected module"),
+    "DUMPER_NON_INTRUSIVE_MODE": ("all", "off = nothing, core = pass metadata only (token ids, positions, sequences), "
+                                  "fingerprint = per token row of every selected tensor a fingerprint and its largest |x| and "
+                                  "NaN/inf count, computed on its device (a few bytes per row), all = inputs and outputs of every selected module"),
+    "DUMPER_FINGERPRINTS": ("0", "mode all: also store each tensor's row fingerprints computed on its device, so the index "
+                            "reads them instead of hashing; auto = for tensors on a GPU, 1 = always, 0 = never"),
     "DUMPER_CLEANUP_PREVIOUS": ("0", "1 deletes an existing experiment folder of the same name before the first write"),
     "DUMPER_SERVER_PORT": ("-1", "-1 no control endpoint; reuse = the engine's HTTP port (/dumper/*, sglang); a number = own "
                            "endpoint on 127.0.0.1, rank r on port + r (vLLM, which has no /dumper route)"),
@@ -69,10 +75,13 @@ class DumperConfig:
     queue_bytes: int = 2 << 30
     positions: str = ""
     last_rows: int = 0
+    fingerprints: str = "0"  # docs/performance.md says why not auto
 
     def __post_init__(self):
         if self.non_intrusive_mode not in MODES:
             raise ConfigError(_bad("DUMPER_NON_INTRUSIVE_MODE", self.non_intrusive_mode, "one of " + "|".join(MODES)))
+        if self.fingerprints not in FINGERPRINT_CHOICES:
+            raise ConfigError(_bad("DUMPER_FINGERPRINTS", self.fingerprints, "one of " + "|".join(FINGERPRINT_CHOICES)))
         for name in ("max_bytes", "min_free_bytes", "queue_bytes", "last_rows"):
             if getattr(self, name) < 0:
                 raise ConfigError(_bad(env_name(name), getattr(self, name), "a whole number >= 0"))

@@ -25,6 +25,12 @@ RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.jsonl"
 INCOMPLETE_FILE = "INCOMPLETE"  # written when dumping stopped early (disk guard, error)
 PASS_META_KEY = "dumpdiff.pass"
+# A pass's row fingerprints (dumper/rowprint.py), when the dumper computed them: one [3, rows]
+# int64 tensor (fingerprint; largest finite |x| as float64 bits, NaN for integer rows; NaN/inf
+# count). A tensor's entry "print": [first, count] places its stored rows in it. In a dump of
+# mode "fingerprint" it is the only tensor of a pass file; the pass metadata's "rowprint" is the
+# fingerprint's version.
+ROWPRINTS_TENSOR = "~rowprints"
 RANK_DIR_RE = re.compile(r"^rank(\d+)$")
 
 

@@ -17,9 +17,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import capture
+from . import capture, rowprint
 from . import format as fmt
-from .config import ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
+from .config import HOOKED_MODES, ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
+from .passprints import PassPrints
 from .passinfo import PassInfo, UndescribedPass, WarmupPass
 from .writer import PassRecord, PassWriter
 
@@ -57,8 +58,12 @@ def _names_under(path: str) -> Dict[str, str]:
 class _Pass:
     """Everything captured during one forward pass of the root module."""
 
-    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], exp_dir: str) -> None:
+    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], exp_dir: str, mode: str = "all",
+                 prints: Optional[PassPrints] = None, print_host_tensors: bool = False) -> None:
         self.info = info
+        self.mode = mode  # fixed for the whole pass, whatever a control thread changes
+        self.prints = prints  # the row fingerprints computed on the device (mode fingerprint, or carried)
+        self.print_host_tensors = print_host_tensors  # also those of CPU tensors (else GPU tensors only)
         self.kept_rows = kept_rows
         self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
         self.exp_dir = exp_dir
@@ -275,8 +280,10 @@ class Dumper:
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
-        self._pass = _Pass(info, kept, exp_dir)
-        if cfg.non_intrusive_mode == "all":
+        every = cfg.non_intrusive_mode == "fingerprint" or cfg.fingerprints == "1"
+        carried = every or (cfg.non_intrusive_mode == "all" and cfg.fingerprints == "auto")
+        self._pass = _Pass(info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None, every)
+        if cfg.non_intrusive_mode in HOOKED_MODES:
             if self._hooked_filter != cfg.filter:
                 self._detach_hooks()
                 self._attach_hooks(cfg.filter)
@@ -299,14 +306,20 @@ class Dumper:
 
     def _end_pass(self, output) -> None:
         current = self._pass
-        if self.config.non_intrusive_mode == "all" and any(c.module == "" for c in current.nesting):
+        if current.mode in HOOKED_MODES and any(c.module == "" for c in current.nesting):
             self._post(self.model, (), {}, output)
         self.adapter.after_pass(self.model, current.info, output)
         self._pass = self._pass_thread = None
         exp_dir = current.exp_dir
         meta = current.info.to_meta()
         meta.update(step=self.step, rank=self.rank, calls=[c.to_meta() for c in current.calls],
-                    kept_rows=current.kept_rows, dump_mode=self.config.non_intrusive_mode)
+                    kept_rows=current.kept_rows, dump_mode=current.mode)
+        if current.prints is not None:
+            table = current.prints.finish()
+            if table is not None:
+                current.tensors[fmt.ROWPRINTS_TENSOR] = table
+                current.cuda_used |= current.prints.on_cuda
+                meta["rowprint"] = rowprint.VERSION
         ready = None
         if current.cuda_used:
             ready = torch.cuda.Event()
@@ -338,7 +351,8 @@ class Dumper:
     def _run_info(self) -> dict:
         info = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "engine": self.adapter.engine,
                 "model_class": type(self.model).__name__,
-                "config": {k: getattr(self.config, k) for k in ("filter", "non_intrusive_mode", "positions", "last_rows")},
+                "config": {k: getattr(self.config, k) for k in ("filter", "non_intrusive_mode", "positions", "last_rows",
+                                                                  "fingerprints")},
                 "versions": _versions()}
         info.update(self.adapter.run_info(self.model))
         return info
@@ -473,8 +487,25 @@ class Dumper:
             meta["selected"] = True
         elif current.kept_index is not None and dims is not None:
             meta["selected"] = False  # one row per sequence: small, kept whole
-        current.tensors[name] = self._copy_off(current, data, fresh)
         call.tensors[name] = meta
+        if current.prints is not None and (current.print_host_tensors or data.is_cuda):
+            self._stage_print(current, meta, data, dims)
+        if current.mode != "fingerprint":
+            current.tensors[name] = self._copy_off(current, data, fresh)
+
+    def _stage_print(self, current: _Pass, meta: dict, data: torch.Tensor, dims):
+        """Stage the tensor's rows for their fingerprints, laid out as the analyzer reads a stored
+        tensor's rows (analyzer/rowplan.py): selected rows as they are, token dims flattened to the
+        front, or the whole tensor as one row where it has none or their count is not the pass's."""
+        info = current.info
+        if meta.get("selected"):
+            rows = rowprint.as_rows(data, [0])
+        else:
+            rows = rowprint.as_rows(data, dims)
+            expected = len(info.last_rows) if meta["rows"] == "last" else len(info.ids)
+            if dims is not None and rows.shape[0] != expected:
+                rows = rowprint.as_rows(data, None)
+        current.prints.add(meta, rows)
 
     def _copy_off(self, current: _Pass, tensor: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """A private host copy of ``tensor``; ``fresh``: it is already a private copy (selected rows)."""
@@ -499,7 +530,7 @@ class Dumper:
         where = os.path.join(cfg.dir, cfg.exp_name or "<dump_date_time>")
         log.info("dumper: %s, mode=%s, filter='%s' -> %s", "ENABLED" if cfg.enable else "installed, idle",
                  cfg.non_intrusive_mode, cfg.filter or "(all modules)", where)
-        if cfg.filter and cfg.non_intrusive_mode == "all":
+        if cfg.filter and cfg.non_intrusive_mode in HOOKED_MODES:
             self._check_filter(cfg.filter)
 
     def _check_filter(self, filter_text: str) -> None:

@@ -270,6 +270,42 @@ def index_cmd(dumps, rebuild, no_progress) -> None:
         click.echo(f"{show(index.where)}: {', '.join(counts)}")
 
 
+@main.command("focus", short_help="Print the DUMPER_* settings of a run that dumps tensors around the culprit.")
+@click.argument("reference", type=click.Path(path_type=str))
+@click.argument("test", type=click.Path(path_type=str))
+@click.option("--env-file", default=None, metavar="FILE", help="Also write the settings to FILE (sourceable by a shell).")
+@click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
+@click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
+@guarded
+def focus_cmd(reference, test, env_file, trust_alignment, no_progress):
+    """From the strict verdict on REFERENCE and TEST (fingerprint dumps, typically), print the
+    DUMPER_* settings of a second run of both sides that dumps full tensors only where the
+    verdict needs them: the culprit, its parent and the calls just before and after it, those
+    ops in every layer, the embedding, and only the positions of the rows that differ. The
+    new dumps then give error figures, the noise-aware verdict and repro as full dumps do.
+
+    \b
+    Exit status: 0 settings printed, 1 no divergence (nothing to focus on), 2 trouble.
+    Example: dumpdiff focus /tmp/dumper/ref /tmp/dumper/dec --env-file focus.env
+    """
+    from ..verdict.diverge import first_divergence
+    from ..report.focus import focus_settings, render as render_focus
+    result = first_divergence(reference, test, trust_alignment=trust_alignment, progress=not no_progress,
+                              noise_aware=False)
+    if not result["culprit"]:
+        click.echo("no divergence: nothing to focus on" if not result["divergence"] else
+                   "rows differ but no call is named (see first-divergence): nothing to focus on", err=True)
+        sys.exit(1)
+    text = render_focus(focus_settings(result, None), result)
+    if env_file:
+        try:
+            with open(env_file, "w") as handle:
+                handle.write(text)
+        except OSError as exc:
+            raise DumpError(f"--env-file {env_file}: cannot write it ({exc.strerror or exc})") from None
+    click.echo(text, nl=False)
+
+
 def _parse_setting(text: str):
     key, sep, raw = text.partition("=")
     if not sep or not key:

@@ -244,7 +244,8 @@ def index_pass(pf: PassFile, on_bytes=None, tensor_tables=None) -> Dict[str, dic
                  "end": np.array([q["rows"][1] for q in seqs], dtype=np.int64),
                  "prefix_ids": [json.dumps(q["prefix_ids"]) if "prefix_ids" in q else None for q in seqs]},
     }
-    small = small_pass_tables(pf, n_rows, valid, on_bytes) if ref.nbytes < INLINE_PASS_BYTES else None
+    small = small_pass_tables(pf, n_rows, valid, on_bytes) if ref.nbytes < INLINE_PASS_BYTES and tensor_tables is None \
+        else None
     tables.update(small or (tensor_tables or _tensor_by_tensor)(pf, n_rows, valid, on_bytes))
     for table in tables.values():  # every table says whose rows it holds
         n = arrowbuild.length(next(iter(table.values())))

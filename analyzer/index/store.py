@@ -38,7 +38,7 @@ def index_location(dump: Dump) -> str:
     return index_folder(dump.path)
 
 
-def _stamp(dump: Dump) -> dict:
+def _stamp(dump: Dump, kind: str = "xxh3") -> dict:
     """What the index was built from. Size alone is not enough: a re-dump into the same folder
     (DUMPER_CLEANUP_PREVIOUS) writes new files of the same pass ids and sizes, so each file's
     inode and mtime are part of it too, and a stale index is never reused."""
@@ -48,7 +48,10 @@ def _stamp(dump: Dump) -> dict:
         for p in d.passes:
             st = os.stat(p.path)
             files[str(r)].append([p.pass_id, p.nbytes, st.st_ino, st.st_mtime_ns])
-    return {"index_version": INDEX_VERSION, "ranks": files}
+    stamp = {"index_version": INDEX_VERSION, "ranks": files}
+    if kind != "xxh3":  # the fingerprint kind (prints.py); XXH3 indexes keep their old stamp
+        stamp["fingerprint"] = kind
+    return stamp
 
 
 def load_index(dump: Dump, rebuild: bool = False, progress: bool = True) -> Index:
@@ -62,7 +65,11 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
     index is opened, while the next one opens."""
     for dump in dumps:
         _warn(dump)
+    from .prints import ROWPRINT, index_kind
+    kind = index_kind(dumps)  # one fingerprint kind for dumps compared together
     places = [index_location(dump) for dump in dumps]
+    if kind == ROWPRINT:  # a folder of its own: a full dump compared both ways is not rebuilt each time
+        places = [os.path.join(place, ROWPRINT) for place in places]
     with contextlib.ExitStack() as held:
         folder = _locked_folders(places, held)  # place -> its folder's identity (None: not saved)
         tables: Dict[object, dict] = {}
@@ -72,7 +79,7 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
             wanted.setdefault(folder[where] or where, (dump, where))
 
         def open_saved(dump: Dump, where: str):
-            stamp = _stamp(dump)
+            stamp = _stamp(dump, kind)
             fresh = _read_fresh(where, stamp) if folder[where] and not rebuild else None
             if fresh is not None and prefetch and isinstance(fresh.get(prefetch[0]), LazyParquet):
                 fresh[prefetch[0]].prefetch(prefetch[1])
@@ -96,7 +103,10 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
                 except OSError as exc:
                     _unsaved(where, exc)
         if building:  # (nothing to build: none of the build's modules is imported)
-            from .build import build_many
+            if kind == ROWPRINT:
+                from .prints import build_many
+            else:
+                from .build import build_many
             built = build_many([dump for _, (dump, _, _) in building], progress=progress, on_built=save)
             tables.update((key, made) for (key, _), made in zip(building, built))
     return [Index(dump, tables[folder[where] or where], where) for dump, where in zip(dumps, places)]

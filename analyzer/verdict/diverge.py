@@ -20,6 +20,8 @@ from ..dump.load import Dump, open_dump, show
 from .phrases import GAP_CODE, NOISE_ONLY, input_error, noise_place
 from ..index.memtune import keep_freed_memory
 from .kinds import rank_kind, worst_kind
+from ..index.prints import fingerprint_only
+from .prints import blind_summary
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an
 # engine's own cache), so it is only reported.
@@ -42,6 +44,9 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
                      atol: Optional[float] = None, rtol: Optional[float] = None, noise_repeat: Optional[str] = None,
                      noise_aware: bool = True) -> FirstDivergence:
     dump_a, dump_b = open_dump(path_a), open_dump(path_b)
+    if noise_repeat and fingerprint_only(dump_a, dump_b):
+        raise DumpError(f"--noise needs tensor values, and {' and '.join(fingerprint_only(dump_a, dump_b))} holds row "
+                        "fingerprints only: dump with DUMPER_NON_INTRUSIVE_MODE=all")
     floors = _repeat_floors(dump_a, noise_repeat, progress) if noise_repeat else {}
     check_same_model(dump_a, dump_b, allow_mismatch)
     # the rows table's columns are decoded in the background while the next index opens and the rows align
@@ -87,7 +92,11 @@ def first_divergence(path_a: str, path_b: str, trust_alignment: bool = False, al
         if not verdict["rows_differing"] and alignment.cached_unpaired_b:  # clean, but not on every row
             _warn(result, f"{alignment.cached_unpaired_b} decode or extend rows of {show(dump_b.label)} were not compared "
                   "(no partner, or the ids before them unknown): no divergence holds for the compared rows only")
-        if noise_aware and verdict["rows_differing"]:
+        blind = fingerprint_only(dump_a, dump_b)
+        if blind and verdict["rows_differing"]:  # no values to judge noise with: said, not guessed
+            verdict["fingerprint_only"] = blind
+            verdict["summary"] = blind_summary(verdict, blind)
+        elif noise_aware and verdict["rows_differing"]:
             from .moe import routing_flips  # these read tensor values: not under --strict-only
             from .noise import noise_verdict
             flipped_rows = []  # a flip that input noise caused is no introduced error

@@ -1,0 +1,96 @@
+"""The row fingerprints of one pass, computed in batches where the tensors lie.
+
+A decode step captures hundreds of small tensors; a fingerprint computed per tensor costs a
+dozen kernel launches each, which on a GPU costs more than the step itself. Instead each
+captured tensor's rows are copied (one kernel, no host copy) into a staging block shared with
+every tensor of the same device, element type and row width; the fingerprints and statistics of
+a whole block are computed together when the pass ends, or earlier when the staged bytes exceed
+``stage_bytes`` (a long prefill). The copy is taken at hook time, so a kernel that later
+rewrites the tensor in place cannot change what was captured. Results stay on the device until
+the pass ends and come to the host as one [3, rows] int64 tensor (rowprint.row_stats) with one
+copy.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import rowprint
+
+BLOCK_BYTES = 8 << 20  # a staging block holds at least this many bytes of rows (or one tensor's)
+
+
+class _Block:
+    __slots__ = ("rows", "used", "owners")
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows, self.used = rows, 0
+        self.owners: List[Tuple[dict, int, int]] = []  # (tensor metadata, first row, rows)
+
+
+class PassPrints:
+    def __init__(self, stage_bytes: int = 256 << 20):
+        self.stage_bytes = stage_bytes
+        self._blocks: Dict[tuple, List[_Block]] = {}
+        self._staged = 0
+        self._results: List[torch.Tensor] = []  # [3, n] per block worked on, on its device
+        self._rows = 0  # rows worked on so far: where the next block's rows start
+        self.on_cuda = False
+
+    def add(self, meta: dict, rows: torch.Tensor):
+        """Stage a tensor's [n, width] rows; ``meta["print"]`` becomes [first row, n] of the pass's
+        fingerprint table when they are worked on. Called once per captured tensor: kept short."""
+        n, width = rows.shape
+        key = (rows.device, rows.dtype, width)
+        blocks = self._blocks.get(key)
+        block = blocks[-1] if blocks else None  # only the last block of a key has room left
+        if block is None or block.rows.shape[0] - block.used < n:
+            block = _Block(torch.empty((max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1), width),
+                                       dtype=rows.dtype, device=rows.device))
+            self._blocks.setdefault(key, []).append(block)
+            self.on_cuda |= rows.is_cuda
+        used = block.used
+        block.rows[used:used + n].copy_(rows)
+        block.owners.append((meta, used, n))
+        block.used = used + n
+        self._staged += n * width * rows.element_size()
+        if self._staged > self.stage_bytes:
+            self._work()
+
+    def _work(self):
+        """Fingerprint every staged row; the blocks are then free for more."""
+        for blocks in self._blocks.values():
+            for block in blocks:
+                if not block.owners:
+                    continue
+                if block.used:
+                    self._results.append(rowprint.row_stats(block.rows[:block.used]))
+                for meta, first, n in block.owners:
+                    meta["print"] = [self._rows + first, n]
+                self._rows += block.used
+                block.used, block.owners = 0, []
+        for key, blocks in self._blocks.items():  # emptied: the last block of each key is reused
+            del blocks[:-1]
+        self._staged = 0
+
+    def finish(self) -> Optional[torch.Tensor]:
+        """The pass's [3, rows] table on the host (None if nothing was staged). From a GPU: copied
+        without waiting into pinned memory; record a CUDA event after this and wait on it before
+        reading."""
+        self._work()
+        self._blocks.clear()
+        if not self._results:
+            return None
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for result in self._results:
+            by_device.setdefault(result.device, []).append(result)
+        if len(by_device) > 1:  # a model spread over devices: rows keep their order, gathered on the host
+            return torch.cat([r.cpu() for r in self._results], dim=1)
+        table = torch.cat(self._results, dim=1) if len(self._results) > 1 else self._results[0]
+        if not table.is_cuda:
+            return table
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        return host
