@@ -17,7 +17,7 @@ from .index import load_indexes
 from .load import Dump, open_dump, show
 from .report import GAP_CODE, NOISE_ONLY, input_error, noise_place
 from .memtune import keep_freed_memory
-from .printindex import fingerprint_only
+from .printkind import fingerprint_only
 from .printverdict import blind_summary
 from .verdictkind import rank_kind, worst_kind
 
