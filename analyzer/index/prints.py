@@ -6,7 +6,7 @@ the rowprint kind is what a dumper computes on the device: a fingerprint dump ho
 and a full dump may carry it (DUMPER_FINGERPRINTS). So a comparison is made in rowprint when
 either dump is a fingerprint dump (the full side's rows are printed here from their bytes, with
 the same torch function on the CPU) or when both carry the prints (then nothing is hashed at
-all); in XXH3 otherwise.
+all); in XXH3 otherwise (analyzer/printkind.py decides).
 """
 
 from __future__ import annotations
@@ -25,31 +25,7 @@ from ..dump.load import Dump, PassFile, show
 from .passtables import stored_tensors, pass_tables
 from .rowplan import holds_token_ids, may_hold_token_ids, pass_rows
 
-XXH3, ROWPRINT = "xxh3", "rowprint"
 ROWPRINT_VERSION = 1  # dumper/rowprint.py's VERSION; not imported: that imports torch
-
-
-def holds_tensors(dump: Dump) -> bool:
-    """Whether a dump holds tensor bytes (not a fingerprint dump)."""
-    return dump.setting("non_intrusive_mode") != "fingerprint"
-
-
-def carries_prints(dump: Dump) -> bool:
-    """Whether a full dump was written with the row prints of every stored tensor."""
-    setting = dump.setting("fingerprints")
-    return setting == "1" or (setting == "auto" and str(dump.run.get("device", "")).startswith("cuda"))
-
-
-def index_kind(dumps: List[Dump]) -> str:
-    """The one fingerprint kind the indexes of dumps compared together are built in."""
-    if any(not holds_tensors(d) for d in dumps):
-        return ROWPRINT
-    return ROWPRINT if dumps and all(carries_prints(d) for d in dumps) else XXH3
-
-
-def fingerprint_only(*dumps: Dump) -> List[str]:
-    """Labels of the fingerprint dumps among ``dumps``."""
-    return [d.label for d in dumps if not holds_tensors(d)]
 
 
 def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[dict]:

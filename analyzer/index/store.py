@@ -65,7 +65,7 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
     index is opened, while the next one opens."""
     for dump in dumps:
         _warn(dump)
-    from .prints import ROWPRINT, index_kind
+    from .printkind import ROWPRINT, index_kind
     kind = index_kind(dumps)  # one fingerprint kind for dumps compared together
     places = [index_location(dump) for dump in dumps]
     if kind == ROWPRINT:  # a folder of its own: a full dump compared both ways is not rebuilt each time

@@ -100,7 +100,7 @@ def _write_text(path: str, text: str) -> None:
 def locate(path_a, path_b, call, rank, trust_alignment, allow_mismatch, progress) -> dict:
     dump_a, dump_b = open_dump(path_a), open_dump(path_b)
     check_same_model(dump_a, dump_b, allow_mismatch)
-    from ..index.prints import fingerprint_only
+    from ..index.printkind import fingerprint_only
     if fingerprint_only(dump_a, dump_b):  # a repro replays tensors: refused before any index is built
         from ..verdict.prints import FOCUS_HINT
         raise DumpError(f"repro needs the culprit's tensors and {' and '.join(fingerprint_only(dump_a, dump_b))} holds row "

@@ -20,7 +20,7 @@ from ..dump.load import Dump, open_dump, show
 from .phrases import GAP_CODE, NOISE_ONLY, input_error, noise_place
 from ..index.memtune import keep_freed_memory
 from .kinds import rank_kind, worst_kind
-from ..index.prints import fingerprint_only
+from ..index.printkind import fingerprint_only
 from .prints import blind_summary
 
 # What must match for a comparison to mean anything. The model path may differ (a copy, an

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from ..index.prints import fingerprint_only
+from ..index.printkind import fingerprint_only
 
 FOCUS_HINT = "'dumpdiff focus REF TEST' prints the DUMPER_* settings of a second run that dumps the tensors around it"
 
