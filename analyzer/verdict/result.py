@@ -62,7 +62,7 @@ class _CulpritBase(TypedDict):
     max_abs: Optional[float]
     max_ulp: Optional[int]
     rel: Optional[float]
-    dtype: str
+    dtype: Optional[str]  # None with the figures: a fingerprint dump holds no values (error_note says so)
     tensor: str  # the output tensor the figures are of
     shapes: Dict[str, ShapeSide]  # "a", "b"
 
@@ -268,6 +268,7 @@ class RankVerdict(_RankVerdictBase, total=False):
     routing_flips: List[RoutingFlip]
     note: str
     unattributed: str
+    fingerprint_only: List[str]  # the dumps that hold row fingerprints only: no values, no noise-aware verdict
 
 
 class FirstDivergence(TypedDict):
