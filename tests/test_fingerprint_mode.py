@@ -149,7 +149,7 @@ def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(lla
     assert carried["kind"] == plain["kind"]
 
 
-def test_focus_prints_settings_whose_dump_gives_the_full_dumps_figures_and_noise_verdict(llama_dir, tmp_path):
+def test_focus_prints_settings_whose_dump_gives_the_full_dumps_figures_noise_verdict_and_repro(llama_dir, tmp_path):
     model = _model(llama_dir, "float32-natural")
     prompt = prompt_ids(20)
     fp_ref, fp_dec, _ = dump_pair(model, tmp_path / "fp", prompt, new_tokens=6, **FP)
@@ -174,6 +174,8 @@ def test_focus_prints_settings_whose_dump_gives_the_full_dumps_figures_and_noise
     sizes = {d: sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "rank0", "*.safetensors")))
              for d in (ref, full_ref)}
     assert sizes[ref] < sizes[full_ref] / 2, sizes
+    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "repro", "--model", llama_dir, "--no-progress")
+    assert code == 0 and f"{full['culprit']['call']} [Linear], replayed as linear" in out, err
 
 
 def test_focus_on_identical_runs_says_there_is_nothing_to_focus_on(pairs):
