@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 
@@ -294,3 +295,14 @@ def test_an_moe_models_fingerprint_dump_gives_the_full_dumps_verdict(tmp_path):
     assert any("experts" in n["call"] for n in got["ranks"]["0"]["not_comparable"])
     if code == 1:
         assert _strict_part(got) == _strict_part(want)
+
+
+def test_focus_selects_an_op_in_every_layer_and_the_positions_that_differ():
+    from analyzer.focus import module_filter, positions_text
+    pattern = re.compile(module_filter(["model.layers.3.mlp.experts.7.down_proj", "model.layers.3.mlp"],
+                                       "model.embed_tokens"))
+    assert all(pattern.search(m) for m in ("model.embed_tokens", "model.layers.10.mlp.experts.0.down_proj",
+                                           "model.layers.0.mlp"))
+    assert not any(pattern.search(m) for m in ("model.layers.1.mlp.up_proj", "model.layers.1.self_attn",
+                                               "model.embed_tokens_extra", "xmodel.layers.1.mlp"))
+    assert positions_text([14, 12, 13, 20, 12]) == "12:15,20" and positions_text([5]) == "5"
