@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 
@@ -149,7 +150,7 @@ def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(lla
     assert carried["kind"] == plain["kind"]
 
 
-def test_focus_prints_settings_whose_dump_gives_the_full_dumps_figures_and_noise_verdict(llama_dir, tmp_path):
+def test_focus_prints_settings_whose_dump_gives_the_full_dumps_figures_noise_verdict_and_repro(llama_dir, tmp_path):
     model = _model(llama_dir, "float32-natural")
     prompt = prompt_ids(20)
     fp_ref, fp_dec, _ = dump_pair(model, tmp_path / "fp", prompt, new_tokens=6, **FP)
@@ -174,6 +175,8 @@ def test_focus_prints_settings_whose_dump_gives_the_full_dumps_figures_and_noise
     sizes = {d: sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "rank0", "*.safetensors")))
              for d in (ref, full_ref)}
     assert sizes[ref] < sizes[full_ref] / 2, sizes
+    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "repro", "--model", llama_dir, "--no-progress")
+    assert code == 0 and f"{full['culprit']['call']} [Linear], replayed as linear" in out, err
 
 
 def test_focus_on_identical_runs_says_there_is_nothing_to_focus_on(pairs):
@@ -292,3 +295,14 @@ def test_an_moe_models_fingerprint_dump_gives_the_full_dumps_verdict(tmp_path):
     assert any("experts" in n["call"] for n in got["ranks"]["0"]["not_comparable"])
     if code == 1:
         assert _strict_part(got) == _strict_part(want)
+
+
+def test_focus_selects_an_op_in_every_layer_and_the_positions_that_differ():
+    from analyzer.focus import module_filter, positions_text
+    pattern = re.compile(module_filter(["model.layers.3.mlp.experts.7.down_proj", "model.layers.3.mlp"],
+                                       "model.embed_tokens"))
+    assert all(pattern.search(m) for m in ("model.embed_tokens", "model.layers.10.mlp.experts.0.down_proj",
+                                           "model.layers.0.mlp"))
+    assert not any(pattern.search(m) for m in ("model.layers.1.mlp.up_proj", "model.layers.1.self_attn",
+                                               "model.embed_tokens_extra", "xmodel.layers.1.mlp"))
+    assert positions_text([14, 12, 13, 20, 12]) == "12:15,20" and positions_text([5]) == "5"

@@ -110,3 +110,23 @@ def test_per_head_norm_rows_of_a_flat_engine_are_printed_token_by_token(sglang, 
     norm = timeline["model.layers.1.self_attn.q_norm#0"]
     assert norm["rows"] == verdict["rows_compared"] and norm["rows"] > 0  # compared on every token row
     assert timeline == {c["call"]: c for c in full["ranks"]["0"]["calls_timeline"]}
+
+
+def test_tensor_parallel_ranks_write_and_compare_their_own_fingerprints(sglang, model_dir, tmp_path):
+    dumps = tmp_path / "dumps"
+    server = sglang(model_dir, tp=2, env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps),
+                                          "DUMPER_NON_INTRUSIVE_MODE": "fingerprint"}, startup_timeout=400)
+    try:
+        prompt = prompt_ids(10, seed=5)[0].tolist()
+        dump_run(server, prompt, "-fp", new_tokens=4)
+        dump_run(server, prompt, "-full", "non_intrusive_mode=all", new_tokens=4)
+    finally:
+        server.stop()
+    assert sorted(os.listdir(dumps / "dec-fp")) >= ["rank0", "rank1", "run.json"]
+    code, fp = first_divergence_json(dumps / "ref-fp", dumps / "dec-fp")
+    _, full = first_divergence_json(dumps / "ref-full", dumps / "dec-full")
+    assert set(fp["ranks"]) == {"0", "1"}
+    for rank, verdict in fp["ranks"].items():
+        assert verdict["alignment"]["unaligned_b"] == 0 and "bit-identical" in verdict["alignment"]["proof"][1]
+        assert [(r["pos"], r["culprit"]) for r in verdict["per_row"]] == \
+            [(r["pos"], r["culprit"]) for r in full["ranks"][rank]["per_row"]]

@@ -296,7 +296,7 @@ def focus_cmd(reference, test, env_file, trust_alignment, no_progress):
         click.echo("no divergence: nothing to focus on" if not result["divergence"] else
                    "rows differ but no call is named (see first-divergence): nothing to focus on", err=True)
         sys.exit(1)
-    text = render_focus(focus_settings(result, None), result)
+    text = render_focus(focus_settings(result), result)
     if env_file:
         try:
             with open(env_file, "w") as handle:

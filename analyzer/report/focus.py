@@ -20,6 +20,7 @@ import re
 import shlex
 from typing import Dict, List, Optional
 
+from dumper import format as fmt
 
 
 def neighbourhood(verdict: dict) -> List[str]:
@@ -36,7 +37,7 @@ def neighbourhood(verdict: dict) -> List[str]:
         for near in (at - 1, at + 1):
             if 0 <= near < len(calls):
                 found.append(calls[near].rsplit("#", 1)[0])
-    return list(dict.fromkeys(m for m in found if m and m != "<root>"))
+    return list(dict.fromkeys(m for m in found if m and m != fmt.ROOT_PATH))
 
 
 def module_filter(modules: List[str], embedding: Optional[str]) -> str:
@@ -59,10 +60,10 @@ def positions_text(positions: List[int]) -> str:
     return ",".join(f"{a}" if b == a + 1 else f"{a}:{b}" for a, b in spans)
 
 
-def focus_settings(result: dict, embedding: Optional[str]) -> Dict[str, str]:
+def focus_settings(result: dict) -> Dict[str, str]:
     """The DUMPER_* settings of the focused run for a first-divergence result with a culprit."""
     verdict = next(v for v in result["ranks"].values() if v.get("culprit"))
-    embedding = embedding or verdict["alignment"].get("embedding")
+    embedding = verdict["alignment"].get("embedding")  # the module the alignment proof used
     return {"DUMPER_NON_INTRUSIVE_MODE": "all",
             "DUMPER_FILTER": module_filter(neighbourhood(verdict), embedding),
             "DUMPER_POSITIONS": positions_text([row["pos"] for row in verdict["per_row"]])}
