@@ -6,7 +6,8 @@
     model.generate(...)                     # every forward pass becomes one safetensors file
     handle.remove()
 
-The dumper never imports the analyzer; both share only ``dumper.format``.
+The dumper never imports the analyzer; the analyzer uses only ``format`` and ``rowprint`` (the
+row fingerprint both sides must compute alike) from it.
 """
 
 from .config import ConfigError, DumperConfig
@@ -17,6 +18,6 @@ def __getattr__(name):
     if name in ("Dumper", "install"):
         from . import hooks
         return getattr(hooks, name)
-    raise AttributeError(f"module 'dumper' has no attribute {name!r}")
+    raise AttributeError(f"module 'dumpdiff.dumper' has no attribute {name!r}")
 
 __all__ = ["ConfigError", "Dumper", "DumperConfig", "install"]

@@ -495,7 +495,7 @@ class Dumper:
 
     def _stage_print(self, current: _Pass, meta: dict, data: torch.Tensor, dims):
         """Stage the tensor's rows for their fingerprints, laid out as the analyzer reads a stored
-        tensor's rows (analyzer/rowplan.py): selected rows as they are, token dims flattened to the
+        tensor's rows (analyzer/index/rowplan.py): selected rows as they are, token dims flattened to the
         front, or the whole tensor as one row where it has none or their count is not the pass's."""
         info = current.info
         if meta.get("selected"):

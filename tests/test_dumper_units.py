@@ -262,7 +262,7 @@ assert cfg.dir == "/tmp/dumper" and not cfg.enable
                      "dumper: DUMPER_FILTR is not a dumper variable and is ignored; did you mean DUMPER_FILTER?",
                      "-- from_env"]
     # sglang's own dumper reads DUMPER_ENABLE_VALUE, DUMPER_GRAFTER_*...: set for it, not misspelt
-    code, err = run_python("import dumper; dumper.DumperConfig.from_env()", {"DUMPER_EXPNAME": "x"})  # dumper.install()'s way
+    code, err = run_python("from dumpdiff import dumper; dumper.DumperConfig.from_env()", {"DUMPER_EXPNAME": "x"})  # dumper.install()'s way
     assert code == 0 and err.splitlines() == [
         "dumper: DUMPER_EXPNAME is not a dumper variable and is ignored; did you mean DUMPER_EXP_NAME?"], err
 

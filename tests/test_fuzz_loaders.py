@@ -1,6 +1,6 @@
 """Fuzz the loaders with damaged copies of a real dump: random bytes in pass files, manifest and
 run.json, and random values put into their JSON. The analyzer's entry point
-(``analyzer.diverge.first_divergence``, what the CLI runs) must either give a result or raise
+(``dumpdiff.analyzer.verdict.diverge.first_divergence``, what the CLI runs) must either give a result or raise
 ``DumpError`` (the CLI's one-line exit 2); any other exception is a crash.
 
 The test prints how many inputs it tried and how many crashes it found (docs/reliability.md

@@ -143,7 +143,7 @@ def test_html_is_self_contained(reports):
 
 
 def crafted_result(module: str) -> dict:
-    """A minimal result dict as analyzer.diverge builds it, with hostile strings in every name."""
+    """A minimal result dict as analyzer/verdict/diverge.py builds it, with hostile strings in every name."""
     call = f"{module}#0"
     side = {"path": "/dumps/<img src=x onerror=alert(1)>", "label": "<u>ref</u>", "engine": "hf", "model": "m",
             "dtype": "float32", "device": "cpu", "tp_size": 1, "versions": {"torch": "<i>2</i>"},

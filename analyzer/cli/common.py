@@ -40,6 +40,9 @@ def guarded(func):
         except Exception as exc:  # noqa: BLE001 - the promise is one line, exit 2
             if os.environ.get("DUMPDIFF_DEBUG"):
                 raise
+            if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
+                fail("this needs torch, which is not installed here (a dump with MoE routers, a fingerprint dump "
+                     "against a full one); install it (pip install torch: the CPU build is enough)")
             fail(f"internal error {type(exc).__name__}: {exc} (rerun with DUMPDIFF_DEBUG=1 and report it)")
     return wrapper
 

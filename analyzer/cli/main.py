@@ -75,7 +75,7 @@ def main(ctx) -> None:
       DUMPDIFF_INDEX_PROCESSES  worker processes indexing decode steps and, in pieces, large
                                 passes (default: CPU count less one, at most 8; 0: none)
       DUMPDIFF_HASH_THREADS     hashing threads per large pass (default: CPU count, at most 8)
-      DUMPDIFF_KL_URL           the sglang server of `dumpdiff kl` and the pytest plugin
+      DUMPDIFF_KL_URL           the sglang or vLLM server of `dumpdiff kl`, `localize` and the pytest plugin
       DUMPDIFF_DEBUG=1          a traceback instead of the one-line error, for a bug report
     """
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="dumpdiff: %(message)s")
@@ -410,7 +410,7 @@ def import_sglang_cmd(src, dst) -> None:
 
 def entry() -> None:
     """The `dumpdiff` program (console script, ``python -m dumpdiff.analyzer.cli``). The process is ours, so
-    glibc may keep freed memory for the next arrays (analyzer/memtune.py); ``main`` called from
+    glibc may keep freed memory for the next arrays (analyzer/index/memtune.py); ``main`` called from
     someone else's code leaves their process's allocator as it is."""
     from ..index import memtune
     from ..index.settings import index_processes

@@ -1,6 +1,6 @@
 """Building a dump's index: every committed pass read once, sequentially, its tensor rows hashed
 while the next bytes are read. Small passes (decode steps) are indexed in worker processes or a
-side thread while the large ones stream from disk. Reading a saved index (analyzer/index.py)
+side thread while the large ones stream from disk. Reading a saved index (analyzer/index/store.py)
 imports none of this."""
 
 from __future__ import annotations

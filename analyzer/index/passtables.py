@@ -1,6 +1,6 @@
 """The calls, tensors and rows tables of one pass, from its metadata and each stored tensor's
 row columns (rowplan.row_columns). Shared by the index build of large passes (tensor by tensor)
-and of small ones (analyzer/smallpass.py, which builds them once per structure)."""
+and of small ones (analyzer/index/smallpass.py, which builds them once per structure)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..dump.load import PassFile, show
 # Text columns stored dictionary-encoded (the rows table's are built so): reading tens of
 # thousands of tensor names of a long decode run back as strings one by one was most of a
 # strict verdict's own time. The calls' and tensors' are encoded pass by pass (a structure's
-# once, analyzer/smallpass.py), the tokens' when the tables are joined.
+# once, analyzer/index/smallpass.py), the tokens' when the tables are joined.
 ENCODED = {"tokens": ("seq", "mode"), "calls": ("call", "module", "cls"),
            "tensors": ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "stored")}
 

@@ -1,4 +1,4 @@
-"""Which fingerprint an index holds (analyzer/printindex.py says why there are two), decided from
+"""Which fingerprint an index holds (analyzer/index/prints.py says why there are two), decided from
 the dumps' settings alone: every command asks, and this imports nothing."""
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The index of a dump in row fingerprints of dumper/rowprint.py (the "rowprint" kind).
 
 An index holds one kind of fingerprint, and two dumps are compared only in the same kind. The
-XXH3 kind (analyzer/fingerprint.py) is the fastest to compute on a host from a full dump's bytes;
+XXH3 kind (analyzer/index/fingerprint.py) is the fastest to compute on a host from a full dump's bytes;
 the rowprint kind is what a dumper computes on the device: a fingerprint dump holds nothing else,
 and a full dump may carry it (DUMPER_FINGERPRINTS). So a comparison is made in rowprint when
 either dump is a fingerprint dump (the full side's rows are printed here from their bytes, with
 the same torch function on the CPU) or when both carry the prints (then nothing is hashed at
-all); in XXH3 otherwise (analyzer/printkind.py decides).
+all); in XXH3 otherwise (analyzer/index/printkind.py decides).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A tensor's token dims are moved to the front and flattened into rows (one per token row of the
 pass); rows of padding tokens are dropped; a tensor without token rows is one row. All of that
 follows from the metadata and the shape alone, so a plan is made once per tensor shape and
-reused for every decode step of the same structure (analyzer/smallpass.py).
+reused for every decode step of the same structure (analyzer/index/smallpass.py).
 """
 
 from __future__ import annotations

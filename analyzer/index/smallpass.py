@@ -78,7 +78,7 @@ def _recall(calls: list, key: tuple, layout: FileLayout):
 def _shape_changes(old: dict, new: dict) -> Optional[Set[str]]:
     """Names of the tensors whose shape alone differs between two calls; None when anything
     else does. A call whose text repeats an earlier pass's is that pass's very object
-    (analyzer/metaparse.py), so most calls are skipped by an identity test."""
+    (analyzer/dump/meta.py), so most calls are skipped by an identity test."""
     if old.keys() != new.keys() or any(old[k] != new[k] for k in old if k != "tensors"):
         return None
     before, after = old["tensors"], new["tensors"]

@@ -76,5 +76,6 @@ def render(settings: Dict[str, str], result: dict) -> str:
     lines += [f"{key}={shlex.quote(value)}" for key, value in settings.items()]
     args = " ".join(f"{k.replace('DUMPER_', '').lower()}={shlex.quote(json.dumps(v))}" for k, v in settings.items()
                     if k != "DUMPER_NON_INTRUSIVE_MODE")  # JSON strings: ctl reads a bare 24 as a number
-    lines.append(f"# on a running sglang server: dumpdiff ctl configure non_intrusive_mode=all {args}")
+    lines.append(f"# on a running server: dumpdiff ctl configure non_intrusive_mode=all {args}"
+                 "  (vLLM: add --url http://127.0.0.1:<DUMPER_SERVER_PORT>)")
     return "\n".join(lines) + "\n"

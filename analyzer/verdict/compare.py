@@ -9,7 +9,7 @@ saying the difference arises in its own code before that child. Tensors without 
 rows (MoE dispatch buffers, padded buffers) are not comparable; they are listed with the reason
 and the walk goes on.
 
-Everything here works on numpy columns (analyzer/columns.py) and integer codes: the strict
+Everything here works on numpy columns (analyzer/index/columns.py) and integer codes: the strict
 verdict never imports pandas or torch, and never builds a million-row frame of strings.
 """
 
@@ -626,7 +626,7 @@ def _shapes(call: str, pass_a: int, pass_b: int, a: Index, b: Index) -> dict:
 
 def error_stats(ref: np.ndarray, test: np.ndarray, dtype: DType) -> dict:
     """max abs diff, max ulp diff and relative diff between two same-shaped arrays of elements held
-    as bits (see analyzer/dtypes.py)."""
+    as bits (see analyzer/dump/dtypes.py)."""
     differ = int((ref != test).sum())
     if not dtype.floating:
         values_r, values_t = (x.view(dtype.native).astype(np.int64) for x in (ref, test))

@@ -18,7 +18,7 @@ amplification over the calls whose inputs and outputs both differ) with a lower 
 not is named.
 
 All of it works on numpy columns, like the strict verdict: no pandas. Tensor values are read at
-the byte offsets the index holds, a chunk of tensors at a time in file order (analyzer/batchread.py:
+the byte offsets the index holds, a chunk of tensors at a time in file order (analyzer/index/batches.py:
 of each decode step's file, the slice that holds the chunk's rows), and compared per tensor in one
 batch.
 """
@@ -397,7 +397,7 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     more precisely than its weights, whatever dtype it outputs (a bfloat16 model's final norm
     over a float32 residual returns float32 made with bfloat16 weights: its clean noise reached
     90 float32-sized floors on a GPU). ``flips``: (router call, MoE block module, paired rows whose experts flipped at a near tie,
-    their logits' relative errors), from analyzer/moe.py. ``uncompared``: the names of calls with
+    their logits' relative errors), from analyzer/verdict/moe.py. ``uncompared``: the names of calls with
     an output that cannot be compared row by row (a gap that holds one names it). ``per_row``:
     the strict verdict's per-row culprits (the sample holds some rows of each)."""
     pair_ids = sample_pairs(alignment.cols, per_row=per_row)
@@ -628,7 +628,7 @@ def cell_lines(calls: Columns, line_amp: float):
 
 def with_peers(calls: Columns, table: RowTable, explained: np.ndarray, kinds: Sequence[str] = ()) -> Columns:
     """Adds, per cell, the largest jump of its call's peers (the same op in the other layers,
-    analyzer/peers.py) and whether that judges it: for a call, where it carries an error in; for
+    analyzer/verdict/peers.py) and whether that judges it: for a call, where it carries an error in; for
     a gap, where what its code was given differs. A peer's jump counts where it carried an error
     in and out (a routing flip's O(1) change is no jump). ``kinds``: each call's module class."""
     classes = op_classes(table.calls, kinds)
@@ -774,7 +774,7 @@ def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray
 def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flips, line: float) -> np.ndarray:
     """Cells whose error a routing flip explains: on a row where noise reached the router's
     input, its logits moved no more than noise carries (under the line), and a near tie among
-    them flipped its experts (analyzer/moe.py), the router, its MoE block and the calls around
+    them flipped its experts (analyzer/verdict/moe.py), the router, its MoE block and the calls around
     the block change by O(1) with no bug. A router that picks other experts, or moves its
     logits, by itself is still named."""
     explained = np.zeros(len(calls), bool)
