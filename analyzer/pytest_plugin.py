@@ -31,11 +31,11 @@ from typing import Optional
 
 import pytest
 
-from .kl.result import KLResult
-from .kl import score as kl
 from .kl import render as kl_render
+from .kl import score as kl
 from .kl.helpers import check_server as kl_check_server  # noqa: F401 - re-exported
 from .kl.inprocess import check_model as kl_check_model  # noqa: F401 - re-exported
+from .kl.result import KLResult
 
 
 class KLCheckFailed(AssertionError):
@@ -73,10 +73,16 @@ class KLConsistency:
         return url
 
     def kl_options(self) -> dict:
-        return {"max_samples": self.kl_max_samples, "max_new_tokens": self.kl_max_new_tokens,
-                "prompt_len": self.kl_prompt_len, "prompts_file": self.kl_prompts_file,
-                "thresholds_file": self.kl_thresholds, "threshold": self.kl_threshold, "seed": self.kl_seed,
-                "helpers": tuple(self.kl_helpers)}
+        return {
+            "max_samples": self.kl_max_samples,
+            "max_new_tokens": self.kl_max_new_tokens,
+            "prompt_len": self.kl_prompt_len,
+            "prompts_file": self.kl_prompts_file,
+            "thresholds_file": self.kl_thresholds,
+            "threshold": self.kl_threshold,
+            "seed": self.kl_seed,
+            "helpers": tuple(self.kl_helpers),
+        }
 
     def test_kl_consistency(self, dumpdiff_kl_url) -> None:
         result = kl_check_server(dumpdiff_kl_url, **self.kl_options())
@@ -92,6 +98,7 @@ def _option(request, name: str):
 
 # -- as a plugin ---------------------------------------------------------------------------------
 
+
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("dumpdiff-kl", "dumpdiff KL consistency check")
     group.addoption("--kl-url", default=None, help="sglang server for the KL check (or DUMPDIFF_KL_URL)")
@@ -101,10 +108,12 @@ def pytest_addoption(parser) -> None:
 @pytest.fixture
 def dumpdiff_kl(request):
     """A function: dumpdiff_kl(url=None, **check_server options) -> result; fails unless it passes."""
+
     def run(url: Optional[str] = None, **options):
         url = url or _option(request, "--kl-url") or os.environ.get("DUMPDIFF_KL_URL")
         if not url:
             pytest.skip("no server for the KL check: --kl-url or DUMPDIFF_KL_URL")
         options.setdefault("thresholds_file", _option(request, "--kl-thresholds"))
         return assert_kl_pass(kl_check_server(url, **options))
+
     return run

@@ -56,8 +56,7 @@ class ChildPeaks:
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
-        return {"worker_max_rss_mb": max(self.peaks.values(), default=0.0),
-                "workers_rss_mb": sum(self.peaks.values())}
+        return {"worker_max_rss_mb": max(self.peaks.values(), default=0.0), "workers_rss_mb": sum(self.peaks.values())}
 
 
 def _children() -> list:
@@ -97,10 +96,14 @@ def main():
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     seconds = time.perf_counter() - start
     after = proc_io()
-    record = {"seconds": seconds, "exit": code, "max_rss_mb": peak_rss_mb(),
-              **children.stop(),
-              "read_bytes": after.get("read_bytes", 0) - before.get("read_bytes", 0),
-              "rchar": after.get("rchar", 0) - before.get("rchar", 0)}
+    record = {
+        "seconds": seconds,
+        "exit": code,
+        "max_rss_mb": peak_rss_mb(),
+        **children.stop(),
+        "read_bytes": after.get("read_bytes", 0) - before.get("read_bytes", 0),
+        "rchar": after.get("rchar", 0) - before.get("rchar", 0),
+    }
     with open(out, "w") as handle:
         json.dump(record, handle)
     sys.stdout.flush()

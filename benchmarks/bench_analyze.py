@@ -30,21 +30,50 @@ import tempfile
 import time
 
 import torch
+from common import (
+    ROOT,
+    compile_bytecode,
+    dir_bytes,
+    dump_pair,
+    evict,
+    files_under,
+    fmt_bytes,
+    llama,
+    median,
+    n_params,
+    result,
+)
 
-from common import (ROOT, compile_bytecode, dir_bytes, dump_pair, evict, files_under, fmt_bytes, llama, median,
-                    n_params, result)
+TARGET_PAIR_BYTES = 5 * 10**9  # the verdict target is for pairs of at least 5 GB
 
 
-TARGET_PAIR_BYTES = 5 * 10 ** 9  # the verdict target is for pairs of at least 5 GB
-
-
-def build_dumps(work: str, hidden: int, layers: int, inter: int, tokens: int, new_tokens: int, dtype=torch.float32,
-                device="cpu", **config):
-    model = llama(dtype, device, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
-                  num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1), vocab_size=32000,
-                  max_position_embeddings=max(4096, tokens + new_tokens))
-    print(f"# dumping a random Llama of {n_params(model) / 1e6:.0f}M params ({dtype}), prompt {tokens} tokens, "
-          f"{new_tokens} new tokens -> {work}", flush=True)
+def build_dumps(
+    work: str,
+    hidden: int,
+    layers: int,
+    inter: int,
+    tokens: int,
+    new_tokens: int,
+    dtype=torch.float32,
+    device="cpu",
+    **config,
+):
+    model = llama(
+        dtype,
+        device,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=inter,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 128, 1),
+        vocab_size=32000,
+        max_position_embeddings=max(4096, tokens + new_tokens),
+    )
+    print(
+        f"# dumping a random Llama of {n_params(model) / 1e6:.0f}M params ({dtype}), prompt {tokens} tokens, "
+        f"{new_tokens} new tokens -> {work}",
+        flush=True,
+    )
     prompt = torch.randint(3, 32000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     start = time.perf_counter()
     pair = dump_pair(model, work, prompt, new_tokens, device, **config)
@@ -56,17 +85,33 @@ def cli_measured(args, label: str, env=None) -> dict:
     """Run the dumpdiff CLI in a child process under benchmarks/_measure.py."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "_measure.py"), out, "dumpdiff.analyzer.cli",
-                           *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "_measure.py"),
+            out,
+            "dumpdiff.analyzer.cli",
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     with open(out) as handle:
         record = json.load(handle)
     os.unlink(out)
     record["stdout"], record["stderr"] = proc.stdout, proc.stderr
-    workers = (f" (worker processes: largest {record['worker_max_rss_mb']:.0f} MB, all {record['workers_rss_mb']:.0f} MB)"
-               if record["worker_max_rss_mb"] else "")
-    print(f"# {label}: {record['seconds']:.2f}s, exit {record['exit']}, peak RSS {record['max_rss_mb']:.0f} MB{workers}, "
-          f"read from storage {fmt_bytes(record['read_bytes'])}", flush=True)
+    workers = (
+        f" (worker processes: largest {record['worker_max_rss_mb']:.0f} MB, all {record['workers_rss_mb']:.0f} MB)"
+        if record["worker_max_rss_mb"]
+        else ""
+    )
+    print(
+        f"# {label}: {record['seconds']:.2f}s, exit {record['exit']}, peak RSS {record['max_rss_mb']:.0f} MB{workers}, "
+        f"read from storage {fmt_bytes(record['read_bytes'])}",
+        flush=True,
+    )
     if record["exit"] not in (0, 1):
         print(proc.stderr[-2000:], file=sys.stderr)
     return record
@@ -90,8 +135,11 @@ def start_floor(runs: int = 3) -> float:
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import numpy, pyarrow._parquet, click"], check=True,
-                       env={"OPENBLAS_NUM_THREADS": "1", **os.environ})  # as the analyzer sets it
+        subprocess.run(
+            [sys.executable, "-c", "import numpy, pyarrow._parquet, click"],
+            check=True,
+            env={"OPENBLAS_NUM_THREADS": "1", **os.environ},
+        )  # as the analyzer sets it
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
@@ -139,10 +187,20 @@ def main(argv=None):
         free = shutil.disk_usage(os.path.dirname(args.work) or "/").free
         need = 2 * args.layers * args.tokens * (9 * args.hidden + 4 * args.inter) * 4 * 1.2
         if free < need + (4 << 30):
-            raise SystemExit(f"bench_analyze: needs about {fmt_bytes(need)} free under {args.work}, {fmt_bytes(free)} free")
+            raise SystemExit(
+                f"bench_analyze: needs about {fmt_bytes(need)} free under {args.work}, {fmt_bytes(free)} free"
+            )
         shutil.rmtree(args.work, ignore_errors=True)
-        build_dumps(args.work, args.hidden, args.layers, args.inter, args.tokens, args.new_tokens,
-                    dtype=getattr(torch, args.dtype), device=args.device)
+        build_dumps(
+            args.work,
+            args.hidden,
+            args.layers,
+            args.inter,
+            args.tokens,
+            args.new_tokens,
+            dtype=getattr(torch, args.dtype),
+            device=args.device,
+        )
     try:
         run(args, ref, dec)
     finally:
@@ -159,44 +217,84 @@ def run(args, ref, dec):
     protocols = (["cold"] if cold else []) + ["warm"]
     rows = {}
     for proto in protocols:
+
         def prepare(proto=proto):
             if proto == "cold":
                 evict(ref, dec)
             else:
                 read_cat(files)  # everything cached (it fits in memory at these sizes)
-        t_cat, t_py = median_seconds(prepare, lambda: read_cat(files)), median_seconds(prepare, lambda: read_python(files))
+
+        t_cat, t_py = (
+            median_seconds(prepare, lambda: read_cat(files)),
+            median_seconds(prepare, lambda: read_python(files)),
+        )
         idx = median_run(prepare, ["index", ref, dec, "--rebuild"], f"{proto}: index ref dec (one command)")
         t_index = idx["seconds"]
         # The same build in this process (imports already paid): the index work alone, as a library
         # call makes it (with worker processes where the host has cores for them, as the CLI:
         # analyzer/index/workers.py starts them without importing this script).
-        from dumpdiff.analyzer.index.store import load_indexes
         from dumpdiff.analyzer.dump.load import open_dump
-        t_inproc = median_seconds(prepare, lambda: load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False))
-        strict = median_run(prepare, ["first-divergence", ref, dec, "--strict-only", "--format", "json", "--no-progress"],
-                            f"{proto}: first-divergence --strict-only")
-        noise = median_run(prepare, ["first-divergence", ref, dec, "--format", "json", "--no-progress"],
-                           f"{proto}: first-divergence (noise-aware)")
+        from dumpdiff.analyzer.index.store import load_indexes
+
+        t_inproc = median_seconds(
+            prepare, lambda: load_indexes([open_dump(ref), open_dump(dec)], rebuild=True, progress=False)
+        )
+        strict = median_run(
+            prepare,
+            ["first-divergence", ref, dec, "--strict-only", "--format", "json", "--no-progress"],
+            f"{proto}: first-divergence --strict-only",
+        )
+        noise = median_run(
+            prepare,
+            ["first-divergence", ref, dec, "--format", "json", "--no-progress"],
+            f"{proto}: first-divergence (noise-aware)",
+        )
         rows[proto] = dict(t_cat=t_cat, t_py=t_py, t_index=t_index, idx=idx, strict=strict, noise=noise)
         bw_cat, bw_py, bw_index = total / t_cat, total / t_py, total / t_index
-        print(f"# {proto}: cat {fmt_bytes(bw_cat)}/s, python read {fmt_bytes(bw_py)}/s, index {fmt_bytes(bw_index)}/s",
-              flush=True)
+        print(
+            f"# {proto}: cat {fmt_bytes(bw_cat)}/s, python read {fmt_bytes(bw_py)}/s, index {fmt_bytes(bw_index)}/s",
+            flush=True,
+        )
         best_read = max(bw_cat, bw_py)
         target = ">= 0.70" if proto == "cold" else "info (page cache)"  # warm: memcpy speed, see below
-        result(f"index build bandwidth, `dumpdiff index REF DEC` CLI / sequential read ({proto})", bw_index / best_read, target,
-               bw_index / best_read >= 0.70 if proto == "cold" else None, "x", f"index {fmt_bytes(bw_index)}/s vs read {fmt_bytes(best_read)}/s "
-               f"(cat {fmt_bytes(bw_cat)}/s, python {fmt_bytes(bw_py)}/s) over {fmt_bytes(total)}")
+        result(
+            f"index build bandwidth, `dumpdiff index REF DEC` CLI / sequential read ({proto})",
+            bw_index / best_read,
+            target,
+            bw_index / best_read >= 0.70 if proto == "cold" else None,
+            "x",
+            f"index {fmt_bytes(bw_index)}/s vs read {fmt_bytes(best_read)}/s "
+            f"(cat {fmt_bytes(bw_cat)}/s, python {fmt_bytes(bw_py)}/s) over {fmt_bytes(total)}",
+        )
         bw_inproc = total / t_inproc
-        result(f"index build bandwidth, in-process (no imports) / sequential read ({proto})", bw_inproc / best_read,
-               target, bw_inproc / best_read >= 0.70 if proto == "cold" else None, "x", f"index {fmt_bytes(bw_inproc)}/s vs read "
-               f"{fmt_bytes(best_read)}/s; the CLI adds {t_index - t_inproc:.1f}s of start-up and imports in all")
-        result(f"index build peak RSS ({proto})", idx["max_rss_mb"], "bounded (info)", None,
-               "MB", f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}; the command's process; "
-               f"its worker processes: largest {idx['worker_max_rss_mb']:.0f} MB, all {idx['workers_rss_mb']:.0f} MB")
+        result(
+            f"index build bandwidth, in-process (no imports) / sequential read ({proto})",
+            bw_inproc / best_read,
+            target,
+            bw_inproc / best_read >= 0.70 if proto == "cold" else None,
+            "x",
+            f"index {fmt_bytes(bw_inproc)}/s vs read "
+            f"{fmt_bytes(best_read)}/s; the CLI adds {t_index - t_inproc:.1f}s of start-up and imports in all",
+        )
+        result(
+            f"index build peak RSS ({proto})",
+            idx["max_rss_mb"],
+            "bounded (info)",
+            None,
+            "MB",
+            f"largest pass file {fmt_bytes(max(os.path.getsize(f) for f in files))}; the command's process; "
+            f"its worker processes: largest {idx['worker_max_rss_mb']:.0f} MB, all {idx['workers_rss_mb']:.0f} MB",
+        )
         t_read = min(t_cat, t_py)
         t_floor = start_floor()
-        result(f"info: starting Python with numpy, pyarrow and click / read both dumps once ({proto})",
-               t_floor / t_read, "info", None, "x", f"{t_floor:.2f}s: below this no Python command line answers")
+        result(
+            f"info: starting Python with numpy, pyarrow and click / read both dumps once ({proto})",
+            t_floor / t_read,
+            "info",
+            None,
+            "x",
+            f"{t_floor:.2f}s: below this no Python command line answers",
+        )
         for label, rec in (("--strict-only", strict), ("noise-aware (default)", noise)):
             verdict = json.loads(rec["stdout"]) if rec["stdout"].strip().startswith("{") else {}
             culprit = (verdict.get("culprit") or {}).get("call")
@@ -207,16 +305,25 @@ def run(args, ref, dec):
             # reading the index) are most of the time, whatever the reading takes.
             # The 0.10 target is for the verdict the index answers (--strict-only); the default adds
             # the noise-aware pass, which reads a bounded sample of rows: shown, not judged.
-            target = ("<= 0.10" if total >= TARGET_PAIR_BYTES else "info (pair under 5 GB)") if proto == "cold" \
+            target = (
+                ("<= 0.10" if total >= TARGET_PAIR_BYTES else "info (pair under 5 GB)")
+                if proto == "cold"
                 else "info (page cache)"
+            )
             if label != "--strict-only" and target == "<= 0.10":
                 target = "info (0.10 is --strict-only's)"
-            result(f"first-divergence {label} time / read both dumps once ({proto})", rec["seconds"] / t_read,
-                   target, (ok and rec["seconds"] / t_read <= 0.10) if target == "<= 0.10" else None, "x",
-                   f"{rec['seconds']:.2f}s (median of {rec['all_seconds']}) vs read {t_read:.2f}s; "
-                   f"read {fmt_bytes(rec['read_bytes'])} from storage; "
-                   f"peak RSS {rec['max_rss_mb']:.0f} MB; exit {rec['exit']}, culprit {culprit}",
-                   read_bytes=rec["read_bytes"], rss_mb=rec["max_rss_mb"])
+            result(
+                f"first-divergence {label} time / read both dumps once ({proto})",
+                rec["seconds"] / t_read,
+                target,
+                (ok and rec["seconds"] / t_read <= 0.10) if target == "<= 0.10" else None,
+                "x",
+                f"{rec['seconds']:.2f}s (median of {rec['all_seconds']}) vs read {t_read:.2f}s; "
+                f"read {fmt_bytes(rec['read_bytes'])} from storage; "
+                f"peak RSS {rec['max_rss_mb']:.0f} MB; exit {rec['exit']}, culprit {culprit}",
+                read_bytes=rec["read_bytes"],
+                rss_mb=rec["max_rss_mb"],
+            )
     return rows
 
 

@@ -30,20 +30,41 @@ import tempfile
 import time
 
 import torch
+from common import (  # first: puts the repo on sys.path
+    GPU_LLAMA_8B,
+    captured_bytes,
+    dir_bytes,
+    llama,
+    median,
+    result,
+    sync,
+)
 
-from common import GPU_LLAMA_8B, captured_bytes, dir_bytes, llama, median, result, sync  # first: puts the repo on sys.path
 from dumpdiff import dumper
 
-CPU_LLAMA = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                 intermediate_size=704, vocab_size=8000, max_position_embeddings=2048)
+CPU_LLAMA = dict(
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=704,
+    vocab_size=8000,
+    max_position_embeddings=2048,
+)
 
 
 def generate_seconds(model, ids, new_tokens, device):
     sync(device)
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     sync(device)
     return time.perf_counter() - start
 
@@ -57,8 +78,12 @@ def measure(model, ids, steps, device, work, config, name):
     """(decode seconds, dump folder) of one round of a state; config None: no dumper."""
     if config is None:
         return decode_seconds(model, ids, steps, device), None
-    handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=work, exp_name=name, cleanup_previous=True,
-                                                       queue_bytes=8 << 30, min_free_bytes=0, **config))
+    handle = dumper.install(
+        model,
+        dumper.DumperConfig(
+            enable=True, dir=work, exp_name=name, cleanup_previous=True, queue_bytes=8 << 30, min_free_bytes=0, **config
+        ),
+    )
     try:
         seconds = decode_seconds(model, ids, steps, device)
         handle.flush()
@@ -70,6 +95,7 @@ def measure(model, ids, steps, device, work, config, name):
 def tensor_bytes_of(folder):
     """Bytes mode all would store for the passes of a dump (from its metadata: exact, nothing written)."""
     from safetensors import safe_open
+
     total = 0
     for base, _, files in os.walk(folder):
         for name in files:
@@ -81,19 +107,25 @@ def tensor_bytes_of(folder):
 
 def bench_index(work, model, ids, steps, device):
     """Index build times of one dump made three ways (seconds, medians of 3 builds)."""
-    from dumpdiff.analyzer.index import store as index_mod
-    from dumpdiff.analyzer.index import prints as printindex
-    from dumpdiff.analyzer.index.build import build_many as xxh3_build
     from dumpdiff.analyzer.dump.load import open_dump
+    from dumpdiff.analyzer.index import prints as printindex
+    from dumpdiff.analyzer.index import store as index_mod
+    from dumpdiff.analyzer.index.build import build_many as xxh3_build
+
     dumps = {}
-    for name, config in (("plain", {"fingerprints": "0"}), ("carried", {"fingerprints": "1"}),
-                         ("fp", {"non_intrusive_mode": "fingerprint"})):
+    for name, config in (
+        ("plain", {"fingerprints": "0"}),
+        ("carried", {"fingerprints": "1"}),
+        ("fp", {"non_intrusive_mode": "fingerprint"}),
+    ):
         _, dumps[name] = measure(model, ids, steps, device, work, config, f"index-{name}")
     opened = {k: open_dump(v) for k, v in dumps.items()}
-    builds = {"xxh3 of full bytes": lambda: xxh3_build([opened["plain"]], progress=False),
-              "carried prints read": lambda: printindex.build_many([opened["carried"]], progress=False),
-              "rowprint of full bytes": lambda: printindex.build_many([opened["plain"]], progress=False),
-              "fingerprint dump": lambda: printindex.build_many([opened["fp"]], progress=False)}
+    builds = {
+        "xxh3 of full bytes": lambda: xxh3_build([opened["plain"]], progress=False),
+        "carried prints read": lambda: printindex.build_many([opened["carried"]], progress=False),
+        "rowprint of full bytes": lambda: printindex.build_many([opened["plain"]], progress=False),
+        "fingerprint dump": lambda: printindex.build_many([opened["fp"]], progress=False),
+    }
     times = {}
     for label, build in builds.items():
         runs = []
@@ -115,8 +147,12 @@ def main():
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's); bytes per "
-                        "layer do not change with it")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers (default: the shape's); bytes per layer do not change with it",
+    )
     parser.add_argument("--skip", default="", help="comma list of: all, index")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -126,11 +162,15 @@ def main():
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     model = llama(dtype, args.device, **shape)
-    ids = torch.randint(3, shape["vocab_size"], (args.batch, args.prompt),
-                        generator=torch.Generator().manual_seed(0)).to(args.device)
-    print(f"# {args.model} Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}) on "
-          f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}: batch {args.batch}, "
-          f"prompt {args.prompt}, {args.steps} decode steps, every module hooked", flush=True)
+    ids = torch.randint(
+        3, shape["vocab_size"], (args.batch, args.prompt), generator=torch.Generator().manual_seed(0)
+    ).to(args.device)
+    print(
+        f"# {args.model} Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}) on "
+        f"{torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}: batch {args.batch}, "
+        f"prompt {args.prompt}, {args.steps} decode steps, every module hooked",
+        flush=True,
+    )
     work = tempfile.mkdtemp(prefix="dumpdiff-bench-fp-")
     states = {"plain": None, "fingerprint": {"non_intrusive_mode": "fingerprint"}}
     if "all" not in skip:
@@ -143,26 +183,43 @@ def main():
         for r in range(args.rounds):
             order = list(states.items()) if r % 2 == 0 else list(states.items())[::-1]  # drift hits each state alike
             for name, config in order:
-                seconds, folders[name] = measure(model, ids, args.steps, args.device, work, config, f"{name.replace('+', '-')}-{r}")
+                seconds, folders[name] = measure(
+                    model, ids, args.steps, args.device, work, config, f"{name.replace('+', '-')}-{r}"
+                )
                 times[name].append(seconds)
-            print(f"# round {r}: " + ", ".join(f"{n} {t[-1] / args.steps * 1e3:.2f} ms/step" for n, t in times.items()),
-                  flush=True)
+            print(
+                f"# round {r}: " + ", ".join(f"{n} {t[-1] / args.steps * 1e3:.2f} ms/step" for n, t in times.items()),
+                flush=True,
+            )
         step = {name: median(t) / args.steps for name, t in times.items()}
         out = {"device": args.device, "model": args.model, "ms_per_step": {k: v * 1e3 for k, v in step.items()}}
 
         def ratio_of(name, base):  # the median of per-round ratios: a shared host's speed drifts between rounds
             return median([x / y for x, y in zip(times[name], times[base])])
+
         ratio = ratio_of("fingerprint", "plain")
-        result("fingerprint decode step / plain", round(ratio, 3), "<= 1.4 on a GPU", ratio <= 1.4 if args.device != "cpu" else None,
-               "x", f"{step['fingerprint'] * 1e3:.2f} vs {step['plain'] * 1e3:.2f} ms")
+        result(
+            "fingerprint decode step / plain",
+            round(ratio, 3),
+            "<= 1.4 on a GPU",
+            ratio <= 1.4 if args.device != "cpu" else None,
+            "x",
+            f"{step['fingerprint'] * 1e3:.2f} vs {step['plain'] * 1e3:.2f} ms",
+        )
         if "all" in step:
             result("all decode step / plain", round(ratio_of("all", "plain"), 3), "context", None, "x")
             result("all with carried prints / all", round(ratio_of("all+prints", "all"), 3), "close to 1", None, "x")
         fp_bytes = dir_bytes(folders["fingerprint"])
         full_bytes = tensor_bytes_of(folders["fingerprint"])
         share = fp_bytes / full_bytes
-        result("fingerprint bytes / all-mode tensor bytes", round(share, 5), "<= 0.01", share <= 0.01, "",
-               f"{fp_bytes / 1e6:.2f} MB vs {full_bytes / 1e6:.1f} MB")
+        result(
+            "fingerprint bytes / all-mode tensor bytes",
+            round(share, 5),
+            "<= 0.01",
+            share <= 0.01,
+            "",
+            f"{fp_bytes / 1e6:.2f} MB vs {full_bytes / 1e6:.1f} MB",
+        )
         out.update(fp_bytes=fp_bytes, all_tensor_bytes=full_bytes)
         if "index" not in skip:
             index_times, sizes = bench_index(work, model, ids, args.steps, args.device)
@@ -170,7 +227,9 @@ def main():
                 print(f"# index, {label}: {seconds:.3f} s", flush=True)
             base = index_times["xxh3 of full bytes"]
             for label in ("carried prints read", "rowprint of full bytes", "fingerprint dump"):
-                result(f"index: {label} / xxh3 of full bytes", round(index_times[label] / base, 3), "context", None, "x")
+                result(
+                    f"index: {label} / xxh3 of full bytes", round(index_times[label] / base, 3), "context", None, "x"
+                )
             out.update(index_seconds=index_times, index_dump_bytes=sizes)
         if args.out:
             with open(args.out, "w") as handle:

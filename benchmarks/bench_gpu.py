@@ -29,9 +29,20 @@ import time
 import traceback
 
 import torch
+from common import (  # first: puts
+    GPU_LLAMA,
+    GPU_LLAMA_8B,
+    RESULTS,
+    ROOT,
+    captured_bytes,
+    files_under,
+    fmt_bytes,
+    llama,
+    median,  # the repository on sys.path
+    n_params,
+    result,
+)
 
-from common import (GPU_LLAMA, GPU_LLAMA_8B, RESULTS, ROOT, captured_bytes, files_under, fmt_bytes, llama,  # first: puts
-                    median, n_params, result)  # the repository on sys.path
 from dumpdiff import dumper
 
 
@@ -52,9 +63,11 @@ def bench_on(model, ids, device, work, passes=3):
     """Stall of a dumped forward (capture only: each pass is flushed outside the timed region)
     against the pinned D2H copy of the same stored tensors, timed alone."""
     from bench_write import load_pass
+
     plain = [timed_forward(model, ids, device) for _ in range(5)]
-    handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=work, exp_name="on", cleanup_previous=True,
-                                                       queue_bytes=64 << 30))
+    handle = dumper.install(
+        model, dumper.DumperConfig(enable=True, dir=work, exp_name="on", cleanup_previous=True, queue_bytes=64 << 30)
+    )
     first = timed_forward(model, ids, device)  # pins host memory for the first time
     handle.flush()
     dumped = []
@@ -84,30 +97,54 @@ def bench_on(model, ids, device, work, passes=3):
         d2h.append(time.perf_counter() - start)
     t_plain, t_dump, t_d2h = median(plain), median(dumped), median(d2h)
     stall = t_dump - t_plain
-    print(f"# forward {t_plain * 1e3:.1f} ms, dumped forward {t_dump * 1e3:.1f} ms (first, pinning: "
-          f"{first * 1e3:.0f} ms), D2H of {fmt_bytes(stored)} alone {t_d2h * 1e3:.1f} ms "
-          f"({fmt_bytes(stored / t_d2h)}/s)", flush=True)
-    result("on: forward stall / pinned D2H copy time of the same bytes (GPU)", stall / t_d2h,
-                          "close to 1 (<= 1.25)", stall / t_d2h <= 1.25, "x",
-                          f"stall {stall * 1e3:.1f} ms (forward {t_plain * 1e3:.1f} -> {t_dump * 1e3:.1f} ms), D2H "
-                          f"{t_d2h * 1e3:.1f} ms for {fmt_bytes(stored)} ({fmt_bytes(stored / t_d2h)}/s); first pass "
-                          f"{first * 1e3:.0f} ms (pinned memory allocated)")
-    result("on: dumped forward / no hooks (GPU, capture only)", t_dump / t_plain, "info", None, "x",
-                          f"{t_dump * 1e3:.1f} ms vs {t_plain * 1e3:.1f} ms")
-    result("bytes written / bytes captured by the hooks (GPU pass)", stored / sizes["captured"],
-                          "< 1 (aliases stored once)", stored < sizes["captured"], "x",
-                          f"{fmt_bytes(sizes['captured'])} captured, {fmt_bytes(stored)} stored per pass")
+    print(
+        f"# forward {t_plain * 1e3:.1f} ms, dumped forward {t_dump * 1e3:.1f} ms (first, pinning: "
+        f"{first * 1e3:.0f} ms), D2H of {fmt_bytes(stored)} alone {t_d2h * 1e3:.1f} ms "
+        f"({fmt_bytes(stored / t_d2h)}/s)",
+        flush=True,
+    )
+    result(
+        "on: forward stall / pinned D2H copy time of the same bytes (GPU)",
+        stall / t_d2h,
+        "close to 1 (<= 1.25)",
+        stall / t_d2h <= 1.25,
+        "x",
+        f"stall {stall * 1e3:.1f} ms (forward {t_plain * 1e3:.1f} -> {t_dump * 1e3:.1f} ms), D2H "
+        f"{t_d2h * 1e3:.1f} ms for {fmt_bytes(stored)} ({fmt_bytes(stored / t_d2h)}/s); first pass "
+        f"{first * 1e3:.0f} ms (pinned memory allocated)",
+    )
+    result(
+        "on: dumped forward / no hooks (GPU, capture only)",
+        t_dump / t_plain,
+        "info",
+        None,
+        "x",
+        f"{t_dump * 1e3:.1f} ms vs {t_plain * 1e3:.1f} ms",
+    )
+    result(
+        "bytes written / bytes captured by the hooks (GPU pass)",
+        stored / sizes["captured"],
+        "< 1 (aliases stored once)",
+        stored < sizes["captured"],
+        "x",
+        f"{fmt_bytes(sizes['captured'])} captured, {fmt_bytes(stored)} stored per pass",
+    )
     # Disk: raw save_file + fsync of the same tensors vs the writer thread.
     from bench_write import raw_save
+
     raw_dir = os.path.join(work, "raw")
     t_raw = raw_save([(meta, tensors)] * 2, raw_dir)
     shutil.rmtree(raw_dir, ignore_errors=True)
     raw_tp = 2 * stored / t_raw
     if write_tp:
-        result("on: writer-thread throughput / raw save_file+fsync (GPU machine disk)", write_tp / raw_tp,
-                              ">= 0.80", write_tp / raw_tp >= 0.80, "x",
-                              f"writer {fmt_bytes(write_tp)}/s vs raw {fmt_bytes(raw_tp)}/s; peak host bytes held "
-                              f"{fmt_bytes(peak)}")
+        result(
+            "on: writer-thread throughput / raw save_file+fsync (GPU machine disk)",
+            write_tp / raw_tp,
+            ">= 0.80",
+            write_tp / raw_tp >= 0.80,
+            "x",
+            f"writer {fmt_bytes(write_tp)}/s vs raw {fmt_bytes(raw_tp)}/s; peak host bytes held {fmt_bytes(peak)}",
+        )
     del dev, host, tensors
     shutil.rmtree(os.path.join(work, "on"), ignore_errors=True)
     return stored
@@ -126,18 +163,31 @@ def bench_disk_bound(model, ids, device, work, stored, passes=3):
     written, peak, queue = writer.bytes_written, writer.peak_pending_bytes, writer.queue_bytes
     handle.remove()
     from bench_write import load_pass, raw_save
+
     files = files_under(os.path.join(work, "steady"))
     loaded = [load_pass(f) for f in files]
     t_raw = raw_save(loaded, os.path.join(work, "raw"))
     shutil.rmtree(os.path.join(work, "raw"), ignore_errors=True)
     del loaded
     ratio = t_raw / max(total - plain, 1e-9)
-    result("on: dump throughput (time added to forwards) / raw save_file+fsync (GPU)", ratio, ">= 0.80",
-                          ratio >= 0.80, "x", f"{passes} passes, {fmt_bytes(written)}: forwards {plain:.2f}s, with "
-                          f"dumping {total:.2f}s, raw {t_raw:.2f}s; peak host bytes {fmt_bytes(peak)} "
-                          f"(queue {fmt_bytes(queue)}, pass {fmt_bytes(stored)})")
-    result("writer memory: peak bytes held / max(queue, one pass) (GPU)", peak / max(queue, stored),
-                          "<= 1.0", peak <= max(queue, stored) * 1.001, "x", "")
+    result(
+        "on: dump throughput (time added to forwards) / raw save_file+fsync (GPU)",
+        ratio,
+        ">= 0.80",
+        ratio >= 0.80,
+        "x",
+        f"{passes} passes, {fmt_bytes(written)}: forwards {plain:.2f}s, with "
+        f"dumping {total:.2f}s, raw {t_raw:.2f}s; peak host bytes {fmt_bytes(peak)} "
+        f"(queue {fmt_bytes(queue)}, pass {fmt_bytes(stored)})",
+    )
+    result(
+        "writer memory: peak bytes held / max(queue, one pass) (GPU)",
+        peak / max(queue, stored),
+        "<= 1.0",
+        peak <= max(queue, stored) * 1.001,
+        "x",
+        "",
+    )
     shutil.rmtree(os.path.join(work, "steady"), ignore_errors=True)
 
 
@@ -146,8 +196,12 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.gettempdir())
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a tiny model: a smoke test of this script")
-    ap.add_argument("--model", choices=("1b", "8b"), default="1b",
-                    help="1b: the 1.07B Llama (hidden 2048, 20 layers); 8b: Llama-3-8B's shape (hidden 4096, 32 layers)")
+    ap.add_argument(
+        "--model",
+        choices=("1b", "8b"),
+        default="1b",
+        help="1b: the 1.07B Llama (hidden 2048, 20 layers); 8b: Llama-3-8B's shape (hidden 4096, 32 layers)",
+    )
     ap.add_argument("--work", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the work folder (dumps) at the end")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: off,on,steady,rows,analyze,tests")
@@ -161,8 +215,14 @@ def main(argv=None):
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} cuda {torch.version.cuda}", flush=True)
     dtype = torch.bfloat16
     if args.small:
-        shape = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=512, vocab_size=1024)
+        shape = dict(
+            hidden_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=512,
+            vocab_size=1024,
+        )
         tokens, new_tokens = 128, 4
     else:
         shape = dict(GPU_LLAMA if args.model == "1b" else GPU_LLAMA_8B)
@@ -170,8 +230,14 @@ def main(argv=None):
     model = llama(dtype, device, **{"max_position_embeddings": 4096, **shape})
     print(f"# model: random Llama {n_params(model) / 1e9:.2f}B params, {dtype}, {tokens}-token prefill", flush=True)
     if not args.small:
-        result("GPU model size (parameters)", n_params(model) / 1e9, ">= 1", n_params(model) >= 1e9, "B",
-               f"random HF Llama, {dtype}, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}")
+        result(
+            "GPU model size (parameters)",
+            n_params(model) / 1e9,
+            ">= 1",
+            n_params(model) >= 1e9,
+            "B",
+            f"random HF Llama, {dtype}, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}",
+        )
     ids = torch.randint(3, shape["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     for _ in range(3):
         timed_forward(model, ids, device)
@@ -192,19 +258,30 @@ def main(argv=None):
                 json.dump(RESULTS, handle, indent=1)
 
     def tests():
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         print(proc.stdout[-4000:], proc.stderr[-2000:], flush=True)
-        result("tests/test_gpu.py on the GPU", proc.returncode, "exit 0", proc.returncode == 0, "",
-                              proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-200:])
+        result(
+            "tests/test_gpu.py on the GPU",
+            proc.returncode,
+            "exit 0",
+            proc.returncode == 0,
+            "",
+            proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-200:],
+        )
 
     guarded("tests", tests)
 
     def off():
         import bench_off
+
         base, installed = [], []  # forward times per round
         for r in range(20):
-            for state in (("base", "off") if r % 2 == 0 else ("off", "base")):
+            for state in ("base", "off") if r % 2 == 0 else ("off", "base"):
                 if state == "base":
                     base.append(bench_off.forward_times(model, ids, 10, device))
                 else:
@@ -212,9 +289,15 @@ def main(argv=None):
                     installed.append(bench_off.forward_times(model, ids, 10, device))
                     handle.remove()
         ratio = bench_off.paired_ratio(installed, base)
-        result("off: installed, disabled / no hooks (GPU)", ratio, "<= 1.01", ratio <= 1.01, "x",
-               f"median of 20 per-round ratios; median forward {median(sum(base, [])) * 1e3:.2f} ms vs "
-               f"{median(sum(installed, [])) * 1e3:.2f} ms, 200 forwards each")
+        result(
+            "off: installed, disabled / no hooks (GPU)",
+            ratio,
+            "<= 1.01",
+            ratio <= 1.01,
+            "x",
+            f"median of 20 per-round ratios; median forward {median(sum(base, [])) * 1e3:.2f} ms vs "
+            f"{median(sum(installed, [])) * 1e3:.2f} ms, 200 forwards each",
+        )
 
     guarded("off", off)
     if not device.startswith("cuda"):
@@ -227,6 +310,7 @@ def main(argv=None):
 
     def rows():
         import bench_rows
+
         sizes, verdicts = bench_rows.measure(model, ids, new_tokens, os.path.join(work, "rows"), device, where="GPU")
         pair["full"] = (os.path.join(work, "rows", "full", "ref"), os.path.join(work, "rows", "full", "dec"))
         shutil.rmtree(os.path.join(work, "rows", "last"), ignore_errors=True)
@@ -237,14 +321,21 @@ def main(argv=None):
 
     def analyze():
         import bench_analyze
+
         ref, dec = pair["full"]
         ns = argparse.Namespace(warm_only=False)
         bench_analyze.run(ns, ref, dec)
-        proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", "first-divergence", ref, dec, "--no-progress"],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dumpdiff.analyzer.cli", "first-divergence", ref, dec, "--no-progress"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         print(proc.stdout[-6000:], proc.stderr[-2000:], flush=True)
         with open(os.path.join(args.out, "first-divergence-gpu.txt"), "w") as handle:
-            handle.write(f"$ dumpdiff first-divergence ref dec   (exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}")
+            handle.write(
+                f"$ dumpdiff first-divergence ref dec   (exit {proc.returncode})\n{proc.stdout}\n{proc.stderr}"
+            )
 
     if "full" in pair:
         guarded("analyze", analyze)

@@ -20,15 +20,12 @@ import argparse
 import functools
 import itertools
 import tempfile
-
-import torch
-
-from common import GPU_LLAMA, llama, median, n_params, result, sync
-
 import time
 
-from dumpdiff import dumper
+import torch
+from common import GPU_LLAMA, llama, median, n_params, result, sync
 
+from dumpdiff import dumper
 
 ORDERS = list(itertools.permutations(("base", "off", "wrap")))
 
@@ -64,6 +61,7 @@ def paired_ratio(blocks: list, baselines: list) -> float:
 def wrapper_cost(tmp: str, calls: int = 100_000) -> float:
     """Seconds the installed, disabled dumper adds to one forward, timed around a module that does
     nothing: no kernel, clock or other tenant varies between the two loops (best of 5 each)."""
+
     class Nothing(torch.nn.Module):
         def forward(self, x):
             return x
@@ -75,6 +73,7 @@ def wrapper_cost(tmp: str, calls: int = 100_000) -> float:
         for _ in range(calls):
             module(x)
         return (time.perf_counter() - start) / calls
+
     bare = min(per_call() for _ in range(5))
     handle = dumper.install(module, dumper.DumperConfig(enable=False, dir=tmp, exp_name="cost"))
     installed = min(per_call() for _ in range(5))
@@ -95,12 +94,21 @@ def main(argv=None):
         model = llama(torch.bfloat16, args.device, **GPU_LLAMA)
         tokens, rounds, block = args.tokens or 2048, args.rounds or 12, args.block or 10
     else:
-        model = llama(torch.float32, hidden_size=256, num_hidden_layers=8, intermediate_size=688,
-                      num_attention_heads=8, num_key_value_heads=4)
+        model = llama(
+            torch.float32,
+            hidden_size=256,
+            num_hidden_layers=8,
+            intermediate_size=688,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+        )
         tokens, rounds, block = args.tokens or 64, args.rounds or 40, args.block or 10
     ids = torch.randint(3, model.config.vocab_size, (1, tokens), device=args.device)
-    print(f"# off-cost on {args.device}: Llama {n_params(model) / 1e6:.1f}M params, {tokens} tokens, "
-          f"{rounds} rounds x {block} forwards per state", flush=True)
+    print(
+        f"# off-cost on {args.device}: Llama {n_params(model) / 1e6:.1f}M params, {tokens} tokens, "
+        f"{rounds} rounds x {block} forwards per state",
+        flush=True,
+    )
     forward_times(model, ids, 5, args.device)  # warm-up
 
     base, off, idle_after, wrapped = [], [], [], []  # one list of forward times per round and state
@@ -134,25 +142,54 @@ def main(argv=None):
 
     def flat(blocks):
         return [t for b in blocks for t in b]
+
     t_base, t_off = median(flat(base)), median(flat(off))
     ratio = paired_ratio(off, base)
     where = "GPU" if cuda else "CPU"
     print(f"# no hooks {t_base * 1e3:.3f} ms/forward, installed+disabled {t_off * 1e3:.3f} ms/forward", flush=True)
-    result(f"off: installed, disabled / no hooks ({where})", ratio, "<= 1.01", ratio <= 1.01, "x",
-           f"median of {len(base)} per-round ratios; median forward {t_base * 1e3:.2f} ms vs {t_off * 1e3:.2f} ms, "
-           f"{len(flat(base))} forwards each", base_ms=t_base * 1e3, off_ms=t_off * 1e3)
-    result(f"off: the disabled dumper's time per forward, timed on a no-op module / no hooks ({where})",
-           1 + cost / t_base, "<= 1.01", 1 + cost / t_base <= 1.01, "x",
-           f"{cost * 1e6:.2f} us per call against a {t_base * 1e3:.2f} ms forward: the same state as above, "
-           "without the forward-to-forward noise", cost_us=cost * 1e6)
+    result(
+        f"off: installed, disabled / no hooks ({where})",
+        ratio,
+        "<= 1.01",
+        ratio <= 1.01,
+        "x",
+        f"median of {len(base)} per-round ratios; median forward {t_base * 1e3:.2f} ms vs {t_off * 1e3:.2f} ms, "
+        f"{len(flat(base))} forwards each",
+        base_ms=t_base * 1e3,
+        off_ms=t_off * 1e3,
+    )
+    result(
+        f"off: the disabled dumper's time per forward, timed on a no-op module / no hooks ({where})",
+        1 + cost / t_base,
+        "<= 1.01",
+        1 + cost / t_base <= 1.01,
+        "x",
+        f"{cost * 1e6:.2f} us per call against a {t_base * 1e3:.2f} ms forward: the same state as above, "
+        "without the forward-to-forward noise",
+        cost_us=cost * 1e6,
+    )
     if wrapped:
-        result(f"info: a bare root-forward wrapper / no hooks ({where})", paired_ratio(wrapped, base), "info", None, "x",
-               f"median forward {median(flat(wrapped)) * 1e3:.3f} ms")
+        result(
+            f"info: a bare root-forward wrapper / no hooks ({where})",
+            paired_ratio(wrapped, base),
+            "info",
+            None,
+            "x",
+            f"median forward {median(flat(wrapped)) * 1e3:.3f} ms",
+        )
     t_base2, t_after = median(flat(base2)), median(flat(idle_after))
     ratio2 = paired_ratio(idle_after, base2)
-    result(f"off after a dump (enable=False again) / no hooks ({where})", ratio2, "<= 1.01 (info)", ratio2 <= 1.01, "x",
-           f"median of {len(base2)} per-round ratios; median forward {t_base2 * 1e3:.2f} ms vs {t_after * 1e3:.2f} ms; "
-           "the first forward after disabling detaches the per-module hooks", base_ms=t_base2 * 1e3, off_ms=t_after * 1e3)
+    result(
+        f"off after a dump (enable=False again) / no hooks ({where})",
+        ratio2,
+        "<= 1.01 (info)",
+        ratio2 <= 1.01,
+        "x",
+        f"median of {len(base2)} per-round ratios; median forward {t_base2 * 1e3:.2f} ms vs {t_after * 1e3:.2f} ms; "
+        "the first forward after disabling detaches the per-module hooks",
+        base_ms=t_base2 * 1e3,
+        off_ms=t_after * 1e3,
+    )
 
 
 if __name__ == "__main__":

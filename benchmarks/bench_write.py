@@ -29,10 +29,19 @@ import tempfile
 import time
 
 import torch
+from common import (  # first: puts the repository on sys.path
+    captured_bytes,
+    dir_bytes,
+    files_under,
+    fmt_bytes,
+    fsync_path,
+    llama,
+    median,
+    result,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common import captured_bytes, dir_bytes, files_under, fmt_bytes, fsync_path, llama, median, result  # first: puts the repository on sys.path
 from dumpdiff import dumper
 from dumpdiff.dumper import format as fmt
 
@@ -50,15 +59,21 @@ def run_forwards(model, inputs):
 
 
 def dump_forwards(model, inputs, root, name, **config):
-    handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=root, exp_name=name, cleanup_previous=True,
-                                                       **config))
+    handle = dumper.install(
+        model, dumper.DumperConfig(enable=True, dir=root, exp_name=name, cleanup_previous=True, **config)
+    )
     start = time.perf_counter()
     run_forwards(model, inputs)
     handle.flush()
     elapsed = time.perf_counter() - start
     writer = handle._writer
-    stats = {"seconds": elapsed, "bytes": writer.bytes_written, "write_seconds": getattr(writer, "write_seconds", None),
-             "peak_pending": getattr(writer, "peak_pending_bytes", None), "queue_bytes": writer.queue_bytes}
+    stats = {
+        "seconds": elapsed,
+        "bytes": writer.bytes_written,
+        "write_seconds": getattr(writer, "write_seconds", None),
+        "peak_pending": getattr(writer, "peak_pending_bytes", None),
+        "queue_bytes": writer.queue_bytes,
+    }
     handle.remove()
     return stats
 
@@ -78,8 +93,11 @@ def duplicate_bytes(tensors) -> int:
     """Bytes of stored tensors whose dtype, shape and bytes equal another stored tensor's."""
     seen, dup = set(), 0
     for t in tensors.values():
-        key = (str(t.dtype), tuple(t.shape), hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(),
-                                                            digest_size=16).digest())
+        key = (
+            str(t.dtype),
+            tuple(t.shape),
+            hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).digest(),
+        )
         if key in seen:
             dup += t.numel() * t.element_size()
         seen.add(key)
@@ -96,8 +114,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     # Few FLOPs per byte dumped (narrow, many token rows), so that the disk, not the GEMMs, is
     # what dumping is measured against.
-    model = llama(torch.float32, hidden_size=128, num_hidden_layers=4, intermediate_size=344, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024)
+    model = llama(
+        torch.float32,
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=344,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    )
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randint(3, 1024, (args.batch, args.tokens), generator=gen) for _ in range(args.passes)]
     root = tempfile.mkdtemp(prefix="dumpdiff-bench-write-", dir=args.dir)
@@ -117,8 +142,11 @@ def main(argv=None):
             shutil.rmtree(os.path.join(root, "raw"))
             t_raw_nosync.append(raw_save(passes, os.path.join(root, "raw"), fsync=False))
             shutil.rmtree(os.path.join(root, "raw"))
-            print(f"# round {r}: forwards {t_fwd[-1]:.2f}s, dump {t_dump[-1]:.2f}s, raw save+fsync {t_raw[-1]:.2f}s, "
-                  f"raw save (no fsync) {t_raw_nosync[-1]:.2f}s", flush=True)
+            print(
+                f"# round {r}: forwards {t_fwd[-1]:.2f}s, dump {t_dump[-1]:.2f}s, raw save+fsync {t_raw[-1]:.2f}s, "
+                f"raw save (no fsync) {t_raw_nosync[-1]:.2f}s",
+                flush=True,
+            )
         written = dir_bytes(os.path.join(root, "dump"))
         # Per round (its three timings taken back to back), then the median over rounds: the
         # machine's load drifts between rounds.
@@ -127,19 +155,40 @@ def main(argv=None):
         added = median(t_dump) - median(t_fwd)
         raw_tp = written / median(t_raw)
         dump_tp = written / max(added, 1e-9)
-        print(f"# {args.passes} passes of {args.batch}x{args.tokens} tokens, {fmt_bytes(written)} written; forwards alone "
-              f"{median(t_fwd):.2f}s, with dumping {median(t_dump):.2f}s", flush=True)
-        result("on: dump throughput / raw save_file+fsync throughput (CPU)", median(ratios), ">= 0.80",
-               median(ratios) >= 0.80, "x", f"median of {len(ratios)} rounds (each: raw time / time dumping added to "
-               f"the forwards), rounds {', '.join(f'{r:.2f}' for r in ratios)}; medians: dump {fmt_bytes(dump_tp)}/s vs "
-               f"raw {fmt_bytes(raw_tp)}/s; {fmt_bytes(written)} in {args.passes} pass files")
+        print(
+            f"# {args.passes} passes of {args.batch}x{args.tokens} tokens, {fmt_bytes(written)} written; forwards alone "
+            f"{median(t_fwd):.2f}s, with dumping {median(t_dump):.2f}s",
+            flush=True,
+        )
+        result(
+            "on: dump throughput / raw save_file+fsync throughput (CPU)",
+            median(ratios),
+            ">= 0.80",
+            median(ratios) >= 0.80,
+            "x",
+            f"median of {len(ratios)} rounds (each: raw time / time dumping added to "
+            f"the forwards), rounds {', '.join(f'{r:.2f}' for r in ratios)}; medians: dump {fmt_bytes(dump_tp)}/s vs "
+            f"raw {fmt_bytes(raw_tp)}/s; {fmt_bytes(written)} in {args.passes} pass files",
+        )
         if writer_ratios:
-            result("on: writer-thread throughput / raw save_file+fsync (CPU)", median(writer_ratios), ">= 0.80",
-                   median(writer_ratios) >= 0.80, "x", f"{fmt_bytes(median(writer_tp))}/s inside the writer; rounds "
-                   f"{', '.join(f'{r:.2f}' for r in writer_ratios)}")
+            result(
+                "on: writer-thread throughput / raw save_file+fsync (CPU)",
+                median(writer_ratios),
+                ">= 0.80",
+                median(writer_ratios) >= 0.80,
+                "x",
+                f"{fmt_bytes(median(writer_tp))}/s inside the writer; rounds "
+                f"{', '.join(f'{r:.2f}' for r in writer_ratios)}",
+            )
         nosync_tp = written / median(t_raw_nosync)
-        result("info: dump throughput / raw save_file without fsync (page cache)", dump_tp / nosync_tp, "info", None, "x",
-               f"raw without fsync {fmt_bytes(nosync_tp)}/s: the page cache, not the disk")
+        result(
+            "info: dump throughput / raw save_file without fsync (page cache)",
+            dump_tp / nosync_tp,
+            "info",
+            None,
+            "x",
+            f"raw without fsync {fmt_bytes(nosync_tp)}/s: the page cache, not the disk",
+        )
 
         # Bytes: captured by the hooks vs written; identical stored tensors.
         captured = stored = dup = 0
@@ -149,11 +198,22 @@ def main(argv=None):
             captured += sizes["captured"]
             stored += sum(t.numel() * t.element_size() for t in tensors.values())
             dup += duplicate_bytes(tensors)
-        result("bytes written / bytes captured by the hooks", written / captured, "< 1 (aliases stored once)",
-               written < captured, "x", f"{fmt_bytes(captured)} captured, {fmt_bytes(stored)} tensor bytes stored, "
-               f"{fmt_bytes(written)} on disk")
-        result("stored tensors whose bytes duplicate another stored tensor", dup, "0 B", dup == 0, "B",
-               "same dtype, shape and bytes within one pass")
+        result(
+            "bytes written / bytes captured by the hooks",
+            written / captured,
+            "< 1 (aliases stored once)",
+            written < captured,
+            "x",
+            f"{fmt_bytes(captured)} captured, {fmt_bytes(stored)} tensor bytes stored, {fmt_bytes(written)} on disk",
+        )
+        result(
+            "stored tensors whose bytes duplicate another stored tensor",
+            dup,
+            "0 B",
+            dup == 0,
+            "B",
+            "same dtype, shape and bytes within one pass",
+        )
 
         # Back-pressure: a queue smaller than one pass; the writer never holds more than
         # max(queue, one pass) and the forwards wait for the disk.
@@ -162,10 +222,15 @@ def main(argv=None):
         bp = dump_forwards(model, inputs, root, "bp", queue_bytes=queue)
         bound = max(queue, pass_bytes)
         if bp["peak_pending"] is not None:
-            result("writer memory: peak bytes held / max(DUMPER_QUEUE_BYTES, one pass)", bp["peak_pending"] / bound,
-                   "<= 1.0", bp["peak_pending"] <= bound, "x",
-                   f"queue {fmt_bytes(queue)}, pass {fmt_bytes(pass_bytes)}, peak held {fmt_bytes(bp['peak_pending'])}; "
-                   f"{bp['seconds']:.2f}s with back-pressure vs {median(t_dump):.2f}s with a 2 GB queue")
+            result(
+                "writer memory: peak bytes held / max(DUMPER_QUEUE_BYTES, one pass)",
+                bp["peak_pending"] / bound,
+                "<= 1.0",
+                bp["peak_pending"] <= bound,
+                "x",
+                f"queue {fmt_bytes(queue)}, pass {fmt_bytes(pass_bytes)}, peak held {fmt_bytes(bp['peak_pending'])}; "
+                f"{bp['seconds']:.2f}s with back-pressure vs {median(t_dump):.2f}s with a 2 GB queue",
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

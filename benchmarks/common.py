@@ -26,7 +26,9 @@ import torch  # noqa: E402
 def llama(dtype=torch.float32, device="cpu", seed: int = 0, **overrides):
     """A random-weight HF Llama made from examples/tiny_models.py's shapes with overrides."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from tiny_models import _SMALL
+
     torch.manual_seed(seed)
     config = LlamaConfig(**{**_SMALL, **overrides})
     with torch.device(device):
@@ -35,11 +37,25 @@ def llama(dtype=torch.float32, device="cpu", seed: int = 0, **overrides):
 
 
 # The GPU benchmarks' model: a random HF Llama of 1.07B parameters (the issue asks for >= 1B) in bf16.
-GPU_LLAMA = dict(hidden_size=2048, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096)
+GPU_LLAMA = dict(
+    hidden_size=2048,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    intermediate_size=5632,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
 # Llama-3-8B's shape (random weights): how the analysis ratios move with wider rows at real scale.
-GPU_LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    intermediate_size=14336, vocab_size=128256, max_position_embeddings=4096)
+GPU_LLAMA_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=4096,
+)
 
 
 def n_params(model) -> int:
@@ -91,6 +107,7 @@ def compile_bytecode() -> str:
     installed state, not of that."""
     import compileall
     import importlib.util
+
     for package in ("analyzer", "dumper"):
         compileall.compile_dir(os.path.join(ROOT, package), quiet=1)
     missing = []
@@ -100,8 +117,10 @@ def compile_bytecode() -> str:
             missing.append(name)
     if not missing:
         return "bytecode: dumpdiff compiled here; numpy, pyarrow, click compiled"
-    return (f"bytecode: dumpdiff compiled here; NOT compiled: {', '.join(missing)} (every command compiles them: "
-            f"run `python -m compileall -q <their folders>` once to time an installed state)")
+    return (
+        f"bytecode: dumpdiff compiled here; NOT compiled: {', '.join(missing)} (every command compiles them: "
+        f"run `python -m compileall -q <their folders>` once to time an installed state)"
+    )
 
 
 def dir_bytes(path: str, suffix: str = ".safetensors") -> int:
@@ -149,8 +168,21 @@ def fmt_bytes(n: float) -> str:
 def captured_bytes(pass_meta: dict) -> Dict[str, int]:
     """Bytes the hooks saw in one pass (aliases counted every time) and bytes stored once."""
     import math
-    sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
-             "int8": 1, "uint8": 1, "int16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+    sizes = {
+        "bfloat16": 2,
+        "float16": 2,
+        "float32": 4,
+        "float64": 8,
+        "int64": 8,
+        "int32": 4,
+        "bool": 1,
+        "int8": 1,
+        "uint8": 1,
+        "int16": 2,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+    }
     seen = stored = 0
     for call in pass_meta["calls"]:
         for tmeta in call["tensors"].values():
@@ -168,8 +200,9 @@ def dump_pair(model, root, prompt, new_tokens, device="cpu", **config):
     handle = dumper.install(model, dumper.DumperConfig(dir=root, cleanup_previous=True, **config))
     with torch.no_grad():
         handle.configure(enable=True, exp_name="dec")
-        output = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                do_sample=False)
+        output = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False
+        )
         handle.configure(exp_name="ref")
         model(output)
     handle.remove()

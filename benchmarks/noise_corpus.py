@@ -46,17 +46,18 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from plants import PLANTS, expected_module, plant  # noqa: E402
 from helpers import dump_padded_batch, load_model, prompt_ids  # noqa: E402
+from plants import PLANTS, expected_module, plant  # noqa: E402
 
 CLEAN_ARCHS = ("llama", "qwen3", "gemma2", "qwen3_moe", "mamba", "jamba")  # jamba: attention + mamba + MoE
 PLANT_ARCHS = ("llama", "qwen3", "gemma2", "qwen3_moe")  # those with layers[L].self_attn and a KV cache
 # (hidden, layers, heads, kv heads): CPU keeps the corpus to minutes on 2 cores, the GPU gets real kernels.
-SIZES = {"cpu": {"s": (64, 3, 4, 2), "m": (256, 6, 8, 4)},
-         "cuda": {"s": (1024, 8, 16, 8), "m": (2048, 16, 16, 8)}}
-LENGTHS = {"cpu": {"short": (40, 52, 64), "long": (400, 430, 460)},
-           "cuda": {"short": (180, 200, 220), "long": (400, 425, 450)},
-           "trained": {"short": (60, 100, 140), "long": (150, 180, 200)}}  # it was trained on 256 positions
+SIZES = {"cpu": {"s": (64, 3, 4, 2), "m": (256, 6, 8, 4)}, "cuda": {"s": (1024, 8, 16, 8), "m": (2048, 16, 16, 8)}}
+LENGTHS = {
+    "cpu": {"short": (40, 52, 64), "long": (400, 430, 460)},
+    "cuda": {"short": (180, 200, 220), "long": (400, 425, 450)},
+    "trained": {"short": (60, 100, 140), "long": (150, 180, 200)},
+}  # it was trained on 256 positions
 NEW_TOKENS = {"cpu": 8, "cuda": 12}
 DT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -80,6 +81,7 @@ def log(*parts):
 
 # ---------------------------------------------------------------- the corpus
 
+
 def plan(device: str, quick: bool, only: Optional[str], dtypes: list) -> list:
     """Every run, with a seed of its own. --quick: size s, a few archs, one plant per kind."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -90,14 +92,20 @@ def plan(device: str, quick: bool, only: Optional[str], dtypes: list) -> list:
         combos = list(itertools.product(archs, sizes, dtypes, (1, 3), ("short", "long")))
         if quick:  # one batch/length combination per (arch, dtype), taken in turn
             combos = [c for i, c in enumerate(combos) if i % 4 == (i // 4) % 4]
-        combos += [] if quick else [("trained", "s", d, b, s) for d, (b, s) in
-                                    itertools.product(dtypes, ((1, "long"), (3, "short")))]
+        combos += (
+            []
+            if quick
+            else [("trained", "s", d, b, s) for d, (b, s) in itertools.product(dtypes, ((1, "long"), (3, "short")))]
+        )
         for seed, (arch, size, dtype, batch, span) in enumerate(combos):
             runs.append(Spec(f"{arch}.{size}.{DT[dtype]}.b{batch}.{span}", arch, size, dtype, batch, span, seed))
     if only != "clean":
         archs = ("llama",) if quick else PLANT_ARCHS + ("trained",)
-        combos = [(k, a, s, d) for k, a, s, d in itertools.product(PLANTS, archs, sizes, dtypes)
-                  if not (a == "trained" and s != "s")]
+        combos = [
+            (k, a, s, d)
+            for k, a, s, d in itertools.product(PLANTS, archs, sizes, dtypes)
+            if not (a == "trained" and s != "s")
+        ]
         if quick:
             combos = [c for i, c in enumerate(combos) if c[3] == dtypes[(i // len(dtypes)) % len(dtypes)]]
         shapes = list(itertools.product(("short", "long"), (1, 3)))
@@ -108,13 +116,25 @@ def plan(device: str, quick: bool, only: Optional[str], dtypes: list) -> list:
             span, batch = shapes[turn[size, dtype] % 4]
             turn[size, dtype] += 1
             layer = 1 + seed % (layers - 1)
-            runs.append(Spec(f"{arch}.{size}.{DT[dtype]}.b{batch}.{span}.{plant_kind}.L{layer}", arch, size, dtype,
-                             batch, span, seed, plant_kind, layer))
+            runs.append(
+                Spec(
+                    f"{arch}.{size}.{DT[dtype]}.b{batch}.{span}.{plant_kind}.L{layer}",
+                    arch,
+                    size,
+                    dtype,
+                    batch,
+                    span,
+                    seed,
+                    plant_kind,
+                    layer,
+                )
+            )
     return runs
 
 
 def arch_config(arch: str, size: str, device: str):
     from transformers import AutoConfig
+
     kind = "cuda" if device.startswith("cuda") else "cpu"
     hidden, layers, heads, kv = SIZES[kind][size]
     attn = dict(num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=hidden * 11 // 4)
@@ -123,21 +143,46 @@ def arch_config(arch: str, size: str, device: str):
         "llama": attn,
         "qwen3": {**attn, **head},
         "gemma2": {**attn, **head, "sliding_window": 64 if kind == "cpu" else 128},
-        "qwen3_moe": {**attn, **head, "moe_intermediate_size": hidden // 2, "num_experts": 8, "num_experts_per_tok": 2,
-                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+        "qwen3_moe": {
+            **attn,
+            **head,
+            "moe_intermediate_size": hidden // 2,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
         "mamba": dict(state_size=16, expand=2, conv_kernel=4),
-        "jamba": {**attn, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-                  "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 16,
-                  "mamba_d_conv": 4, "mamba_expand": 2},
+        "jamba": {
+            **attn,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+        },
     }[arch]
-    return AutoConfig.for_model(arch, vocab_size=2048 if kind == "cpu" else 32000, bos_token_id=1, eos_token_id=2,
-                                pad_token_id=0, hidden_size=hidden, num_hidden_layers=layers,
-                                max_position_embeddings=1024, **extra)
+    return AutoConfig.for_model(
+        arch,
+        vocab_size=2048 if kind == "cpu" else 32000,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        max_position_embeddings=1024,
+        **extra,
+    )
 
 
 def build(spec: Spec, args):
     """(model on the device in the run's dtype, prompts as token-id lists)."""
     from transformers import AutoModelForCausalLM
+
     dtype = getattr(torch, spec.dtype)
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     lengths = LENGTHS["trained" if spec.arch == "trained" else kind][spec.span]
@@ -147,7 +192,7 @@ def build(spec: Spec, args):
         model = load_model(folder, dtype).to(args.device)
         data, pick = byte_data(), torch.Generator().manual_seed(spec.seed)
         starts = torch.randint(0, len(data) - 256, (len(lengths),), generator=pick).tolist()
-        return model, [data[s:s + n].tolist() for s, n in zip(starts, lengths)]
+        return model, [data[s : s + n].tolist() for s, n in zip(starts, lengths)]
     torch.manual_seed(spec.seed)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(arch_config(spec.arch, spec.size, args.device))
@@ -167,8 +212,9 @@ def byte_data() -> torch.Tensor:
     """The standard library's sources (then installed packages'), as byte ids."""
     if not _BYTES:
         paths = sysconfig.get_paths()
-        files = sorted(glob.glob(os.path.join(paths["stdlib"], "*.py"))) + \
-            sorted(glob.glob(os.path.join(paths["purelib"], "*", "*.py")))
+        files = sorted(glob.glob(os.path.join(paths["stdlib"], "*.py"))) + sorted(
+            glob.glob(os.path.join(paths["purelib"], "*", "*.py"))
+        )
         text = b"".join(open(path, "rb").read() for path in files)[:4_000_000]
         _BYTES.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).long() + BYTE_OFFSET)
     return _BYTES[0]
@@ -183,11 +229,22 @@ def trained_llama(models: str, device: str) -> str:
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     from transformers import AutoConfig, AutoModelForCausalLM
+
     log(f"training the byte-level Llama into {folder} (minutes on a CPU) ...")
     data = byte_data()
-    config = AutoConfig.for_model("llama", vocab_size=256 + BYTE_OFFSET, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                  hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                  intermediate_size=512, max_position_embeddings=256)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=256 + BYTE_OFFSET,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
@@ -196,7 +253,7 @@ def trained_llama(models: str, device: str) -> str:
         for group in optimizer.param_groups:  # warm-up, then cosine down to a tenth
             group["lr"] = 3e-3 * min(1, (step + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
         starts = torch.randint(0, len(data) - 64, (32,), generator=pick)
-        batch = torch.stack([data[s:s + 64] for s in starts]).to(device)
+        batch = torch.stack([data[s : s + 64] for s in starts]).to(device)
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
@@ -210,22 +267,45 @@ def trained_llama(models: str, device: str) -> str:
 
 # ---------------------------------------------------------------- one run
 
+
 def analyze(root: str) -> dict:
     """The analyzer's verdict on root/{ref,dec}, reduced to what the tables need."""
-    proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", "first-divergence", os.path.join(root, "ref"),
-                           os.path.join(root, "dec"), "--format", "json", "--no-progress"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dumpdiff.analyzer.cli",
+            "first-divergence",
+            os.path.join(root, "ref"),
+            os.path.join(root, "dec"),
+            "--format",
+            "json",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+    )
     if proc.returncode not in (0, 1):
         return {"exit": proc.returncode, "kind": None, "error": proc.stderr.strip()[-600:]}
     result = json.loads(proc.stdout)
     verdict = result["ranks"].get("0") or next(iter(result["ranks"].values()))
     noise = verdict.get("noise") or {}
-    return {"exit": proc.returncode, "kind": result.get("kind"), "rows_differing": verdict.get("rows_differing"),
-            "strict": (result.get("culprit") or {}).get("call"),
-            "culprits": [{"call": c["call"], **({"gap_before": c["gap_before"]} if c.get("gap_before") else {})}
-                         for c in noise.get("culprits", [])],
-            "top_jumps": noise.get("top_jumps", [])[:4], "suspects": noise.get("suspects"),
-            "summary": verdict.get("summary"), "error": None}
+    return {
+        "exit": proc.returncode,
+        "kind": result.get("kind"),
+        "rows_differing": verdict.get("rows_differing"),
+        "strict": (result.get("culprit") or {}).get("call"),
+        "culprits": [
+            {"call": c["call"], **({"gap_before": c["gap_before"]} if c.get("gap_before") else {})}
+            for c in noise.get("culprits", [])
+        ],
+        "top_jumps": noise.get("top_jumps", [])[:4],
+        "suspects": noise.get("suspects"),
+        "summary": verdict.get("summary"),
+        "error": None,
+    }
 
 
 def named(rec: dict) -> Optional[str]:
@@ -255,8 +335,13 @@ def run_one(spec: Spec, args) -> dict:
         rec.update(layers=model.config.num_hidden_layers, prompt_lens=[len(p) for p in prompts])
         hooks = plant(model, spec.plant, spec.layer) if spec.plant else []
         new_tokens = NEW_TOKENS["cuda" if args.device.startswith("cuda") else "cpu"]
-        dump_padded_batch(model, root, prompts=prompts, new_tokens=new_tokens,
-                          config={"cleanup_previous": True, "last_rows": args.last_rows})
+        dump_padded_batch(
+            model,
+            root,
+            prompts=prompts,
+            new_tokens=new_tokens,
+            config={"cleanup_previous": True, "last_rows": args.last_rows},
+        )
         for hook in hooks:
             hook.remove()
         del model
@@ -273,6 +358,7 @@ def run_one(spec: Spec, args) -> dict:
 
 
 # ---------------------------------------------------------------- results
+
 
 def read_results(path: str) -> list:
     with open(path) as f:
@@ -321,8 +407,12 @@ def jump_text(rec: dict) -> str:
 
 
 def culprit_text(rec: dict) -> str:
-    return ", ".join(c["call"] + (f" before {c['gap_before']}" if c.get("gap_before") else "")
-                     for c in rec.get("culprits") or []) or "-"
+    return (
+        ", ".join(
+            c["call"] + (f" before {c['gap_before']}" if c.get("gap_before") else "") for c in rec.get("culprits") or []
+        )
+        or "-"
+    )
 
 
 def print_tables(records: list):
@@ -334,14 +424,19 @@ def print_tables(records: list):
         groups[(r["device"], r["dtype"])].append(r)
     for (device, dtype), rs in sorted(groups.items()):
         kinds = collections.Counter(r.get("kind") or "error" for r in rs)
-        print(f"{device:8} {dtype:9} {len(rs):5} {kinds['none']:5} {kinds['batch-variance']:6} {kinds['state-bug']:10} "
-              f"{kinds['error'] + kinds['not-judged']:6}")
+        print(
+            f"{device:8} {dtype:9} {len(rs):5} {kinds['none']:5} {kinds['batch-variance']:6} {kinds['state-bug']:10} "
+            f"{kinds['error'] + kinds['not-judged']:6}"
+        )
     false = [r for r in clean if r.get("kind") == "state-bug"]
     print(f"false state bugs: {len(false)} of {len(clean)}")
     for r in false:
         print(f"  {r['id']} ({r['device']}): named {culprit_text(r)}; top jump {jump_text(r)}")
-    worst = max((r for r in clean if r.get("top_jumps")), default=None,
-                key=lambda r: r["top_jumps"][0]["amplification"] / (r["top_jumps"][0].get("line") or math.inf))
+    worst = max(
+        (r for r in clean if r.get("top_jumps")),
+        default=None,
+        key=lambda r: r["top_jumps"][0]["amplification"] / (r["top_jumps"][0].get("line") or math.inf),
+    )
     if worst:
         print(f"closest clean run to its line: {worst['id']}: {jump_text(worst)}")
     for r in clean:
@@ -350,16 +445,19 @@ def print_tables(records: list):
 
     planted = [r for r in records if r.get("plant")]
     print(f"\nPLANTED RUNS ({len(planted)}): named at the right place / elsewhere / missed")
-    print(f"{'plant':12} {'dtype':9} {'device':7} {'runs':>5} {'right':>7} {'elsewhere':>10} {'missed':>7} "
-          f"{'error':>6}")
+    print(
+        f"{'plant':12} {'dtype':9} {'device':7} {'runs':>5} {'right':>7} {'elsewhere':>10} {'missed':>7} {'error':>6}"
+    )
     groups = collections.defaultdict(list)
     for r in planted:
         groups[(r["plant"], r["dtype"], r["device"])].append(r)
     order = {p: i for i, p in enumerate(PLANTS)}
     for (kind, dtype, device), rs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1:])):
         got = collections.Counter(named(r) for r in rs)
-        print(f"{kind:12} {dtype:9} {device:7} {len(rs):5} {pct(got['right'], len(rs)):>7} "
-              f"{pct(got['elsewhere'], len(rs)):>10} {pct(got['missed'], len(rs)):>7} {got['error']:6}")
+        print(
+            f"{kind:12} {dtype:9} {device:7} {len(rs):5} {pct(got['right'], len(rs)):>7} "
+            f"{pct(got['elsewhere'], len(rs)):>10} {pct(got['missed'], len(rs)):>7} {got['error']:6}"
+        )
     for r in planted:
         verdict = named(r)
         if verdict == "elsewhere":
@@ -371,6 +469,7 @@ def print_tables(records: list):
 
 
 # ---------------------------------------------------------------- command line
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -388,6 +487,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=2, help="analyzer processes at once for --reanalyze")
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()  # no progress bars nor kernel fall-back notes in the log
     hf_logging.disable_progress_bar()
     if args.from_file:
@@ -410,8 +510,10 @@ def main(argv=None):
         records.append(rec)
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        log(f"[{i}/{len(runs)}] {spec.id}: {rec.get('kind') or 'error ' + str(rec.get('error'))[:200]}"
-            f"{' ' + rec['named'] if rec['named'] else ''} ({rec['seconds']} s)")
+        log(
+            f"[{i}/{len(runs)}] {spec.id}: {rec.get('kind') or 'error ' + str(rec.get('error'))[:200]}"
+            f"{' ' + rec['named'] if rec['named'] else ''} ({rec['seconds']} s)"
+        )
     log(f"corpus done in {time.time() - start:.0f} s")
     print_tables(records)
 

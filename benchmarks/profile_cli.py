@@ -1,6 +1,6 @@
 """Where a dumpdiff command spends its time: the top of a cProfile, cumulative.
 
-    python benchmarks/profile_cli.py [N] -- first-divergence REF DEC --strict-only
+python benchmarks/profile_cli.py [N] -- first-divergence REF DEC --strict-only
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def main():
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)
     # our own functions, the parquet reads, pandas merges and the heavy imports
-    stats.sort_stats("cumulative").print_stats(r"analyzer/|read_parquet|merge.py.*\(merge\)|torch/__init__.py:1\(|pandas/__init__.py:1\(|pyarrow/__init__.py:1\(|numpy/__init__.py:1\(", top)
+    stats.sort_stats("cumulative").print_stats(
+        r"analyzer/|read_parquet|merge.py.*\(merge\)|torch/__init__.py:1\(|pandas/__init__.py:1\(|pyarrow/__init__.py:1\(|numpy/__init__.py:1\(",
+        top,
+    )
     print(f"\n# wall {time.perf_counter() - start:.2f}s", file=sys.stderr)
     print(out.getvalue(), file=sys.stderr)
 

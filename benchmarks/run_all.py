@@ -32,20 +32,34 @@ BENCHMARKS = {
 def run(name: str, argv: list) -> list:
     print(f"--- {name}: python benchmarks/{' '.join(argv)}", flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, argv[0]), *argv[1:]], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=HERE)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, argv[0]), *argv[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=HERE,
+    )
     rows = []
     for line in proc.stdout:
         if line.startswith("RESULT "):
-            row = json.loads(line[len("RESULT "):])
+            row = json.loads(line[len("RESULT ") :])
             row["bench"] = name
             rows.append(row)
         else:
             print("   " + line.rstrip(), flush=True)
     code = proc.wait()
     if code:
-        rows.append({"bench": name, "name": f"{name}: benchmark exited {code}", "value": code, "unit": "",
-                     "target": "exit 0", "pass": False, "detail": ""})
+        rows.append(
+            {
+                "bench": name,
+                "name": f"{name}: benchmark exited {code}",
+                "value": code,
+                "unit": "",
+                "target": "exit 0",
+                "pass": False,
+                "detail": "",
+            }
+        )
     print(f"--- {name}: {time.perf_counter() - start:.0f}s", flush=True)
     return rows
 
@@ -78,8 +92,10 @@ def main(argv=None):
     print()
     print(table(rows))
     failed = sum(1 for r in rows if r["pass"] is False)
-    print(f"\n{sum(1 for r in rows if r['pass'])} PASS, {failed} FAIL, {sum(1 for r in rows if r['pass'] is None)} info"
-          + ("  (--quick: the analyzer ran on a dump pair under 5 GB)" if args.quick else ""))
+    print(
+        f"\n{sum(1 for r in rows if r['pass'])} PASS, {failed} FAIL, {sum(1 for r in rows if r['pass'] is None)} info"
+        + ("  (--quick: the analyzer ran on a dump pair under 5 GB)" if args.quick else "")
+    )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=1)

@@ -17,7 +17,9 @@ def __getattr__(name):
     # The hooks need torch; dumper.format (shared with the analyzer) must not pull it in.
     if name in ("Dumper", "install"):
         from . import hooks
+
         return getattr(hooks, name)
     raise AttributeError(f"module 'dumpdiff.dumper' has no attribute {name!r}")
+
 
 __all__ = ["ConfigError", "Dumper", "DumperConfig", "install"]

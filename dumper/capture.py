@@ -59,7 +59,9 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
-def find_token_dims(shape: Sequence[int], token_shape: Sequence[int], n_seqs: int) -> Tuple[Optional[list], Optional[str], str]:
+def find_token_dims(
+    shape: Sequence[int], token_shape: Sequence[int], n_seqs: int
+) -> Tuple[Optional[list], Optional[str], str]:
     """Which dims of a tensor index token rows.
 
     Returns (token_dims, rows, why): token_dims moved to the front and flattened give one row
@@ -131,5 +133,5 @@ def snapshot(tensor: torch.Tensor) -> torch.Tensor:
 def select_rows(tensor: torch.Tensor, token_dims: list, rows: torch.Tensor) -> torch.Tensor:
     """Move token dims to the front, flatten them, keep the given rows."""
     moved = tensor.movedim(token_dims, list(range(len(token_dims))))
-    flat = moved.reshape((-1,) + tuple(moved.shape[len(token_dims):]))
+    flat = moved.reshape((-1,) + tuple(moved.shape[len(token_dims) :]))
     return flat.index_select(0, rows.to(flat.device))

@@ -26,34 +26,81 @@ FALSE_WORDS = ("0", "false", "no", "off", "")
 
 # name -> (default as written in env.example, one line of meaning)
 VARIABLES = {
-    "DUMPER_ENABLE": ("0", "1 dumps from the first forward pass; 0 installs hooks that stay idle until enabled over HTTP or configure()"),
+    "DUMPER_ENABLE": (
+        "0",
+        "1 dumps from the first forward pass; 0 installs hooks that stay idle until enabled over HTTP or configure()",
+    ),
     "DUMPER_DIR": ("/tmp/dumper", "root folder of all dumps; each experiment is a subfolder"),
     "DUMPER_EXP_NAME": ("", "experiment (subfolder) name; empty means dump_<date>_<time>"),
-    "DUMPER_FILTER": ("", "which modules to hook: a regex searched in the module path, or key=regex with key name|layer_id|cls"),
-    "DUMPER_NON_INTRUSIVE_MODE": ("all", "off = nothing, core = pass metadata only (token ids, positions, sequences), "
-                                  "fingerprint = per token row of every selected tensor a fingerprint and its largest |x| and "
-                                  "NaN/inf count, computed on its device (a few bytes per row), all = inputs and outputs of every selected module"),
-    "DUMPER_FINGERPRINTS": ("0", "mode all: also store each tensor's row fingerprints computed on its device, so the index "
-                            "reads them instead of hashing; auto = for tensors on a GPU, 1 = always, 0 = never"),
+    "DUMPER_FILTER": (
+        "",
+        "which modules to hook: a regex searched in the module path, or key=regex with key name|layer_id|cls",
+    ),
+    "DUMPER_NON_INTRUSIVE_MODE": (
+        "all",
+        "off = nothing, core = pass metadata only (token ids, positions, sequences), "
+        "fingerprint = per token row of every selected tensor a fingerprint and its largest |x| and "
+        "NaN/inf count, computed on its device (a few bytes per row), all = inputs and outputs of every selected module",
+    ),
+    "DUMPER_FINGERPRINTS": (
+        "0",
+        "mode all: also store each tensor's row fingerprints computed on its device, so the index "
+        "reads them instead of hashing; auto = for tensors on a GPU, 1 = always, 0 = never",
+    ),
     "DUMPER_CLEANUP_PREVIOUS": ("0", "1 deletes an existing experiment folder of the same name before the first write"),
-    "DUMPER_SERVER_PORT": ("-1", "-1 no control endpoint; reuse = the engine's HTTP port (/dumper/*, sglang); a number = own "
-                           "endpoint on 127.0.0.1, rank r on port + r (vLLM, which has no /dumper route)"),
-    "DUMPER_MAX_BYTES": ("0", "stop dumping once this many bytes are written (0 = no limit); the dump is marked incomplete"),
+    "DUMPER_SERVER_PORT": (
+        "-1",
+        "-1 no control endpoint; reuse = the engine's HTTP port (/dumper/*, sglang); a number = own "
+        "endpoint on 127.0.0.1, rank r on port + r (vLLM, which has no /dumper route)",
+    ),
+    "DUMPER_MAX_BYTES": (
+        "0",
+        "stop dumping once this many bytes are written (0 = no limit); the dump is marked incomplete",
+    ),
     "DUMPER_MIN_FREE_BYTES": ("1073741824", "stop dumping when the disk would keep less free space than this"),
-    "DUMPER_QUEUE_BYTES": ("2147483648", "host memory the background writer may hold; forward passes wait (back-pressure) beyond it"),
-    "DUMPER_POSITIONS": ("", "keep only these token positions, e.g. '96:' or '0,5,10:20' (python slice syntax, per sequence)"),
-    "DUMPER_LAST_ROWS": ("0", "keep only the last k token rows of each sequence in a pass (0 = all rows); "
-                         "for a reference prefill of prompt+output, at least the number of new tokens"),
+    "DUMPER_QUEUE_BYTES": (
+        "2147483648",
+        "host memory the background writer may hold; forward passes wait (back-pressure) beyond it",
+    ),
+    "DUMPER_POSITIONS": (
+        "",
+        "keep only these token positions, e.g. '96:' or '0,5,10:20' (python slice syntax, per sequence)",
+    ),
+    "DUMPER_LAST_ROWS": (
+        "0",
+        "keep only the last k token rows of each sequence in a pass (0 = all rows); "
+        "for a reference prefill of prompt+output, at least the number of new tokens",
+    ),
 }
 
 # Variables of sglang's built-in dumper (sglang 0.5.23 DumperConfig) that ours does not read: set
 # for that dumper, not misspelt, so never warned about.
-SGLANG_ONLY_VARIABLES = frozenset("DUMPER_" + name.upper() for name in (
-    "enable_output_file", "enable_output_console", "enable_value", "enable_grad", "enable_model_value",
-    "enable_model_grad", "collective_timeout", "source_patcher_config", "include_parallel_rank_in_filename",
-    "grafter_enable", "grafter_role", "grafter_b2t_filter", "grafter_t2b_filter", "grafter_master_address",
-    "grafter_master_port", "grafter_baseline_world_size", "grafter_target_world_size", "grafter_backend",
-    "grafter_group_name", "grafter_timeout", "grafter_transform_path"))
+SGLANG_ONLY_VARIABLES = frozenset(
+    "DUMPER_" + name.upper()
+    for name in (
+        "enable_output_file",
+        "enable_output_console",
+        "enable_value",
+        "enable_grad",
+        "enable_model_value",
+        "enable_model_grad",
+        "collective_timeout",
+        "source_patcher_config",
+        "include_parallel_rank_in_filename",
+        "grafter_enable",
+        "grafter_role",
+        "grafter_b2t_filter",
+        "grafter_t2b_filter",
+        "grafter_master_address",
+        "grafter_master_port",
+        "grafter_baseline_world_size",
+        "grafter_target_world_size",
+        "grafter_backend",
+        "grafter_group_name",
+        "grafter_timeout",
+        "grafter_transform_path",
+    )
+)
 _warned_unknown: set = set()  # unknown variables already warned about in this process
 
 
@@ -147,12 +194,19 @@ def any_dumper_variable(environ: Optional[Mapping[str, str]] = None) -> bool:
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:
     """One warning line per misspelt DUMPER_* variable (once per process): it would be ignored."""
     for name in sorted(environ):
-        if name.startswith("DUMPER_") and name not in VARIABLES and name not in SGLANG_ONLY_VARIABLES \
-                and name not in _warned_unknown:
+        if (
+            name.startswith("DUMPER_")
+            and name not in VARIABLES
+            and name not in SGLANG_ONLY_VARIABLES
+            and name not in _warned_unknown
+        ):
             _warned_unknown.add(name)
             closest = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.6)
-            log.warning("dumper: %s is not a dumper variable and is ignored%s", name,
-                        f"; did you mean {closest[0]}?" if closest else " (env.example lists them)")
+            log.warning(
+                "dumper: %s is not a dumper variable and is ignored%s",
+                name,
+                f"; did you mean {closest[0]}?" if closest else " (env.example lists them)",
+            )
 
 
 def parse_value(variable: str, raw: str, default):
@@ -186,7 +240,9 @@ def check_exp_name(name: str, variable: str = "exp_name", allow_empty: bool = Fa
     if allow_empty and name == "":
         return name
     if not isinstance(name, str) or not EXP_NAME_RE.match(name) or name in (".", ".."):
-        raise ConfigError(_bad(variable, name, "a folder name of letters, digits, '.', '_' or '-' (no '/', max 128 chars)"))
+        raise ConfigError(
+            _bad(variable, name, "a folder name of letters, digits, '.', '_' or '-' (no '/', max 128 chars)")
+        )
     return name
 
 
@@ -211,9 +267,11 @@ def compile_filter(text: str):
     if key == "cls":
         return lambda path, cls: bool(regex.search(cls))
     if key == "layer_id":
+
         def by_layer(path, cls):
             match = LAYER_ID_RE.search(path)
             return match is not None and bool(regex.fullmatch(match.group(1)))
+
         return by_layer
     return lambda path, cls: bool(regex.search(path))
 

@@ -37,8 +37,10 @@ def handle(dumper, method: str, body) -> dict:
         unknown = sorted(set(body) - set(SETTABLE))
         fixed = sorted(set(body) & set(AT_LAUNCH))
         if fixed:
-            raise ConfigError(f"{', '.join(fixed)} cannot be set at run time: set "
-                              f"{', '.join('DUMPER_' + f.upper() for f in fixed)} before launching the server")
+            raise ConfigError(
+                f"{', '.join(fixed)} cannot be set at run time: set "
+                f"{', '.join('DUMPER_' + f.upper() for f in fixed)} before launching the server"
+            )
         if unknown:
             raise ConfigError(f"unknown setting(s) {unknown}; settable: {', '.join(SETTABLE)}")
         return dumper.configure(**body)
@@ -54,7 +56,7 @@ def start_endpoint(dumper, port: int, rank: int, world_size: int) -> ThreadingHT
         def do_POST(self):  # noqa: N802 - http.server's naming
             if not self.path.startswith("/dumper/"):
                 return self._reply(404, {"error": f"no route {self.path}; use /dumper/{{{'|'.join(METHODS)}}}"})
-            method = self.path[len("/dumper/"):]
+            method = self.path[len("/dumper/") :]
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}") if length else {}
@@ -83,7 +85,10 @@ def start_endpoint(dumper, port: int, rank: int, world_size: int) -> ThreadingHT
 
 
 def _forward(port: int, method: str, body: dict):
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/dumper/{method}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Dumpdiff-Forwarded": "1"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/dumper/{method}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Dumpdiff-Forwarded": "1"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())[0]

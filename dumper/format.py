@@ -46,8 +46,9 @@ def pass_file_name(pass_id: int) -> str:
 # "<module path>#<call index>.<in|out>.<slot>", e.g. "model.layers.0.mlp#0.in.0".
 # The module path of the root module is "" and is written as "<root>".
 ROOT_PATH = "<root>"
-TENSOR_NAME_RE = re.compile(r"^(?P<call>(?P<module>.+)#(?P<index>\d+))\.(?P<io>in|out)(?:\.(?P<slot>.*))?\Z",
-                            re.S)  # re.S, \Z: a module name may hold a newline
+TENSOR_NAME_RE = re.compile(
+    r"^(?P<call>(?P<module>.+)#(?P<index>\d+))\.(?P<io>in|out)(?:\.(?P<slot>.*))?\Z", re.S
+)  # re.S, \Z: a module name may hold a newline
 
 
 def call_name(module_path: str, call_index: int) -> str:
@@ -87,5 +88,22 @@ MODES = ("prefill", "extend", "decode", "mixed", "unknown")
 # Element types a pass file holds (the analyzer reads each one, analyzer/dump/dtypes.py); a tensor of
 # any other type (complex, quantized, float8 variants without a safetensors code) is recorded
 # under the call's "skipped", with its type.
-STORED_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32",
-                           "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool"})
+STORED_DTYPES = frozenset(
+    {
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+    }
+)

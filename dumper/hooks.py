@@ -20,12 +20,14 @@ import torch
 from . import capture, rowprint
 from . import format as fmt
 from .config import HOOKED_MODES, ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
-from .passprints import PassPrints
 from .passinfo import PassInfo, UndescribedPass, WarmupPass
+from .passprints import PassPrints
 from .writer import PassRecord, PassWriter
 
 log = logging.getLogger("dumper")
-_STORED = frozenset(getattr(torch, name) for name in fmt.STORED_DTYPES if hasattr(torch, name))  # a set lookup per tensor
+_STORED = frozenset(
+    getattr(torch, name) for name in fmt.STORED_DTYPES if hasattr(torch, name)
+)  # a set lookup per tensor
 
 
 class _Call:
@@ -39,8 +41,14 @@ class _Call:
         self.skipped: Dict[str, str] = {}
 
     def to_meta(self) -> dict:
-        meta = {"call": self.name, "module": self.module, "cls": self.cls, "pre": self.pre,
-                "post": self.post, "tensors": self.tensors}
+        meta = {
+            "call": self.name,
+            "module": self.module,
+            "cls": self.cls,
+            "pre": self.pre,
+            "post": self.post,
+            "tensors": self.tensors,
+        }
         if self.values:
             meta["values"] = self.values
         if self.skipped:
@@ -58,8 +66,15 @@ def _names_under(path: str) -> Dict[str, str]:
 class _Pass:
     """Everything captured during one forward pass of the root module."""
 
-    def __init__(self, info: PassInfo, kept_rows: Optional[List[int]], exp_dir: str, mode: str = "all",
-                 prints: Optional[PassPrints] = None, print_host_tensors: bool = False) -> None:
+    def __init__(
+        self,
+        info: PassInfo,
+        kept_rows: Optional[List[int]],
+        exp_dir: str,
+        mode: str = "all",
+        prints: Optional[PassPrints] = None,
+        print_host_tensors: bool = False,
+    ) -> None:
         self.info = info
         self.mode = mode  # fixed for the whole pass, whatever a control thread changes
         self.prints = prints  # the row fingerprints computed on the device (mode fingerprint, or carried)
@@ -105,14 +120,18 @@ class Dumper:
             every_path = []
         for path, module in every_path:
             if path != self._paths.get(module):
-                under, names = self._shared.setdefault(module, (_names_under(self._paths[module]), {self._paths[module]}))
+                under, names = self._shared.setdefault(
+                    module, (_names_under(self._paths[module]), {self._paths[module]})
+                )
                 names.add(path)
                 for prefix, name in _names_under(path).items():
                     under.setdefault(prefix, name)
         # The modules whose open call places a shared module's call: hooked whatever the filter
         # selects, so a filter that leaves layer k out still names (and leaves out) its call.
         modules_at = dict(every_path)
-        self._holders = {modules_at[prefix] for under, _ in self._shared.values() for prefix in under if prefix in modules_at}
+        self._holders = {
+            modules_at[prefix] for under, _ in self._shared.values() for prefix in under if prefix in modules_at
+        }
         self._cleaned: set = set()
         self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
@@ -134,6 +153,7 @@ class Dumper:
         port = self.config.server_port_parsed
         if isinstance(port, int) and self._endpoint is None:
             from .control import start_endpoint
+
             self._endpoint = start_endpoint(self, port, self.rank, world_size)
 
     # --- public API -----------------------------------------------------------------------
@@ -153,8 +173,11 @@ class Dumper:
             check_exp_name(changes["exp_name"])
         with self._lock:
             new = self.config.replace(**{k: v for k, v in changes.items() if v is not None})
-            if new.queue_bytes != self.config.queue_bytes or new.max_bytes != self.config.max_bytes or \
-                    new.min_free_bytes != self.config.min_free_bytes:
+            if (
+                new.queue_bytes != self.config.queue_bytes
+                or new.max_bytes != self.config.max_bytes
+                or new.min_free_bytes != self.config.min_free_bytes
+            ):
                 self._writer.queue_bytes = max(new.queue_bytes, 1)
                 self._writer.max_bytes = new.max_bytes
                 self._writer.min_free_bytes = new.min_free_bytes
@@ -184,10 +207,16 @@ class Dumper:
 
     def state(self) -> dict:
         cfg = self.config
-        return {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "rank": self.rank,
-                "step": self.step, "passes_dumped": self.passes_dumped,
-                "bytes_written": self._writer.bytes_written, "passes_written": self._writer.passes_written,
-                "stopped": self._writer.stopped_reason, "engine": self.adapter.engine}
+        return {
+            "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+            "rank": self.rank,
+            "step": self.step,
+            "passes_dumped": self.passes_dumped,
+            "bytes_written": self._writer.bytes_written,
+            "passes_written": self._writer.passes_written,
+            "stopped": self._writer.stopped_reason,
+            "engine": self.adapter.engine,
+        }
 
     def flush(self) -> None:
         """Wait until every dumped pass is on disk."""
@@ -237,8 +266,11 @@ class Dumper:
             return output
 
         def undumped(args, kwargs):
-            self._warn_once("threads", "dumper: a forward from a second thread while another thread's pass is "
-                                       "dumped runs undumped (one pass at a time)")
+            self._warn_once(
+                "threads",
+                "dumper: a forward from a second thread while another thread's pass is "
+                "dumped runs undumped (one pass at a time)",
+            )
             return original(*args, **kwargs)
 
         @functools.wraps(original)
@@ -273,9 +305,12 @@ class Dumper:
             self._warn_once("undescribed", f"dumper: forward not dumped: {exc}")
             return False
         except Exception as exc:  # the adapter's own failure on a forward it did not expect: never the model's
-            self._warn_once("adapter-failed", f"dumper: forward not dumped: the {type(self.adapter).__name__} could "
-                            f"not describe this call ({type(exc).__name__}: {exc}); pass an adapter that can "
-                            "(docs/models-and-engines.md: any other torch.nn.Module)")
+            self._warn_once(
+                "adapter-failed",
+                f"dumper: forward not dumped: the {type(self.adapter).__name__} could "
+                f"not describe this call ({type(exc).__name__}: {exc}); pass an adapter that can "
+                "(docs/models-and-engines.md: any other torch.nn.Module)",
+            )
             return False
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)
@@ -312,8 +347,13 @@ class Dumper:
         self._pass = self._pass_thread = None
         exp_dir = current.exp_dir
         meta = current.info.to_meta()
-        meta.update(step=self.step, rank=self.rank, calls=[c.to_meta() for c in current.calls],
-                    kept_rows=current.kept_rows, dump_mode=current.mode)
+        meta.update(
+            step=self.step,
+            rank=self.rank,
+            calls=[c.to_meta() for c in current.calls],
+            kept_rows=current.kept_rows,
+            dump_mode=current.mode,
+        )
         if current.prints is not None:
             table = current.prints.finish()
             if table is not None:
@@ -330,8 +370,11 @@ class Dumper:
         if self._writer.submit(PassRecord(exp_dir, self.rank, meta, current.tensors, ready, cleanup=cleanup)):
             self.passes_dumped += 1
         if self.config.non_intrusive_mode == "core":
-            self._warn_once("core", "dumper: DUMPER_NON_INTRUSIVE_MODE=core writes pass metadata only (token ids, "
-                                    "positions, sequences), no module tensors; set it to 'all' to localize a divergence")
+            self._warn_once(
+                "core",
+                "dumper: DUMPER_NON_INTRUSIVE_MODE=core writes pass metadata only (token ids, "
+                "positions, sequences), no module tensors; set it to 'all' to localize a divergence",
+            )
 
     def _exp_dir(self) -> str:
         cfg = self.config
@@ -349,11 +392,17 @@ class Dumper:
         return exp_dir
 
     def _run_info(self) -> dict:
-        info = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "engine": self.adapter.engine,
-                "model_class": type(self.model).__name__,
-                "config": {k: getattr(self.config, k) for k in ("filter", "non_intrusive_mode", "positions", "last_rows",
-                                                                  "fingerprints")},
-                "versions": _versions()}
+        info = {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "engine": self.adapter.engine,
+            "model_class": type(self.model).__name__,
+            "config": {
+                k: getattr(self.config, k)
+                for k in ("filter", "non_intrusive_mode", "positions", "last_rows", "fingerprints")
+            },
+            "versions": _versions(),
+        }
         info.update(self.adapter.run_info(self.model))
         return info
 
@@ -415,8 +464,12 @@ class Dumper:
         current.order += 1
         current.calls.append(call)
         current.nesting.append(call)
-        self._capture(current, call, "in", list(capture.unique_slots(
-            list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))))
+        self._capture(
+            current,
+            call,
+            "in",
+            list(capture.unique_slots(list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))),
+        )
 
     def _post(self, module, args, kwargs, output) -> None:
         current = self._pass
@@ -463,8 +516,12 @@ class Dumper:
             if per_token:  # stored as [T, k, ...] (a view): one row per token row, like any other tensor
                 held_as, tensor = list(tensor.shape), tensor.unflatten(0, (-1, per_token))
                 dims, rows = [0], "all"
-        meta = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
-                "token_dims": dims, "rows": rows}
+        meta = {
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).replace("torch.", ""),
+            "token_dims": dims,
+            "rows": rows,
+        }
         if dims is None:
             meta["why"] = why
         if held_as is not None:
@@ -528,8 +585,13 @@ class Dumper:
     def _announce(self) -> None:
         cfg = self.config
         where = os.path.join(cfg.dir, cfg.exp_name or "<dump_date_time>")
-        log.info("dumper: %s, mode=%s, filter='%s' -> %s", "ENABLED" if cfg.enable else "installed, idle",
-                 cfg.non_intrusive_mode, cfg.filter or "(all modules)", where)
+        log.info(
+            "dumper: %s, mode=%s, filter='%s' -> %s",
+            "ENABLED" if cfg.enable else "installed, idle",
+            cfg.non_intrusive_mode,
+            cfg.filter or "(all modules)",
+            where,
+        )
         if cfg.filter and cfg.non_intrusive_mode in HOOKED_MODES:
             self._check_filter(cfg.filter)
 
@@ -540,18 +602,29 @@ class Dumper:
             return
         self._warned.add(("filter", filter_text))
         selected = compile_filter(filter_text)
-        chosen = {module for module, path in self._paths.items()
-                  if selected(path if module is not self.model else fmt.ROOT_PATH, type(module).__name__)}
+        chosen = {
+            module
+            for module, path in self._paths.items()
+            if selected(path if module is not self.model else fmt.ROOT_PATH, type(module).__name__)
+        }
         model_class = type(self.model).__name__
         if not chosen:
-            log.warning("dumper: DUMPER_FILTER='%s' matches no module of %s; nothing but pass metadata will be dumped",
-                        filter_text, model_class)
+            log.warning(
+                "dumper: DUMPER_FILTER='%s' matches no module of %s; nothing but pass metadata will be dumped",
+                filter_text,
+                model_class,
+            )
             return
         embeddings = _embedding_modules(self.model)
         if embeddings and not chosen & embeddings:
             names = ", ".join(sorted(self._paths[module] for module in embeddings))
-            log.warning("dumper: DUMPER_FILTER='%s' leaves out the embedding (%s) of %s; the analyzer needs its output "
-                        "to prove the alignment", filter_text, names, model_class)
+            log.warning(
+                "dumper: DUMPER_FILTER='%s' leaves out the embedding (%s) of %s; the analyzer needs its output "
+                "to prove the alignment",
+                filter_text,
+                names,
+                model_class,
+            )
 
     def _report_sizes(self) -> None:
         if self._writer.passes_written:
@@ -599,11 +672,15 @@ def _compiling() -> bool:
 def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapter=None) -> Dumper:
     """Install dump hooks on ``model``; with no config, DUMPER_* variables decide everything."""
     if isinstance(model, torch.jit.ScriptModule):
-        raise TypeError("dumper: a TorchScript module takes no Python hooks; install the dumper on the "
-                        "nn.Module before torch.jit.script")
+        raise TypeError(
+            "dumper: a TorchScript module takes no Python hooks; install the dumper on the "
+            "nn.Module before torch.jit.script"
+        )
     if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        raise TypeError("dumper: the model is already torch.compile'd; install the dumper on the module first "
-                        "and compile after (dumped passes then run eagerly), or install it on model._orig_mod")
+        raise TypeError(
+            "dumper: the model is already torch.compile'd; install the dumper on the module first "
+            "and compile after (dumped passes then run eagerly), or install it on model._orig_mod"
+        )
     if config is None:
         config = DumperConfig.from_env()
     if not isinstance(config, DumperConfig):
@@ -612,6 +689,7 @@ def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapt
         raise RuntimeError("dumper already installed on this model; call .remove() on the first handle")
     if adapter is None:
         from .engines import pick_adapter
+
         adapter = pick_adapter(model)
     dumper = Dumper(model, config, adapter)
     model._dumpdiff_dumper = dumper
@@ -635,6 +713,7 @@ def _world_size() -> int:
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict:
     import importlib.metadata as md
+
     found = {}
     for name in ("torch", "transformers", "sglang", "dumpdiff"):
         try:

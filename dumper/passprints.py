@@ -47,12 +47,17 @@ class PassPrints:
         blocks = self._blocks.get(key)
         block = blocks[-1] if blocks else None  # only the last block of a key has room left
         if block is None or block.rows.shape[0] - block.used < n:
-            block = _Block(torch.empty((max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1), width),
-                                       dtype=rows.dtype, device=rows.device))
+            block = _Block(
+                torch.empty(
+                    (max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1), width),
+                    dtype=rows.dtype,
+                    device=rows.device,
+                )
+            )
             self._blocks.setdefault(key, []).append(block)
             self.on_cuda |= rows.is_cuda
         used = block.used
-        block.rows[used:used + n].copy_(rows)
+        block.rows[used : used + n].copy_(rows)
         block.owners.append((meta, used, n))
         block.used = used + n
         self._staged += n * width * rows.element_size()
@@ -66,12 +71,12 @@ class PassPrints:
                 if not block.owners:
                     continue
                 if block.used:
-                    self._results.append(rowprint.row_stats(block.rows[:block.used]))
+                    self._results.append(rowprint.row_stats(block.rows[: block.used]))
                 for meta, first, n in block.owners:
                     meta["print"] = [self._rows + first, n]
                 self._rows += block.used
                 block.used, block.owners = 0, []
-        for key, blocks in self._blocks.items():  # emptied: the last block of each key is reused
+        for blocks in self._blocks.values():  # emptied: the last block of each key is reused
             del blocks[:-1]
         self._staged = 0
 

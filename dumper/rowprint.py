@@ -100,12 +100,12 @@ def fingerprints(rows: torch.Tensor) -> torch.Tensor:
         keys = _position_keys(width, rows.device)
         step = max(1, _chunk_elements(rows.device) // width)
         for start in range(0, n, step):
-            words = element_bits(rows[start:start + step])
+            words = element_bits(rows[start : start + step])
             words += keys
             words *= MIX_1
             words ^= _shift_right(words, 32)
             words *= MIX_2
-            sums[start:start + step] = words.sum(dim=1)
+            sums[start : start + step] = words.sum(dim=1)
     sums ^= seed(rows.dtype, width)
     return mix(sums)
 
@@ -117,8 +117,12 @@ def _chunk_elements(device: torch.device) -> int:
 
 
 # Largest finite magnitude of each float type, as bits without the sign: |x| <= max <=> (bits & ~sign) <= this.
-_MAX_FINITE_BITS = {torch.float64: 0x7FEFFFFFFFFFFFFF, torch.float32: 0x7F7FFFFF, torch.float16: 0x7BFF,
-                    torch.bfloat16: 0x7F7F}
+_MAX_FINITE_BITS = {
+    torch.float64: 0x7FEFFFFFFFFFFFFF,
+    torch.float32: 0x7F7FFFFF,
+    torch.float16: 0x7BFF,
+    torch.bfloat16: 0x7F7F,
+}
 for _name, _bits in (("float8_e4m3fn", 0x7E), ("float8_e5m2", 0x7B)):
     if hasattr(torch, _name):
         _MAX_FINITE_BITS[getattr(torch, _name)] = _bits
@@ -132,8 +136,10 @@ def magnitudes(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     n, width = rows.shape
     device = rows.device
     if rows.dtype not in _MAX_FINITE_BITS:
-        return (torch.full((n,), float("nan"), dtype=torch.float64, device=device),
-                torch.zeros(n, dtype=torch.int32, device=device))
+        return (
+            torch.full((n,), float("nan"), dtype=torch.float64, device=device),
+            torch.zeros(n, dtype=torch.int32, device=device),
+        )
     size = rows.element_size()
     magnitude = rows.view(_INT_OF_SIZE[size]) & ((1 << (8 * size - 1)) - 1)  # the sign bit cleared
     if size == 1:

@@ -86,8 +86,10 @@ class _RankJournal:
             self.lock_file.seek(0)
             holder = self.lock_file.read(100).strip()
             self.lock_file.close()
-            raise WriterBusy(f"another process ({holder}) is writing {rank_dir}; its dump is left untouched; "
-                             "give this run its own DUMPER_EXP_NAME") from None
+            raise WriterBusy(
+                f"another process ({holder}) is writing {rank_dir}; its dump is left untouched; "
+                "give this run its own DUMPER_EXP_NAME"
+            ) from None
         try:
             self._set_state(f"writing pid={os.getpid()}")
             if cleanup:  # only now, under the lock: a live writer's folder is never wiped
@@ -114,7 +116,7 @@ class _RankJournal:
         try:
             view = memoryview(line)
             while view:  # a short write (disk full) must not leave a torn line
-                view = view[os.write(self.manifest, view):]
+                view = view[os.write(self.manifest, view) :]
             os.fsync(self.manifest)
         except BaseException:
             try:
@@ -155,8 +157,11 @@ def _recover(rank_dir: str, manifest_path: str):
             continue  # not ours to judge; readers report it
     for name in os.listdir(rank_dir):
         # ".pass-N.safetensors.tmp" is ours, ".tmpXXXXXX" the temp file safetensors writes through
-        uncommitted = name.startswith(".tmp") or name.endswith(".tmp") or (
-            name.startswith("pass-") and name.endswith(".safetensors") and name not in named)
+        uncommitted = (
+            name.startswith(".tmp")
+            or name.endswith(".tmp")
+            or (name.startswith("pass-") and name.endswith(".safetensors") and name not in named)
+        )
         if uncommitted:
             os.unlink(os.path.join(rank_dir, name))
     return last + 1, len(named)
@@ -318,7 +323,9 @@ class PassWriter:
             except WriterBusy as exc:
                 self._stop(None, str(exc))  # the folder belongs to another process: mark nothing there
             except Exception as exc:  # noqa: BLE001 - a dump failure must not kill the engine
-                said = str(exc) if isinstance(exc, _BudgetExceeded) else f"{type(exc).__name__}: {exc}"  # ours say it all
+                said = (
+                    str(exc) if isinstance(exc, _BudgetExceeded) else f"{type(exc).__name__}: {exc}"
+                )  # ours say it all
                 self._stop(record.exp_dir if record else None, said)
             finally:
                 if record is not None:
@@ -365,9 +372,17 @@ class PassWriter:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        line = {"pass": pass_id, "file": name, "bytes": size, "tensors": len(tensors),
-                "mode": meta.get("mode"), "rows": len(meta.get("tokens", {}).get("ids", [])),
-                "step": meta.get("step"), "time": round(time.time(), 3), "session": self.session}
+        line = {
+            "pass": pass_id,
+            "file": name,
+            "bytes": size,
+            "tensors": len(tensors),
+            "mode": meta.get("mode"),
+            "rows": len(meta.get("tokens", {}).get("ids", [])),
+            "step": meta.get("step"),
+            "time": round(time.time(), 3),
+            "session": self.session,
+        }
         try:
             journal.commit((json.dumps(line) + "\n").encode())
         except BaseException:
@@ -382,23 +397,31 @@ class PassWriter:
         join an earlier run's dump (two prefills of one prompt in one dump) without a word. A folder
         this writer wrote to and reopens (exp_name switched away and back) holds only its own."""
         if passes_found and rank_dir not in self._folders_seen:
-            log.warning("dumper: %s already holds %d pass%s from an earlier run; new passes are appended "
-                        "(DUMPER_CLEANUP_PREVIOUS=1 or a new exp_name starts afresh)",
-                        rank_dir, passes_found, "" if passes_found == 1 else "es")
+            log.warning(
+                "dumper: %s already holds %d pass%s from an earlier run; new passes are appended "
+                "(DUMPER_CLEANUP_PREVIOUS=1 or a new exp_name starts afresh)",
+                rank_dir,
+                passes_found,
+                "" if passes_found == 1 else "es",
+            )
         self._folders_seen.add(rank_dir)
 
     def _check_limit(self, nbytes: int) -> None:
         if self.max_bytes and self.bytes_written + nbytes > self.max_bytes:
-            raise _BudgetExceeded(f"DUMPER_MAX_BYTES={self.max_bytes} reached: {self.bytes_written} bytes written, "
-                                  f"the next pass needs {nbytes}")
+            raise _BudgetExceeded(
+                f"DUMPER_MAX_BYTES={self.max_bytes} reached: {self.bytes_written} bytes written, "
+                f"the next pass needs {nbytes}"
+            )
 
     def _check_floor(self, rank_dir: str, coming: int) -> None:
         if not self.min_free_bytes:
             return  # no floor: write until the disk says no (ENOSPC stops dumping just as cleanly)
         free = shutil.disk_usage(rank_dir).free
         if free - coming < self.min_free_bytes:
-            raise _BudgetExceeded(f"only {free} bytes free on the disk of {rank_dir}; the next pass (up to {coming} "
-                                  f"bytes) would go below DUMPER_MIN_FREE_BYTES={self.min_free_bytes}")
+            raise _BudgetExceeded(
+                f"only {free} bytes free on the disk of {rank_dir}; the next pass (up to {coming} "
+                f"bytes) would go below DUMPER_MIN_FREE_BYTES={self.min_free_bytes}"
+            )
 
     def _stop(self, exp_dir: Optional[str], reason: str) -> None:
         self.stopped_reason = reason

@@ -47,7 +47,10 @@ def main(argv=None) -> int:
         handle.configure(exp_name="prefill")
         model(output)  # the reference: one prefill of prompt + output
     handle.remove()
-    print(f"dumped {dump_root}/decode (prefill + {args.new_tokens - 1} decode steps) and {dump_root}/prefill", file=sys.stderr)
+    print(
+        f"dumped {dump_root}/decode (prefill + {args.new_tokens - 1} decode steps) and {dump_root}/prefill",
+        file=sys.stderr,
+    )
 
     command = ["dumpdiff", "first-divergence", os.path.join(dump_root, "prefill"), os.path.join(dump_root, "decode")]
     print("$ " + " ".join(command), file=sys.stderr)

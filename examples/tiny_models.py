@@ -56,9 +56,7 @@ def make_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=UNK
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, bos_token=BOS, eos_token=EOS, pad_token=UNK)
 
 
 def _save(model_cls, config, path, seed: int, dtype: str) -> Path:

@@ -52,7 +52,7 @@ def match_manifest_size(path: str):
 def split_header(data: bytes):
     """(JSON header, tensor bytes) of a safetensors file's bytes."""
     length = struct.unpack("<Q", data[:8])[0]
-    return data[8:8 + length], data[8 + length:]
+    return data[8 : 8 + length], data[8 + length :]
 
 
 def with_header(header: bytes, body: bytes) -> bytes:
@@ -67,7 +67,9 @@ def rewrite_header(path: str, edit: Callable[[dict], object]):
     with open(path, "rb") as handle:
         header, body = split_header(handle.read())
     header = edit(json.loads(header))
-    raw = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()  # as safetensors writes
+    raw = (
+        header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
+    )  # as safetensors writes
     with open(path, "wb") as handle:
         handle.write(with_header(raw, body))
     match_manifest_size(path)
@@ -75,11 +77,13 @@ def rewrite_header(path: str, edit: Callable[[dict], object]):
 
 def edit_pass_meta(path: str, edit: Callable[[dict], None]):
     """Change the dumpdiff pass metadata (JSON inside the safetensors header) in place."""
+
     def change(header):
         meta = json.loads(header["__metadata__"]["dumpdiff.pass"])
         edit(meta)
         header["__metadata__"]["dumpdiff.pass"] = json.dumps(meta, separators=(",", ":"))  # as the dumper writes
         return header
+
     rewrite_header(path, change)
 
 

@@ -19,6 +19,7 @@ from tiny_models import make_tiny_llama, make_tiny_qwen3_moe  # noqa: E402,F401
 
 def load_model(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
@@ -48,8 +49,9 @@ def left_padded(prompts):
     return ids, mask
 
 
-def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prompts=None, config: Optional[dict] = None,
-                      **generate_kwargs):
+def dump_padded_batch(
+    model, root, lengths=(5, 9, 13), new_tokens: int = 5, prompts=None, config: Optional[dict] = None, **generate_kwargs
+):
     """Dump 'dec' (one left-padded batch of prompts of these lengths, or these token-id lists;
     pad id 0, generated together) and 'ref' (each prompt+output alone, unpadded), on the model's
     device; ``config``: more DumperConfig settings. Returns (prompts, ref, dec)."""
@@ -60,8 +62,9 @@ def dump_padded_batch(model, root, lengths=(5, 9, 13), new_tokens: int = 5, prom
     handle = dumper.install(model, dumper.DumperConfig(dir=str(root), enable=True, exp_name="dec", **(config or {})))
     try:
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                 **generate_kwargs)
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **generate_kwargs
+            )
             handle.configure(exp_name="ref")
             for prompt, row in zip(prompts, out):
                 model(torch.tensor([prompt + row[width:].tolist()], device=device))
@@ -78,8 +81,14 @@ def dumpdiff(*args, env: Optional[dict] = None, timeout: int = 300, process: boo
     Python. ``process``: in a process of its own, for what only a real process shows (start-up
     imports, signals, a timeout)."""
     if process:
-        proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", *map(str, args)], capture_output=True,
-                              text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dumpdiff.analyzer.cli", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            timeout=timeout,
+        )
         return proc.returncode, proc.stdout, proc.stderr
     return _in_process([str(a) for a in args], env)
 
@@ -90,6 +99,7 @@ def _in_process(args, env):
     from click.testing import CliRunner
 
     from dumpdiff.analyzer.cli.main import entry
+
     logger = logging.getLogger("dumpdiff")
     saved = sys.argv, os.getcwd(), logger.handlers[:], logger.propagate, logger.level
     with CliRunner().isolation(env=env) as (out, err, _):
@@ -127,6 +137,7 @@ _VALIDATORS: dict = {}
 def check_schema(document, name: str):
     """Validate ``document`` against docs/schemas/<name>.schema.json; the first error, if any, fails."""
     import jsonschema
+
     if name not in _VALIDATORS:
         with open(os.path.join(ROOT, "docs", "schemas", f"{name}.schema.json")) as handle:
             _VALIDATORS[name] = jsonschema.Draft202012Validator(json.load(handle))

@@ -37,8 +37,12 @@ def plant(model, kind: str, layer: int) -> list:
         factor = 1.01 if kind.endswith("-1pct") else 1.1
         target = block.mlp if kind.startswith("mlp") else block.self_attn
         return [target.register_forward_hook(_scale_on_decode(factor))]
-    edit = {"kv-page": _kv_page, "kv-garbage": lambda at: _kv_page(at, spread=4.0), "stale-slot": _stale_slot,
-            "wrong-layer": _wrong_layer}[kind](layer)
+    edit = {
+        "kv-page": _kv_page,
+        "kv-garbage": lambda at: _kv_page(at, spread=4.0),
+        "stale-slot": _stale_slot,
+        "wrong-layer": _wrong_layer,
+    }[kind](layer)
     return [block.self_attn.register_forward_pre_hook(_once_on_decode(edit), with_kwargs=True)]
 
 
@@ -48,6 +52,7 @@ def _scale_on_decode(factor: float):
         if hidden.shape[1] != 1:
             return None
         return (hidden * factor, *out[1:]) if isinstance(out, tuple) else hidden * factor
+
     return hook
 
 
@@ -55,6 +60,7 @@ def _once_on_decode(edit):
     """A pre-hook on an attention module: ``edit(cache.layers)`` at the first decode pass of a
     generate call. Once per cache object: generate makes a new one each call, and the damaged
     slots stay in it for the later steps, as a real corrupted cache would."""
+
     def hook(module, args, kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("cache"))  # renamed in transformers 5.2x
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -62,6 +68,7 @@ def _once_on_decode(edit):
             return
         edit(cache.layers)
         cache._corpus_planted = True
+
     return hook
 
 
@@ -69,15 +76,17 @@ def _kv_page(layer: int, spread: float = 0.0):
     """Slots n-20..n-4 get the page before them, or (``spread``) random values of that many
     times the cache's spread; a short sliding window with no page before gets random values of
     the cache's own spread."""
+
     def edit(layers):
         for t in (layers[layer].keys, layers[layer].values):
             n = t.shape[2]
             assert n >= 24, f"a kv page plant needs 24 cached slots, layer {layer} holds {n}"
-            page = t[:, :, n - 20:n - 4]
+            page = t[:, :, n - 20 : n - 4]
             if n >= 36 and not spread:
-                page.copy_(t[:, :, n - 36:n - 20].clone())
+                page.copy_(t[:, :, n - 36 : n - 20].clone())
             else:
                 page.copy_(torch.randn_like(page) * ((spread or 1.0) * t.float().std()).to(t.dtype))
+
     return edit
 
 
@@ -85,6 +94,7 @@ def _stale_slot(layer: int):
     def edit(layers):
         keys = layers[layer].keys
         keys[:, :, keys.shape[2] - 10] += 0.5 * keys.float().std().to(keys.dtype)
+
     return edit
 
 
@@ -94,5 +104,6 @@ def _wrong_layer(layer: int):
         below, here = layers[layer - 1], layers[layer]
         for src, dst in ((below.keys, here.keys), (below.values, here.values)):
             m = min(dst.shape[2], src.shape[2] - 1)
-            dst[:, :, -m:] = src[:, :, -m - 1:-1]
+            dst[:, :, -m:] = src[:, :, -m - 1 : -1]
+
     return edit

@@ -35,16 +35,26 @@ RIG = Path(__file__).resolve().parent / "sglang_rig"
 # CPU-only flags (shared/notes/sglang-on-cpu.md).  A small static memory fraction and token
 # cap: the default fraction allocates ~15 GB of KV cache and takes ~50 s to start.
 CPU_ARGS = [
-    "--device", "cpu",
-    "--attention-backend", "torch_native",
-    "--sampling-backend", "pytorch",
-    "--grammar-backend", "none",
-    "--cuda-graph-backend-decode", "disabled",
-    "--cuda-graph-backend-prefill", "disabled",
-    "--dtype", "float32",
-    "--mem-fraction-static", "0.05",
-    "--max-total-tokens", "4096",
-    "--random-seed", "0",
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--grammar-backend",
+    "none",
+    "--cuda-graph-backend-decode",
+    "disabled",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+    "--dtype",
+    "float32",
+    "--mem-fraction-static",
+    "0.05",
+    "--max-total-tokens",
+    "4096",
+    "--random-seed",
+    "0",
     "--skip-tokenizer-init",  # requests carry input_ids; outputs are ids, never text
     "--sleep-on-idle",  # an idle scheduler otherwise spins a whole core of this 2-core machine
 ]
@@ -61,7 +71,7 @@ def _cpu_binding(tp: int) -> str:
     ('0|1' for tp=2 on 2 cores).  Without it sglang refuses tp > number of NUMA nodes."""
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // tp)
-    groups = [cores[(r * per) % len(cores):][:per] for r in range(tp)]
+    groups = [cores[(r * per) % len(cores) :][:per] for r in range(tp)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
@@ -73,8 +83,17 @@ class SglangServer:
     extra_args: appended to the command line (later flags override CPU_ARGS).
     """
 
-    def __init__(self, model_path, *, env: dict | None = None, extra_args=(), tp: int = 1,
-                 log_path=None, startup_timeout: float = 300.0, python: str = sys.executable):
+    def __init__(
+        self,
+        model_path,
+        *,
+        env: dict | None = None,
+        extra_args=(),
+        tp: int = 1,
+        log_path=None,
+        startup_timeout: float = 300.0,
+        python: str = sys.executable,
+    ):
         self.model_path = str(model_path)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -85,8 +104,18 @@ class SglangServer:
             fd, log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
-        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", self.model_path,
-                    *CPU_ARGS, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.cmd = [
+            python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            *CPU_ARGS,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         if tp > 1:
             self.cmd += ["--tp-size", str(tp)]
         self.cmd += [str(a) for a in extra_args]
@@ -122,9 +151,15 @@ class SglangServer:
         with open(self.log_path, "ab") as log:
             # New session: the scheduler/detokenizer children share our process group, so
             # one killpg in stop() takes them all down.
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.cmd,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         t0 = time.monotonic()
         try:
             while True:
@@ -132,11 +167,13 @@ class SglangServer:
                     self.stop()
                     return False
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"sglang server exited with {self.proc.returncode}"
-                                       f" during start-up\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"sglang server exited with {self.proc.returncode} during start-up\n{self.log_tail()}"
+                    )
                 if time.monotonic() - t0 > self.startup_timeout:
-                    raise TimeoutError(f"sglang server not healthy after {self.startup_timeout:.0f}"
-                                       f" s\n{self.log_tail()}")
+                    raise TimeoutError(
+                        f"sglang server not healthy after {self.startup_timeout:.0f} s\n{self.log_tail()}"
+                    )
                 # /health answers 503 until the warm-up request has gone through.
                 if self._status("/health") == 200:
                     break
@@ -199,8 +236,7 @@ class SglangServer:
     def request(self, path: str, payload=None, timeout: float = 120.0):
         """GET (payload None) or POST JSON; returns the decoded JSON, or the text body."""
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 body = r.read().decode()
@@ -211,9 +247,18 @@ class SglangServer:
         except ValueError:
             return body
 
-    def generate(self, input_ids, max_new_tokens: int = 8, *, temperature: float = 0.0,
-                 return_logprob: bool = False, logprob_start_len: int = -1,
-                 ignore_eos: bool = True, sampling_params: dict | None = None, **fields):
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 8,
+        *,
+        temperature: float = 0.0,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        ignore_eos: bool = True,
+        sampling_params: dict | None = None,
+        **fields,
+    ):
         """POST /generate with token ids (one prompt: a list of ints; several: a list of
         lists, answered by a list of results).  Greedy and ignoring EOS by default, so the
         output length is exactly max_new_tokens."""
@@ -221,8 +266,12 @@ class SglangServer:
             input_ids = input_ids.tolist()
         payload = {
             "input_ids": input_ids,
-            "sampling_params": {"temperature": temperature, "max_new_tokens": max_new_tokens,
-                                "ignore_eos": ignore_eos, **(sampling_params or {})},
+            "sampling_params": {
+                "temperature": temperature,
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": ignore_eos,
+                **(sampling_params or {}),
+            },
             "return_logprob": return_logprob,
             "logprob_start_len": logprob_start_len,
             "return_text_in_logprobs": False,
@@ -254,12 +303,14 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it if the test process dies without teardown (a
     killed CI job); sglang's launcher then takes its own children down."""
     import ctypes
+
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _descendants(pid: int):
     try:
         import psutil  # installed with sglang
+
         return psutil.Process(pid).children(recursive=True)
     except Exception:
         return []
@@ -287,8 +338,12 @@ def sglang_fixture(scope: str = "function"):
     """Make a pytest fixture (any scope) that yields `start(model_path, **SglangServer
     kwargs) -> SglangServer` and stops every server it started when the scope ends.  Logs go
     to the pytest temp dir.  Skips when sglang is not installed in this interpreter."""
-    return server_fixture(SglangServer, sglang_installed,
-                          "sglang not installed: run scripts/install-sglang-cpu.sh (make test does)", scope)
+    return server_fixture(
+        SglangServer,
+        sglang_installed,
+        "sglang not installed: run scripts/install-sglang-cpu.sh (make test does)",
+        scope,
+    )
 
 
 def server_fixture(server_class, installed, missing: str, scope: str = "function"):

@@ -16,37 +16,74 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from helpers import dump_padded_batch, dump_pair, first_divergence_json, prompt_ids
 from test_core_loop import plant_stale_kv
-from dumpdiff.analyzer.index.store import load_index
+
 from dumpdiff.analyzer.dump.load import open_dump
+from dumpdiff.analyzer.index.store import load_index
+from helpers import dump_padded_batch, dump_pair, first_divergence_json, prompt_ids
 
 COMMON = dict(vocab_size=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64, num_hidden_layers=3)
 ARCHS = {
     "mamba": (dict(state_size=8, expand=2, conv_kernel=4), "backbone.layers.1.mixer"),
-    "recurrent_gemma": (dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, lru_width=64,
-                             attention_window_size=16, conv1d_width=4,
-                             block_types=["recurrent", "attention", "recurrent"]), "model.layers.2.temporal_block"),
+    "recurrent_gemma": (
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            intermediate_size=128,
+            lru_width=64,
+            attention_window_size=16,
+            conv1d_width=4,
+            block_types=["recurrent", "attention", "recurrent"],
+        ),
+        "model.layers.2.temporal_block",
+    ),
     "gpt2": (dict(n_head=4, n_positions=256), "transformer.h.1.mlp"),
-    "phi3": (dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512),
-             "model.layers.1.mlp"),
-    "gpt_neox": (dict(num_attention_heads=4, intermediate_size=128, max_position_embeddings=512), "gpt_neox.layers.1.mlp"),
-    "gemma2": (dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                    head_dim=16, sliding_window=8), "model.layers.1.mlp"),
+    "phi3": (
+        dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512),
+        "model.layers.1.mlp",
+    ),
+    "gpt_neox": (
+        dict(num_attention_heads=4, intermediate_size=128, max_position_embeddings=512),
+        "gpt_neox.layers.1.mlp",
+    ),
+    "gemma2": (
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=512,
+            head_dim=16,
+            sliding_window=8,
+        ),
+        "model.layers.1.mlp",
+    ),
 }
 EXTRA = {
-    "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                      moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                      decoder_sparse_step=1),
+    "qwen2_moe": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+    ),
     "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4),
-    "mistral": dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                    sliding_window=16),
+    "mistral": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        sliding_window=16,
+    ),
 }
 
 
 def tiny(arch: str, tmp_path, dtype=torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     torch.manual_seed(0)
     extra = ARCHS[arch][0] if arch in ARCHS else EXTRA[arch]
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **COMMON, **extra))
@@ -58,6 +95,7 @@ def tiny(arch: str, tmp_path, dtype=torch.float32):
 
 def plant_decode_error(model, path: str, scale: float = 1e-2):
     """In decode steps only (one new token), the module's output is off by ``scale`` relative."""
+
     def perturb(module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output
         if hidden.shape[1] != 1:
@@ -79,7 +117,7 @@ def test_decode_rows_align_and_a_decode_bug_is_named(arch, tmp_path):
     decode = tokens["mode"] == "decode"
     assert decode.sum() == new - 1 and set(tokens["seq"][decode].tolist()) == {tokens["seq"][0]}
     assert tokens["pos"][decode].tolist() == list(range(20, 20 + new - 1))
-    assert tokens["id"][decode].tolist() == output[0, 20:20 + new - 1].tolist()
+    assert tokens["id"][decode].tolist() == output[0, 20 : 20 + new - 1].tolist()
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
     assert verdict["alignment"]["unaligned_b"] == 0 and verdict["rows_compared"] == 20 + new - 1
@@ -93,8 +131,9 @@ def test_decode_rows_align_and_a_decode_bug_is_named(arch, tmp_path):
     assert culprits[0]["kinds"] == {"decode": new - 1}
 
 
-@pytest.mark.parametrize("arch, dtype, seeds", [("qwen2_moe", torch.float32, (0, 8, 10)),
-                                               ("falcon_mamba", torch.bfloat16, (0,))])
+@pytest.mark.parametrize(
+    "arch, dtype, seeds", [("qwen2_moe", torch.float32, (0, 8, 10)), ("falcon_mamba", torch.bfloat16, (0,))]
+)
 def test_clean_runs_name_no_introduced_error(arch, dtype, seeds, tmp_path):
     """Qwen2-MoE's shared_expert_gate outputs one number per token: a value near zero made float
     noise a 40-135x "relative" error (these seeds did); errors are now relative to at least the
@@ -138,10 +177,11 @@ def test_left_padded_batch_of_a_state_space_model_pairs_every_row(tmp_path):
 def test_a_reset_cache_reused_by_a_second_generate_starts_a_new_sequence(tmp_path):
     """A cache that reported a length and reports 0 again was reset: the next prefill is a
     prefill of a new sequence, not an extend of the old one (whose token count it would inherit)."""
-    from dumpdiff import dumper
     from transformers import StaticCache
 
+    from dumpdiff import dumper
     from helpers import load_model, make_tiny_llama
+
     model = load_model(make_tiny_llama(tmp_path / "llama"))
     model.generation_config.eos_token_id = None
     cache = StaticCache(config=model.config, max_cache_len=64)
@@ -154,8 +194,10 @@ def test_a_reset_cache_reused_by_a_second_generate_starts_a_new_sequence(tmp_pat
         model(second)
     handle.remove()
     tokens = load_index(open_dump(str(tmp_path / "dumps" / "dec")), progress=False).cols("tokens")
-    firsts = [(tokens["mode"][m][0], tokens["seq"][m][0], tokens["pos"][m].tolist())
-              for m in (tokens["pass"] == p for p in (0, 3))]
+    firsts = [
+        (tokens["mode"][m][0], tokens["seq"][m][0], tokens["pos"][m].tolist())
+        for m in (tokens["pass"] == p for p in (0, 3))
+    ]
     assert firsts[0][0] == firsts[1][0] == "prefill" and firsts[1][2] == list(range(8)) and firsts[0][1] != firsts[1][1]
     code, result = first_divergence_json(tmp_path / "dumps" / "ref", tmp_path / "dumps" / "dec")
     assert result["ranks"]["0"]["rows_compared"] == 8 + 2  # the second sequence: prompt and two decode rows

@@ -15,8 +15,17 @@ import sys
 import pytest
 import torch
 
-from dump_surgery import (both_commands, copy_dump, edit_pass_meta, match_manifest_size, one_line_error, pass_path,
-                          read_manifest, rewrite_header, write_manifest)
+from dump_surgery import (
+    both_commands,
+    copy_dump,
+    edit_pass_meta,
+    match_manifest_size,
+    one_line_error,
+    pass_path,
+    read_manifest,
+    rewrite_header,
+    write_manifest,
+)
 from helpers import ROOT, dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 PROMPT = prompt_ids(12)
@@ -115,6 +124,7 @@ def tensor_name_not_utf8(dec, tmp):
         name = next(k for k in header if k != "__metadata__")
         quoted = json.dumps(name).encode()
         return json.dumps(header).encode().replace(quoted, quoted[:-1] + b'\xff"')
+
     rewrite_header(pass_path(dec, 1), raw_byte_in_name)
     return dec
 
@@ -126,6 +136,7 @@ def tensor_name_lone_surrogate(dec, tmp):
                 if tmeta.get("alias"):
                     call["tensors"][name + "\udcff"] = call["tensors"].pop(name)
                     return
+
     edit_pass_meta(pass_path(dec, 1), rename_alias)
     return dec
 
@@ -206,8 +217,12 @@ def test_folder_names_with_non_utf8_bytes_work(dumps, tmp_path):
     copy_dump(dec, os.fsdecode(odd))
     for command in (["index", odd], ["first-divergence", os.fsencode(ref), odd]):
         # bytes in, bytes out: the index command echoes the folder name as the file system has it
-        proc = subprocess.run([sys.executable, "-m", "dumpdiff.analyzer.cli", *command, "--no-progress"], capture_output=True,
-                              cwd=ROOT, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dumpdiff.analyzer.cli", *command, "--no-progress"],
+            capture_output=True,
+            cwd=ROOT,
+            timeout=300,
+        )
         assert proc.returncode in (0, 1) and b"Traceback" not in proc.stderr, proc.stderr
     assert b"B (under test): dec-\\udcff\\udcfe" in proc.stdout  # the report escapes them
     assert os.path.isdir(odd + b"/index")
@@ -228,8 +243,11 @@ def three_layers(tmp_path_factory):
 
 def test_dumps_of_different_num_layers_are_refused_unless_allowed(three_layers):
     ref2, dec3 = three_layers
-    one_line_error(dumpdiff("first-divergence", ref2, dec3, "--no-progress"),
-                   "the dumps differ in num_layers (2 vs 3)", "--allow-mismatch")
+    one_line_error(
+        dumpdiff("first-divergence", ref2, dec3, "--no-progress"),
+        "the dumps differ in num_layers (2 vs 3)",
+        "--allow-mismatch",
+    )
     code, out, err = dumpdiff("first-divergence", ref2, dec3, "--no-progress", "--allow-mismatch")
     assert code in (0, 1) and "alignment proof: OK" in out, err
 
@@ -252,8 +270,11 @@ def test_dumps_of_different_dtypes_are_refused(dumps, tmp_path):
     ref, _ = dumps
     model = load_model(make_tiny_llama(tmp_path / "model"), torch.bfloat16)
     _, dec_bf16, _ = dump_pair(model, tmp_path / "d", PROMPT, new_tokens=4, min_free_bytes=0)
-    one_line_error(dumpdiff("first-divergence", ref, dec_bf16, "--no-progress"),
-                   "the dumps differ in dtype ('float32' vs 'bfloat16')", "--allow-mismatch")
+    one_line_error(
+        dumpdiff("first-divergence", ref, dec_bf16, "--no-progress"),
+        "the dumps differ in dtype ('float32' vs 'bfloat16')",
+        "--allow-mismatch",
+    )
 
 
 def test_damaged_index_is_one_line_and_rebuild_index_recovers(dumps, tmp_path):
@@ -264,13 +285,17 @@ def test_damaged_index_is_one_line_and_rebuild_index_recovers(dumps, tmp_path):
     assert code == 0, err
     rows = os.path.join(dec, "index", "rows.parquet")
     import pyarrow.parquet as pq
+
     chunk = pq.ParquetFile(rows).metadata.row_group(0).column(1)  # the fingerprints, which every verdict reads
     assert chunk.path_in_schema == "fp"
     with open(rows, "r+b") as handle:  # the column data, not the footer: the damage shows when read
         handle.seek(chunk.data_page_offset)
         handle.write(b"\xff" * min(256, chunk.total_compressed_size))
-    one_line_error(dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress"),
-                   "rows.parquet: cannot be read", "rerun with --rebuild-index")
+    one_line_error(
+        dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress"),
+        "rows.parquet: cannot be read",
+        "rerun with --rebuild-index",
+    )
     code, out, err = dumpdiff("first-divergence", ref, dec, "--strict-only", "--no-progress", "--rebuild-index")
     assert code in (0, 1) and "alignment proof: OK" in out, err
 
@@ -281,8 +306,10 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
     zeroed) the index is rebuilt, and the tables opened beside it are closed then, not when the
     garbage collector gets to them (the rebuild renames new files over them)."""
     import gc
-    from dumpdiff.analyzer.index.store import load_index
+
     from dumpdiff.analyzer.dump.load import open_dump
+    from dumpdiff.analyzer.index.store import load_index
+
     dec = copy_dump(dumps[1], tmp_path / "dec")
     load_index(open_dump(dec), progress=False)
     path = os.path.join(dec, "index", f"{table}.parquet")
@@ -300,6 +327,7 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
         with open("/proc/self/maps") as maps:
             found += [line.split()[-1] for line in maps if line.strip()]
         return [f for f in found if ".parquet" in f and str(tmp_path) in f]
+
     gc.disable()
     try:
         index = load_index(open_dump(dec), progress=False)
@@ -309,8 +337,16 @@ def test_a_damaged_index_table_is_rebuilt_and_no_file_stays_open(dumps, tmp_path
     assert len(index.cols("tokens")) and len(index.cols("rows"))
 
 
-@pytest.mark.parametrize("where", ["beside the tables", "in place of the rows table", "in place of a table, stamp kept",
-                                   "in place of the stamp", "in place of the lock file"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "beside the tables",
+        "in place of the rows table",
+        "in place of a table, stamp kept",
+        "in place of the stamp",
+        "in place of the lock file",
+    ],
+)
 def test_a_named_pipe_in_the_index_folder_does_not_hang_the_comparison(dumps, tmp_path, where):
     """first-divergence asks the kernel to read the saved index ahead; opening a named pipe for
     that would wait for a writer forever. Beside the tables it is ignored; in place of a table
@@ -321,9 +357,13 @@ def test_a_named_pipe_in_the_index_folder_does_not_hang_the_comparison(dumps, tm
     dec = copy_dump(dec, tmp_path / "dec")
     assert dumpdiff("index", dec, "--no-progress")[0] == 0
     folder = os.path.join(dec, "index")
-    replaced = {"beside the tables": [], "in place of the rows table": ["stamp.json", "rows.parquet"],
-                "in place of a table, stamp kept": ["tokens.parquet"], "in place of the stamp": ["stamp.json"],
-                "in place of the lock file": [".lock"]}[where]
+    replaced = {
+        "beside the tables": [],
+        "in place of the rows table": ["stamp.json", "rows.parquet"],
+        "in place of a table, stamp kept": ["tokens.parquet"],
+        "in place of the stamp": ["stamp.json"],
+        "in place of the lock file": [".lock"],
+    }[where]
     for name in replaced:
         os.unlink(os.path.join(folder, name))
     for name in replaced[-1:] or ["notes"]:
@@ -339,8 +379,10 @@ def test_a_table_footer_pyarrow_cannot_read_is_rebuilt(dumps, tmp_path):
     import io
     import random
     import struct
+
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     ref, dec = dumps
     dec = copy_dump(dec, tmp_path / "dec")
     assert dumpdiff("index", dec, "--no-progress")[0] == 0
@@ -378,6 +420,7 @@ def test_a_tensor_given_other_token_dims_is_compared_without_crashing(dumps, tmp
     def edit(meta):
         call = next(c for c in meta["calls"] if c["call"] == "model.layers.0.self_attn.q_proj#0")
         call["tensors"]["model.layers.0.self_attn.q_proj#0.out.0"]["token_dims"] = [0]  # rows of [1, 64]
+
     decode_steps = [entry["pass"] for entry in read_manifest(dec)][1:]
     for pass_id in decode_steps if every else decode_steps[:1]:
         edit_pass_meta(pass_path(dec, pass_id), edit)
@@ -401,6 +444,7 @@ def test_an_index_placing_rows_outside_their_files_is_refused(dumps, tmp_path, w
     rebuild the index: exit 2, no traceback, for the strict and the default verdict."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     ref, dec = dumps
     dec = copy_dump(dec, tmp_path / "dec")
     assert dumpdiff("index", dec, "--no-progress")[0] == 0
@@ -408,11 +452,14 @@ def test_an_index_placing_rows_outside_their_files_is_refused(dumps, tmp_path, w
     table = pq.read_table(path)
     offsets = table.column("offset").to_numpy().copy()
     placed = offsets >= 0
-    offsets[placed] = offsets[placed] + 10 ** 7 if where == "past the end" else 2 ** 63 - 8
-    pq.write_table(table.set_column(table.schema.get_field_index("offset"), "offset", pa.array(offsets, pa.int64())), path)
+    offsets[placed] = offsets[placed] + 10**7 if where == "past the end" else 2**63 - 8
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("offset"), "offset", pa.array(offsets, pa.int64())), path
+    )
     for extra in (["--strict-only"], []):
-        one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress", *extra), "past the end",
-                       "dumpdiff index --rebuild")
+        one_line_error(
+            dumpdiff("first-divergence", ref, dec, "--no-progress", *extra), "past the end", "dumpdiff index --rebuild"
+        )
 
 
 def test_an_index_of_an_older_version_is_rebuilt_with_the_same_verdict(dumps, tmp_path):
@@ -420,7 +467,9 @@ def test_an_index_of_an_older_version_is_rebuilt_with_the_same_verdict(dumps, tm
     column) is not read as if it were current: the next command rebuilds it, saves the current
     version, and gives the verdict a fresh index gives."""
     import pyarrow.parquet as pq
+
     from dumpdiff.analyzer.index.store import INDEX_VERSION
+
     ref, dec = dumps
     dec = copy_dump(dec, tmp_path / "dec")
     code, fresh = first_divergence_of(ref, dec)
@@ -457,19 +506,27 @@ def test_a_kl_result_that_is_not_a_kl_checks_json_is_one_line(tmp_path):
     expected = "give the file `dumpdiff kl --format json -o FILE` wrote"
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text("[1, 2, 3]\n[4, 5, 6]\n")
-    one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", jsonl, timeout=60),
-                   f"--kl-result {jsonl}: not one JSON document (Extra data", expected)
+    one_line_error(
+        dumpdiff("localize", "--url", NO_SERVER, "--kl-result", jsonl, timeout=60),
+        f"--kl-result {jsonl}: not one JSON document (Extra data",
+        expected,
+    )
     binary = tmp_path / "kl.bin"
     binary.write_bytes(b"\xff\xfe\x00garbage")
     one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", binary, timeout=60), "not one JSON document")
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"kind": "dumpdiff-kl-calibration", "proposal": {}}))
-    one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", calibration, timeout=60),
-                   "not the JSON of a KL check (it is dumpdiff-kl-calibration)", expected)
+    one_line_error(
+        dumpdiff("localize", "--url", NO_SERVER, "--kl-result", calibration, timeout=60),
+        "not the JSON of a KL check (it is dumpdiff-kl-calibration)",
+        expected,
+    )
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"kind": "dumpdiff-kl", "verdict": {}}))
-    one_line_error(dumpdiff("localize", "--url", NO_SERVER, "--kl-result", bare, timeout=60),
-                   "without its verdict, helpers or settings")
+    one_line_error(
+        dumpdiff("localize", "--url", NO_SERVER, "--kl-result", bare, timeout=60),
+        "without its verdict, helpers or settings",
+    )
 
 
 @pytest.mark.parametrize("command", ["kl", "localize", "kl calibrate"])
@@ -477,23 +534,34 @@ def test_a_thresholds_file_that_is_not_one_json_document_is_said_before_the_serv
     """It was read only after the server answered (after every calibration run, for calibrate)."""
     bad = tmp_path / "t.json"
     bad.write_text('{"format": "dumpdiff-kl-thresholds", "entries": {}}\n{"again": 1}\n')
-    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--thresholds", bad, timeout=60),
-                   f"{bad}: not one JSON document (Extra data", "dumpdiff kl calibrate")
+    one_line_error(
+        dumpdiff(*command.split(), "--url", NO_SERVER, "--thresholds", bad, timeout=60),
+        f"{bad}: not one JSON document (Extra data",
+        "dumpdiff kl calibrate",
+    )
     bad.write_text(json.dumps({"format": "dumpdiff-kl-thresholds", "entries": {"m tp=x": {"kl_div": 1e-3, "tp": "x"}}}))
-    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--thresholds", bad, timeout=60),
-                   "entry 'm tp=x' needs a whole number tp")
+    one_line_error(
+        dumpdiff(*command.split(), "--url", NO_SERVER, "--thresholds", bad, timeout=60),
+        "entry 'm tp=x' needs a whole number tp",
+    )
 
 
 @pytest.mark.parametrize("command", ["kl", "localize", "kl calibrate"])
 def test_a_prompts_file_that_is_not_jsonl_is_said_before_the_server(tmp_path, command):
     binary = tmp_path / "p.jsonl"
     binary.write_bytes(b"[1, 2]\n\xff\xfe\n")
-    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--prompts", binary, timeout=60),
-                   f"{binary}: not UTF-8 text", "one prompt per line")
+    one_line_error(
+        dumpdiff(*command.split(), "--url", NO_SERVER, "--prompts", binary, timeout=60),
+        f"{binary}: not UTF-8 text",
+        "one prompt per line",
+    )
     pretty = tmp_path / "p.json"
     pretty.write_text(json.dumps([[1, 2, 3], [4, 5]], indent=2))
-    one_line_error(dumpdiff(*command.split(), "--url", NO_SERVER, "--prompts", pretty, timeout=60),
-                   f"{pretty}:1: not JSON", "one prompt per line")
+    one_line_error(
+        dumpdiff(*command.split(), "--url", NO_SERVER, "--prompts", pretty, timeout=60),
+        f"{pretty}:1: not JSON",
+        "one prompt per line",
+    )
 
 
 def test_a_negative_token_position_is_a_damaged_file(dumps, tmp_path):

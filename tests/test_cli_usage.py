@@ -35,8 +35,11 @@ def one_line(result, *needles):
 
 def test_usage_errors_are_one_line():
     """click's own usage error was four lines (usage, try, blank line, error)."""
-    one_line(dumpdiff("first-divergence", "--bogus", "a", "b"), "No such option '--bogus'",
-             "see dumpdiff first-divergence --help")
+    one_line(
+        dumpdiff("first-divergence", "--bogus", "a", "b"),
+        "No such option '--bogus'",
+        "see dumpdiff first-divergence --help",
+    )
     one_line(dumpdiff("first-divergence", "a"), "Missing argument 'TEST'")
     one_line(dumpdiff("nope"), "No such command 'nope'", "see dumpdiff --help")
     one_line(dumpdiff("first-divergence", "a", "b", "--atol", "-1"), "--atol", "x>=0")
@@ -66,8 +69,9 @@ def test_a_bad_analyzer_setting_is_named(dumps, name, value):
 def test_output_path_is_checked_before_the_work(dumps, tmp_path):
     """`kl -o` into a missing folder ran the whole check (minutes) and then lost the result."""
     one_line(dumpdiff("first-divergence", *dumps, "-o", tmp_path / "nope" / "r.md"), "no folder")
-    one_line(dumpdiff("kl", "--url", "http://127.0.0.1:9", "-o", tmp_path / "nope" / "kl.json", timeout=60),
-             "no folder")  # before any connection: the error is the folder, not the server
+    one_line(
+        dumpdiff("kl", "--url", "http://127.0.0.1:9", "-o", tmp_path / "nope" / "kl.json", timeout=60), "no folder"
+    )  # before any connection: the error is the folder, not the server
 
 
 def test_output_extension_picks_the_format_and_the_verdict_is_said(dumps, tmp_path):
@@ -89,13 +93,21 @@ def test_repro_refuses_another_model_and_a_file_for_a_folder(dumps, model_dir, t
     (tmp_path / "afile").write_text("")
     one_line(dumpdiff("repro", ref, dec, "--out", tmp_path / "afile", "--no-progress"), "is a file; give a folder")
     other_weights = make_tiny_llama(tmp_path / "seed1", seed=1)
-    one_line(dumpdiff("repro", ref, dec, "--out", tmp_path / "r1", "--model", other_weights, "--call", call,
-                      "--no-progress"), "of their scale away from the dumped ones", "give the model the dump was made")
+    one_line(
+        dumpdiff(
+            "repro", ref, dec, "--out", tmp_path / "r1", "--model", other_weights, "--call", call, "--no-progress"
+        ),
+        "of their scale away from the dumped ones",
+        "give the model the dump was made",
+    )
     other_shape = make_tiny_llama(tmp_path / "wide", hidden_size=128)
-    one_line(dumpdiff("repro", ref, dec, "--out", tmp_path / "r2", "--model", other_shape, "--call", call,
-                      "--no-progress"), "give the model the dump was made")
-    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r3", "--model", model_dir, "--call", call,
-                              "--no-progress")
+    one_line(
+        dumpdiff("repro", ref, dec, "--out", tmp_path / "r2", "--model", other_shape, "--call", call, "--no-progress"),
+        "give the model the dump was made",
+    )
+    code, out, err = dumpdiff(
+        "repro", ref, dec, "--out", tmp_path / "r3", "--model", model_dir, "--call", call, "--no-progress"
+    )
     assert code == 0 and "checked bit for bit" in out, err
 
 
@@ -104,8 +116,10 @@ def test_import_sglang_of_a_file_says_it_is_not_a_folder(tmp_path):
     one_line(dumpdiff("import-sglang", tmp_path / "afile", tmp_path / "out"), "not a directory")
 
 
-@pytest.mark.parametrize("command", ["first-divergence", "report", "index", "ctl", "repro", "import-sglang", "kl",
-                                     "kl calibrate", "localize"])
+@pytest.mark.parametrize(
+    "command",
+    ["first-divergence", "report", "index", "ctl", "repro", "import-sglang", "kl", "kl calibrate", "localize"],
+)
 def test_every_help_page_says_its_exit_status_and_gives_an_example(command):
     code, out, err = dumpdiff(*command.split(), "--help")
     assert code == 0 and out.startswith(f"Usage: dumpdiff {command}"), err
@@ -138,12 +152,26 @@ def test_repro_help_says_when_the_script_needs_transformers():
 
 def test_an_output_extension_that_names_no_format_is_refused(dumps, tmp_path):
     """`-o report.foo` wrote text into report.foo, and `kl -o kl.html` text into kl.html."""
-    one_line(dumpdiff("first-divergence", *dumps, "-o", tmp_path / "report.foo", "--no-progress"),
-             "-o ", "report.foo", "the extension .foo names no format", ".md", ".json", ".html", ".txt", "--format")
-    one_line(dumpdiff("kl", "--url", "http://127.0.0.1:9", "-o", tmp_path / "kl.html", timeout=60),
-             "the extension .html names no format", ".json")  # before any connection
+    one_line(
+        dumpdiff("first-divergence", *dumps, "-o", tmp_path / "report.foo", "--no-progress"),
+        "-o ",
+        "report.foo",
+        "the extension .foo names no format",
+        ".md",
+        ".json",
+        ".html",
+        ".txt",
+        "--format",
+    )
+    one_line(
+        dumpdiff("kl", "--url", "http://127.0.0.1:9", "-o", tmp_path / "kl.html", timeout=60),
+        "the extension .html names no format",
+        ".json",
+    )  # before any connection
     assert not list(tmp_path.iterdir())
-    code, _, err = dumpdiff("first-divergence", *dumps, "-o", tmp_path / "report.foo", "--format", "md", "--no-progress")
+    code, _, err = dumpdiff(
+        "first-divergence", *dumps, "-o", tmp_path / "report.foo", "--format", "md", "--no-progress"
+    )
     assert code == 1 and (tmp_path / "report.foo").read_text().startswith("## dumpdiff"), err  # named: written
     code, _, err = dumpdiff("first-divergence", *dumps, "-o", tmp_path / "report", "--no-progress")
     assert code == 1 and (tmp_path / "report").read_text().startswith("dumpdiff first-divergence:"), err
@@ -152,8 +180,12 @@ def test_an_output_extension_that_names_no_format_is_refused(dumps, tmp_path):
 def test_noise_naming_the_reference_itself_is_refused(dumps):
     """`--noise A` with A the reference: every floor was 0 and the report said "floor from a repeat run"."""
     ref, dec = dumps
-    one_line(dumpdiff("first-divergence", ref, dec, "--noise", ref + "/", "--no-progress"),
-             "--noise", "is REFERENCE itself", "a second, independent dump of the reference run")
+    one_line(
+        dumpdiff("first-divergence", ref, dec, "--noise", ref + "/", "--no-progress"),
+        "--noise",
+        "is REFERENCE itself",
+        "a second, independent dump of the reference run",
+    )
     one_line(dumpdiff("report", ref, dec, "--noise", dec, "--no-progress"), "is TEST itself")
 
 
@@ -173,14 +205,24 @@ def test_reports_count_in_the_right_number_and_markdown_escapes_no_parentheses(d
     assert code == 1 and "1 passes" not in md
     assert "\\(" not in md and "\\)" not in md and "(" in md
     from dumpdiff.analyzer.wording import plural
-    assert [plural(1, "pass"), plural(2, "pass"), plural(1, "row", "differ"), plural(3, "row", "differ")] == \
-        ["1 pass", "2 passes", "1 row differs", "3 rows differ"]
-    assert [plural(1, "paired row", "have"), plural(0, "entry"), plural(2, "more call")] == \
-        ["1 paired row has", "0 entries", "2 more calls"]
+
+    assert [plural(1, "pass"), plural(2, "pass"), plural(1, "row", "differ"), plural(3, "row", "differ")] == [
+        "1 pass",
+        "2 passes",
+        "1 row differs",
+        "3 rows differ",
+    ]
+    assert [plural(1, "paired row", "have"), plural(0, "entry"), plural(2, "more call")] == [
+        "1 paired row has",
+        "0 entries",
+        "2 more calls",
+    ]
 
 
-@pytest.mark.parametrize("command", ["first-divergence", "report", "index", "ctl", "repro", "import-sglang", "kl",
-                                     "kl calibrate", "localize"])
+@pytest.mark.parametrize(
+    "command",
+    ["first-divergence", "report", "index", "ctl", "repro", "import-sglang", "kl", "kl calibrate", "localize"],
+)
 def test_every_command_takes_the_groups_verbose_after_its_name(command):
     """`dumpdiff first-divergence -v A B` was "No such option: -v": only `dumpdiff -v COMMAND` worked."""
     for verbose in ("-v", "--verbose"):
@@ -212,6 +254,7 @@ def test_verbose_ends_with_its_command_in_a_library_callers_process(model_dir, t
     import logging
 
     from dumpdiff.analyzer.cli.main import main
+
     model = load_model(model_dir, torch.float32)
     ref, _, _ = dump_pair(model, tmp_path, prompt_ids(8), new_tokens=2)
     logger = logging.getLogger("dumpdiff")

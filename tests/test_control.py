@@ -35,12 +35,14 @@ def test_ctl_enables_dumping_and_rejects_bad_requests(tmp_path):
         handle.flush()
         state = json.loads(dumpdiff("ctl", "get_state", url)[1])[0]
         assert state["passes_written"] == 1 and state["config"]["enable"] is True
-        for bad, needle in ((["exp_name=../../etc"], "exp_name='../../etc' is not valid"),
-                            (["colour=red"], "unknown setting(s) ['colour']"),
-                            ([f"dir={tmp_path / 'elsewhere'}"], "dir cannot be set at run time"),
-                            (["min_free_bytes=0"], "min_free_bytes cannot be set at run time: set DUMPER_MIN_FREE_BYTES"),
-                            (["enable=maybe"], "DUMPER_ENABLE='maybe' is not valid"),
-                            (["filter=layer=3"], "DUMPER_FILTER='layer=3' is not valid")):  # was a regex matching nothing
+        for bad, needle in (
+            (["exp_name=../../etc"], "exp_name='../../etc' is not valid"),
+            (["colour=red"], "unknown setting(s) ['colour']"),
+            ([f"dir={tmp_path / 'elsewhere'}"], "dir cannot be set at run time"),
+            (["min_free_bytes=0"], "min_free_bytes cannot be set at run time: set DUMPER_MIN_FREE_BYTES"),
+            (["enable=maybe"], "DUMPER_ENABLE='maybe' is not valid"),
+            (["filter=layer=3"], "DUMPER_FILTER='layer=3' is not valid"),
+        ):  # was a regex matching nothing
             code, out, err = dumpdiff("ctl", "configure", *bad, url)
             assert code == 2 and needle in err and err.count("\n") == 1, err
         code, out, err = dumpdiff("ctl", "reset", url)

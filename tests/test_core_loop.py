@@ -17,9 +17,17 @@ import torch
 import torch.nn.functional as F
 
 from dumpdiff import dumper
-
-from helpers import (ROOT, dump_padded_batch, dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama,
-                     make_tiny_qwen3_moe, prompt_ids)
+from helpers import (
+    ROOT,
+    dump_padded_batch,
+    dump_pair,
+    dumpdiff,
+    first_divergence_json,
+    load_model,
+    make_tiny_llama,
+    make_tiny_qwen3_moe,
+    prompt_ids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +99,7 @@ def test_differing_rows_no_culprit_accounts_for_are_said(llama_dir, tmp_path):
                 steps.append(1)
             wanted = 3 if len(steps) == 1 else 0  # the first decode step in layer 3, later ones in layer 0
             return output * 1.05 if layer == wanted else None
+
         return hook
 
     for layer in (0, 3):
@@ -101,8 +110,9 @@ def test_differing_rows_no_culprit_accounts_for_are_said(llama_dir, tmp_path):
     assert code == 1 and [g["call"] for g in verdict["groups"]] == ["model.layers.3.mlp#0"]
     attributed = verdict["groups"][0]["rows"]
     said = [w for w in result["warnings"] if "meet no culprit" in w]
-    assert said and said[0].startswith(f"{verdict['rows_differing'] - attributed} of the {verdict['rows_differing']} "
-                                       "differing rows"), result["warnings"]
+    assert said and said[0].startswith(
+        f"{verdict['rows_differing'] - attributed} of the {verdict['rows_differing']} differing rows"
+    ), result["warnings"]
     assert "widen DUMPER_FILTER" in said[0]
     steps.clear()
     _, everything, _ = dump_pair(model, tmp_path / "e", prompt_ids(16), new_tokens=5)
@@ -117,12 +127,17 @@ def test_row_selection_that_keeps_no_paired_row_is_an_error_not_a_clean_run(llam
     trouble, exit 2, with what to keep; it was "NO DIVERGENCE, 0 of 0 rows" (exit 0) under
     --trust-alignment, over a planted bug."""
     from dump_surgery import one_line_error
+
     model = load_model(llama_dir, torch.bfloat16)
     plant_batch_variant(model, layer=2)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6, last_rows=1)
     result = dumpdiff("first-divergence", ref, dec, "--no-progress", *(["--trust-alignment"] if trust else []))
-    one_line_error(result, "DUMPER_LAST_ROWS=1", "DUMPER_LAST_ROWS >= new tokens",
-                   "nothing was compared" if trust else "no token rows in common")
+    one_line_error(
+        result,
+        "DUMPER_LAST_ROWS=1",
+        "DUMPER_LAST_ROWS >= new tokens",
+        "nothing was compared" if trust else "no token rows in common",
+    )
 
 
 def _shift_decode_positions(model, from_step: int):
@@ -136,31 +151,48 @@ def _shift_decode_positions(model, from_step: int):
             if len(decode_steps) >= from_step:
                 inputs["position_ids"] = inputs["position_ids"] + 1
         return inputs
+
     model.prepare_inputs_for_generation = shifted
 
 
-@pytest.mark.parametrize("from_step, said", [
-    (1, ("none of the 5 decode/extend rows", "has no row at position 24 but has rows at 25")),
-    (3, ("3 token rows of dec cannot be paired", "has no row at position 26 but has rows at 27",
-         "no verdict is given over the other rows")),
-], ids=["every-step", "after-two-paired"])
+@pytest.mark.parametrize(
+    "from_step, said",
+    [
+        (1, ("none of the 5 decode/extend rows", "has no row at position 24 but has rows at 25")),
+        (
+            3,
+            (
+                "3 token rows of dec cannot be paired",
+                "has no row at position 26 but has rows at 27",
+                "no verdict is given over the other rows",
+            ),
+        ),
+    ],
+    ids=["every-step", "after-two-paired"],
+)
 def test_a_decode_run_whose_positions_jump_is_named_as_such(llama_dir, tmp_path, from_step, said):
     """An engine that feeds position+1 to its decode steps: those rows have no known prefix, so
     none has a partner. The error says the decode run's positions jump, not that the reference
     lacks the generated tokens (which it holds). From the third step on, the first decode rows
     pair: the verdict over them alone ("float noise", exit 1) passed the jump off as clean."""
     from dump_surgery import one_line_error
+
     model = load_model(llama_dir, torch.float32)
     _shift_decode_positions(model, from_step)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6)
-    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"), *said,
-                   "between consecutive engine steps", "positions jump")
+    one_line_error(
+        dumpdiff("first-divergence", ref, dec, "--no-progress"),
+        *said,
+        "between consecutive engine steps",
+        "positions jump",
+    )
 
 
 def test_a_decode_step_not_dumped_is_not_blamed_on_the_engine(llama_dir, tmp_path):
     """Dumping paused for one decode step leaves the same hole in positions as an engine that
     skips one; the engine steps tell them apart (they are counted while dumping is off)."""
     from dump_surgery import one_line_error
+
     model = load_model(llama_dir, torch.float32)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
     forwards = [0]
@@ -168,6 +200,7 @@ def test_a_decode_step_not_dumped_is_not_blamed_on_the_engine(llama_dir, tmp_pat
     def pause_first_decode_step(module, args, out):
         forwards[0] += 1
         handle.configure(enable=forwards[0] != 1)  # off after the prefill, on again after the first decode step
+
     hook = model.lm_head.register_forward_hook(pause_first_decode_step)
     try:
         with torch.no_grad():
@@ -178,12 +211,16 @@ def test_a_decode_step_not_dumped_is_not_blamed_on_the_engine(llama_dir, tmp_pat
             model(out)
     finally:
         handle.remove()
-    one_line_error(dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress"),
-                   "has no row at position 24 but has rows at 25", "were not dumped (dumping paused?)")
+    one_line_error(
+        dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress"),
+        "has no row at position 24 but has rows at 25",
+        "were not dumped (dumping paused?)",
+    )
 
 
 def test_a_run_from_inputs_embeds_says_its_token_ids_are_unknown(llama_dir, tmp_path):
     from dump_surgery import one_line_error
+
     model = load_model(llama_dir, torch.float32)
     prompt = prompt_ids(16)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
@@ -194,8 +231,11 @@ def test_a_run_from_inputs_embeds_says_its_token_ids_are_unknown(llama_dir, tmp_
             model(torch.cat([prompt, out], 1))
     finally:
         handle.remove()
-    one_line_error(dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress"),
-                   "16 token rows hold no token id", "inputs_embeds")
+    one_line_error(
+        dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress"),
+        "16 token rows hold no token id",
+        "inputs_embeds",
+    )
 
 
 def test_a_decode_only_embedding_bug_is_told_apart_from_misalignment(llama_dir, tmp_path):
@@ -203,12 +243,16 @@ def test_a_decode_only_embedding_bug_is_told_apart_from_misalignment(llama_dir, 
     the embedding module is wrong in decode. The proof still refuses (it checks the pairing with
     the embedding), but says so and points at --trust-alignment, which names it."""
     from dump_surgery import one_line_error
+
     model = load_model(llama_dir, torch.bfloat16)
     model.model.embed_tokens.register_forward_hook(lambda m, args, out: out * 1.01 if out.shape[-2] == 1 else None)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=6)
-    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"),
-                   "every one of them a decode/extend row", "all 24 paired prefill rows are bit-identical",
-                   "--trust-alignment")
+    one_line_error(
+        dumpdiff("first-divergence", ref, dec, "--no-progress"),
+        "every one of them a decode/extend row",
+        "all 24 paired prefill rows are bit-identical",
+        "--trust-alignment",
+    )
     code, result = first_divergence_json(ref, dec, "--trust-alignment")
     assert code == 1 and result["culprit"]["call"] == "model.embed_tokens#0"
 
@@ -229,8 +273,10 @@ def test_swapped_arguments_are_warned_about(llama_dir, tmp_path):
 def test_a_reference_made_on_a_warm_cache_says_to_flush_it(llama_dir, tmp_path):
     """A reference prefill whose prompt came from the cache (dumped without a flush) holds rows
     for the new tokens only, none from position 0: nothing pairs, and the error says why."""
-    from dump_surgery import one_line_error
     from transformers import DynamicCache
+
+    from dump_surgery import one_line_error
+
     model = load_model(llama_dir, torch.float32)
     prompt = prompt_ids(24)
     ref, dec, out = dump_pair(model, tmp_path / "pair", prompt, new_tokens=6)
@@ -243,14 +289,18 @@ def test_a_reference_made_on_a_warm_cache_says_to_flush_it(llama_dir, tmp_path):
             model(out[:, 24:], past_key_values=cache, use_cache=True)
     finally:
         handle.remove()
-    one_line_error(dumpdiff("first-divergence", tmp_path / "warm_ref", dec, "--no-progress"),
-                   "rows computed on a cache", "flush the engine's cache before dumping the reference")
+    one_line_error(
+        dumpdiff("first-divergence", tmp_path / "warm_ref", dec, "--no-progress"),
+        "rows computed on a cache",
+        "flush the engine's cache before dumping the reference",
+    )
 
 
 def test_a_chunked_reference_is_not_taken_for_swapped_arguments(llama_dir, tmp_path):
     """A reference prefilled in two chunks (its second chunk an extend pass, as sglang's chunked
     prefill or a cache hit makes) against one plain prefill: no decode rows, no warning."""
     from transformers import DynamicCache
+
     model = load_model(llama_dir, torch.float32)
     ids = prompt_ids(32)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
@@ -301,6 +351,7 @@ def test_a_run_on_a_cache_filled_while_dumping_was_off_says_so(llama_dir, tmp_pa
     """Turn 2 dumped on turn 1's cache, which was filled with dumping off: the ids before its rows
     are unknown. It was asked "were both dumps made from the same prompt?"."""
     from transformers import DynamicCache
+
     model = load_model(llama_dir, torch.float32)
     ids = prompt_ids(24)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
@@ -321,6 +372,7 @@ def test_a_reference_cut_off_is_refused(llama_dir, tmp_path):
     """A reference whose writer died before its last chunk lacks rows: a verdict over the rest
     would pass a partial comparison off as whole (exit 2)."""
     from transformers import DynamicCache
+
     model = load_model(llama_dir, torch.float32)
     ref, dec, out = dump_pair(model, tmp_path / "d", prompt_ids(16), new_tokens=4)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), cleanup_previous=True))
@@ -382,8 +434,17 @@ def test_beam_search_rows_follow_their_beams(llama_dir, tmp_path, planted):
     try:
         with torch.no_grad():
             handle.configure(enable=True, exp_name="dec")
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=3,
-                                 num_return_sequences=3, length_penalty=0.0, early_stopping=False, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=6,
+                do_sample=False,
+                num_beams=3,
+                num_return_sequences=3,
+                length_penalty=0.0,
+                early_stopping=False,
+                pad_token_id=0,
+            )
             handle.configure(exp_name="ref")
             finished = [prompts[i // 3] + row[9:].tolist() for i, row in enumerate(out)]
             for sequence in finished:
@@ -391,8 +452,9 @@ def test_beam_search_rows_follow_their_beams(llama_dir, tmp_path, planted):
     finally:
         handle.remove()
     assert "_reorder_cache" not in model.__dict__  # remove() takes the stand-in away
-    decode_keys = {tuple(seq[:at + 1]) for i, seq in enumerate(finished)
-                   for at in range(len(prompts[i // 3]), len(seq) - 1)}
+    decode_keys = {
+        tuple(seq[: at + 1]) for i, seq in enumerate(finished) for at in range(len(prompts[i // 3]), len(seq) - 1)
+    }
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
     verdict = result["ranks"]["0"]
     assert verdict["rows_compared"] == 3 * (6 + 9) + len(decode_keys)  # every beam's prompt rows, each prefix once
@@ -445,8 +507,10 @@ def bf16_clean(llama_dir, tmp_path_factory):
 
 def needs_bit_identical_bf16(bf16_clean):
     if bf16_clean[0] != 0:
-        pytest.skip("bfloat16 prefill and decode differ on this processor before any planted op (AVX2 kernels): "
-                    "the planted op cannot be the first bit flip")
+        pytest.skip(
+            "bfloat16 prefill and decode differ on this processor before any planted op (AVX2 kernels): "
+            "the planted op cannot be the first bit flip"
+        )
 
 
 def test_a_clean_bfloat16_run_is_identical_or_batch_variance(bf16_clean):
@@ -504,21 +568,46 @@ def plant_absorbed_input_change(module: torch.nn.Linear):
     module.register_forward_hook(absorb)
 
 
-@pytest.mark.parametrize("case, planted, note_has", [
-    ("absorbed in an attention", "o_proj", ["the first difference is model.layers.1.self_attn.o_proj#0's input (5 rows)",
-                                            "made in model.layers.1.self_attn's own code (not a hooked submodule)",
-                                            "no compared hooked output differs"]),
-    # generate's prefill step computes the logits of its last row alone: one more one-row input
-    ("absorbed in the root's own code", "lm_head", ["the first difference is lm_head#0's input (6 rows)",
-                                                    "made in the root module's own forward (<root>)",
-                                                    "no compared hooked output differs"]),
-    ("stale key, attention unhooked", "embed_tokens|mlp$", [
-        "the first difference is model.layers.1.mlp#0's input (5 rows)",
-        "made in code outside every hooked module (DUMPER_FILTER='embed_tokens|mlp$')"]),
-    ("stale key, MLPs and their children hooked", "embed_tokens|mlp", [
-        "the first difference is model.layers.1.mlp#0's input (5 rows)",  # not gate_proj's, which ends first
-        "made in code outside every hooked module (DUMPER_FILTER='embed_tokens|mlp')"]),
-])
+@pytest.mark.parametrize(
+    "case, planted, note_has",
+    [
+        (
+            "absorbed in an attention",
+            "o_proj",
+            [
+                "the first difference is model.layers.1.self_attn.o_proj#0's input (5 rows)",
+                "made in model.layers.1.self_attn's own code (not a hooked submodule)",
+                "no compared hooked output differs",
+            ],
+        ),
+        # generate's prefill step computes the logits of its last row alone: one more one-row input
+        (
+            "absorbed in the root's own code",
+            "lm_head",
+            [
+                "the first difference is lm_head#0's input (6 rows)",
+                "made in the root module's own forward (<root>)",
+                "no compared hooked output differs",
+            ],
+        ),
+        (
+            "stale key, attention unhooked",
+            "embed_tokens|mlp$",
+            [
+                "the first difference is model.layers.1.mlp#0's input (5 rows)",
+                "made in code outside every hooked module (DUMPER_FILTER='embed_tokens|mlp$')",
+            ],
+        ),
+        (
+            "stale key, MLPs and their children hooked",
+            "embed_tokens|mlp",
+            [
+                "the first difference is model.layers.1.mlp#0's input (5 rows)",  # not gate_proj's, which ends first
+                "made in code outside every hooked module (DUMPER_FILTER='embed_tokens|mlp')",
+            ],
+        ),
+    ],
+)
 def test_a_difference_no_call_makes_is_explained(llama_dir, tmp_path, bf16_clean, case, planted, note_has):
     """No call has clean inputs and a differing output: the note says which call's input holds the
     first difference, whose code made it, and whether any compared output changed; it sends the
@@ -548,6 +637,7 @@ def test_a_difference_no_call_makes_is_explained(llama_dir, tmp_path, bf16_clean
 
 def test_identical_runs_exit_zero(llama_dir, tmp_path):
     from dumpdiff import dumper
+
     model = load_model(llama_dir, torch.float32)
     tokens = prompt_ids(16)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="one"))
@@ -570,11 +660,24 @@ def test_batch_of_three_lengths_aligns_per_sequence(llama_dir, tmp_path, arch, c
         model = load_model(llama_dir, torch.float32)  # float noise too: the noise-aware verdict names the bug
     else:
         from transformers import AutoConfig, AutoModelForCausalLM
+
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            arch, vocab_size=1024, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, intermediate_size=128, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-            pad_token_id=0)).eval()
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(
+                arch,
+                vocab_size=1024,
+                hidden_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                intermediate_size=128,
+                max_position_embeddings=512,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=0,
+            )
+        ).eval()
         model.generation_config.eos_token_id = None
 
     def second_row(module, args, out):  # decode-only, in the second (padded) sequence only
@@ -617,7 +720,9 @@ def test_a_copied_prompt_cache_goes_on_from_its_history(llama_dir, tmp_path):
     per request. The copy was a cache never seen: its rows started at an unknown prefix and the
     dumps could not be compared at all."""
     import copy
+
     from transformers import DynamicCache
+
     model = load_model(llama_dir, torch.bfloat16)  # bit-identical here on so short a run, but for the bug
     model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out * 1.5 if out.shape[1] == 1 else None)
     system = prompt_ids(5)[0].tolist()
@@ -628,8 +733,9 @@ def test_a_copied_prompt_cache_goes_on_from_its_history(llama_dir, tmp_path):
         prompt_cache = model(torch.tensor([system]), past_key_values=DynamicCache(), use_cache=True).past_key_values
         for seed in (1, 2):
             ids = torch.tensor([system + prompt_ids(3, seed=seed)[0].tolist()])
-            finished.append(model.generate(ids, past_key_values=copy.deepcopy(prompt_cache), max_new_tokens=4,
-                                           do_sample=False)[0])
+            finished.append(
+                model.generate(ids, past_key_values=copy.deepcopy(prompt_cache), max_new_tokens=4, do_sample=False)[0]
+            )
         handle.configure(exp_name="ref")
         for sequence in finished:
             model(sequence[None])
@@ -643,6 +749,7 @@ def test_a_copied_prompt_cache_goes_on_from_its_history(llama_dir, tmp_path):
 
 def test_different_prompts_are_refused(llama_dir, tmp_path):
     from dumpdiff import dumper
+
     model = load_model(llama_dir, torch.float32)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="a"))
     with torch.no_grad():
@@ -659,6 +766,7 @@ def test_a_reference_without_the_decode_steps_is_refused(llama_dir, tmp_path):
     """A reference prefill of the prompt alone pairs the decode run's prefill rows but none of
     its decode rows: "no divergence" there would be a partial answer passed off as whole."""
     from dumpdiff import dumper
+
     model = load_model(llama_dir, torch.float32)
     prompt = prompt_ids(12)
     handle = dumper.install(model, dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="dec"))
@@ -692,15 +800,21 @@ def test_verdict_is_the_same_whatever_the_join_and_its_threads(llama_dir, tmp_pa
     gives the same verdict, to the last number. A batch of three lengths (left padding) dumped in
     float32 diverges naturally in many rows, so the spans of entries and of pairs split sequences
     and rows at odd places."""
-    from dumpdiff.analyzer.verdict import compare
-    from dumpdiff.analyzer.verdict import diverge
+    from dumpdiff.analyzer.verdict import compare, diverge
+
     model = load_model(llama_dir, torch.float32)
     plant_stale_kv(model, layer=1)
     _, ref, dec = dump_padded_batch(model, tmp_path)
     verdicts = {}
     dense_posts = compare.posts_of_b
-    for threads, dense, listed in ((1, 0, False), (1, compare.DENSE_CELLS, False), (3, compare.DENSE_CELLS, False),
-                                   (7, compare.DENSE_CELLS, False), (7, 0, False), (3, compare.DENSE_CELLS, True)):
+    for threads, dense, listed in (
+        (1, 0, False),
+        (1, compare.DENSE_CELLS, False),
+        (3, compare.DENSE_CELLS, False),
+        (7, compare.DENSE_CELLS, False),
+        (7, 0, False),
+        (3, compare.DENSE_CELLS, True),
+    ):
         monkeypatch.setattr(compare, "JOIN_THREADS", threads)
         monkeypatch.setattr(compare, "DENSE_CELLS", dense)
         monkeypatch.setattr(compare, "posts_of_b", (lambda *args: None) if listed else dense_posts)
@@ -718,12 +832,16 @@ def test_dumps_without_tensor_rows_are_not_called_clean_when_alignment_is_truste
     which is not "no divergence" (exit 0 would pass a CI gate that compared nothing): exit 2,
     saying to dump =all."""
     from dump_surgery import one_line_error
+
     model = load_model(llama_dir, torch.float32)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(12), new_tokens=4, non_intrusive_mode="core")
     result = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "json", "--trust-alignment")
     one_line_error(result, "nothing was compared", "DUMPER_NON_INTRUSIVE_MODE=core holds pass metadata only")
-    one_line_error(dumpdiff("first-divergence", ref, dec, "--no-progress"),  # said "widen DUMPER_FILTER" before
-                   "holds no module tensors", "dump with DUMPER_NON_INTRUSIVE_MODE=all")
+    one_line_error(
+        dumpdiff("first-divergence", ref, dec, "--no-progress"),  # said "widen DUMPER_FILTER" before
+        "holds no module tensors",
+        "dump with DUMPER_NON_INTRUSIVE_MODE=all",
+    )
 
 
 def test_a_dump_compared_with_itself_does_not_diverge(llama_dir, tmp_path):
@@ -747,7 +865,9 @@ def test_index_progress_shows_on_a_terminal_only(llama_dir, tmp_path):
     import subprocess
     import sys
     import termios
+
     from helpers import ROOT
+
     model = load_model(llama_dir, torch.float32)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=4)
 
@@ -771,6 +891,7 @@ def test_index_progress_shows_on_a_terminal_only(llama_dir, tmp_path):
         os.close(leader)
         assert proc.wait(timeout=300) == 0
         return seen.decode(errors="replace")
+
     assert "indexing" in stderr_of(terminal=True)
     assert "indexing" not in stderr_of(terminal=False)
     assert "indexing" not in stderr_of("--no-progress", terminal=True)
@@ -793,10 +914,17 @@ def test_malloc_is_tuned_in_the_dumpdiff_program_only(tmp_path):
     left alone."""
     import subprocess
     import sys
-    probe = ("from dumpdiff.analyzer.index import memtune; "
-             "print(memtune.keep_freed_memory(), end=' '); memtune.allow(); print(memtune.keep_freed_memory())")
-    run = lambda env: subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,  # noqa: E731
-                                     env=env, check=True).stdout.split()
+
+    probe = (
+        "from dumpdiff.analyzer.index import memtune; "
+        "print(memtune.keep_freed_memory(), end=' '); memtune.allow(); print(memtune.keep_freed_memory())"
+    )
+
+    def run(env):
+        return subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True
+        ).stdout.split()
+
     clean = {k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
     library, program = run(clean)
     assert library == "False"  # never in someone else's process

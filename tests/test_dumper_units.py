@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 
 from dumpdiff import dumper
+from dumpdiff.analyzer.dump.load import open_dump
 from dumpdiff.dumper import format as fmt
 from dumpdiff.dumper.config import VARIABLES, ConfigError, DumperConfig
 from helpers import ROOT, dumpdiff
-from dumpdiff.analyzer.dump.load import open_dump
 
 
 def test_env_example_documents_every_variable_with_its_default():
@@ -27,24 +27,27 @@ def test_env_example_documents_every_variable_with_its_default():
     defaults = DumperConfig()
     for name, (default, _) in VARIABLES.items():
         parsed = DumperConfig.from_env({name: default})  # the documented default parses to the real one
-        field = name[len("DUMPER_"):].lower()
+        field = name[len("DUMPER_") :].lower()
         assert getattr(parsed, field) == getattr(defaults, field), name
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("DUMPER_ENABLE", "maybe", "DUMPER_ENABLE='maybe' is not valid: expected 1 or 0"),
-    ("DUMPER_NON_INTRUSIVE_MODE", "everything", "expected one of off|core|all"),
-    ("DUMPER_MAX_BYTES", "lots", "DUMPER_MAX_BYTES='lots' is not valid"),
-    ("DUMPER_EXP_NAME", "../escape", "DUMPER_EXP_NAME='../escape' is not valid"),
-    ("DUMPER_FILTER", "layers.(", "DUMPER_FILTER='layers.(' is not valid"),
-    ("DUMPER_SERVER_PORT", "http", "-1, reuse, or a port number"),
-    ("DUMPER_POSITIONS", "a:b", "DUMPER_POSITIONS='a:b' is not valid"),
-    ("DUMPER_POSITIONS", "5:3", "ranges whose end is past their start"),  # kept nothing, silently
-    ("DUMPER_MAX_BYTES", "1e400", "DUMPER_MAX_BYTES='1e400' is not valid"),  # an OverflowError escaped
-    ("DUMPER_LAST_ROWS", "1.9", "DUMPER_LAST_ROWS='1.9' is not valid"),  # was truncated to 1
-    ("DUMPER_SERVER_PORT", "99999", "a port number up to 65535"),  # bind() failed at install
-    ("DUMPER_DIR", "", "DUMPER_DIR='' is not valid"),  # wrote into the current folder
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("DUMPER_ENABLE", "maybe", "DUMPER_ENABLE='maybe' is not valid: expected 1 or 0"),
+        ("DUMPER_NON_INTRUSIVE_MODE", "everything", "expected one of off|core|all"),
+        ("DUMPER_MAX_BYTES", "lots", "DUMPER_MAX_BYTES='lots' is not valid"),
+        ("DUMPER_EXP_NAME", "../escape", "DUMPER_EXP_NAME='../escape' is not valid"),
+        ("DUMPER_FILTER", "layers.(", "DUMPER_FILTER='layers.(' is not valid"),
+        ("DUMPER_SERVER_PORT", "http", "-1, reuse, or a port number"),
+        ("DUMPER_POSITIONS", "a:b", "DUMPER_POSITIONS='a:b' is not valid"),
+        ("DUMPER_POSITIONS", "5:3", "ranges whose end is past their start"),  # kept nothing, silently
+        ("DUMPER_MAX_BYTES", "1e400", "DUMPER_MAX_BYTES='1e400' is not valid"),  # an OverflowError escaped
+        ("DUMPER_LAST_ROWS", "1.9", "DUMPER_LAST_ROWS='1.9' is not valid"),  # was truncated to 1
+        ("DUMPER_SERVER_PORT", "99999", "a port number up to 65535"),  # bind() failed at install
+        ("DUMPER_DIR", "", "DUMPER_DIR='' is not valid"),  # wrote into the current folder
+    ],
+)
 def test_bad_values_are_one_line_errors_naming_the_variable(name, value, needle):
     with pytest.raises(ConfigError) as err:
         DumperConfig.from_env({name: value})
@@ -52,9 +55,18 @@ def test_bad_values_are_one_line_errors_naming_the_variable(name, value, needle)
 
 
 def test_sglang_compatible_values_parse():
-    cfg = DumperConfig.from_env({"DUMPER_ENABLE": "true", "DUMPER_SERVER_PORT": "reuse", "DUMPER_FILTER": "layer_id=[0-3]",
-                                 "DUMPER_NON_INTRUSIVE_MODE": "core", "DUMPER_CLEANUP_PREVIOUS": "1"})
-    assert cfg.enable and cfg.server_port_parsed == "reuse" and cfg.cleanup_previous and cfg.non_intrusive_mode == "core"
+    cfg = DumperConfig.from_env(
+        {
+            "DUMPER_ENABLE": "true",
+            "DUMPER_SERVER_PORT": "reuse",
+            "DUMPER_FILTER": "layer_id=[0-3]",
+            "DUMPER_NON_INTRUSIVE_MODE": "core",
+            "DUMPER_CLEANUP_PREVIOUS": "1",
+        }
+    )
+    assert (
+        cfg.enable and cfg.server_port_parsed == "reuse" and cfg.cleanup_previous and cfg.non_intrusive_mode == "core"
+    )
 
 
 @dataclasses.dataclass
@@ -153,7 +165,9 @@ def test_disabled_hooks_cost_nothing_and_enable_later(tmp_path):
 
 def test_core_mode_writes_metadata_only(tmp_path, caplog):
     model = Toy().eval()
-    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="c", non_intrusive_mode="core"))
+    handle = dumper.install(
+        model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="c", non_intrusive_mode="core")
+    )
     with caplog.at_level("WARNING", logger="dumper"), torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
     handle.remove()
@@ -187,6 +201,7 @@ def test_positions_keep_only_selected_rows(tmp_path):
 
 def test_fingerprint_is_order_sensitive():
     from dumpdiff.analyzer.index.fingerprint import fingerprints
+
     rows = torch.randn(3, 16)
     swapped = rows.clone()
     swapped[0, [3, 7]] = swapped[0, [7, 3]]
@@ -196,7 +211,10 @@ def test_fingerprint_is_order_sensitive():
     assert (fingerprints(rows.clone()) == fp).all()
     assert fingerprints(swapped)[0] != fp[0] and (fingerprints(swapped)[1:] == fp[1:]).all()
     assert fingerprints(flipped)[1] != fp[1]
-    assert fingerprints(torch.zeros(2, 3, dtype=torch.bfloat16))[0] != fingerprints(torch.zeros(2, 6, dtype=torch.bfloat16))[0]
+    assert (
+        fingerprints(torch.zeros(2, 3, dtype=torch.bfloat16))[0]
+        != fingerprints(torch.zeros(2, 6, dtype=torch.bfloat16))[0]
+    )
 
 
 def test_switching_experiment_closes_the_previous_dump(tmp_path):
@@ -219,15 +237,22 @@ def test_switching_experiment_closes_the_previous_dump(tmp_path):
 
 def run_python(code: str, env: dict):
     """(exit code, stderr) of ``code`` in a fresh interpreter: umask and environment are read there."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env={**{k: v for k, v in os.environ.items() if not k.startswith("DUMPER_")}, **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("DUMPER_")}, **env},
+    )
     return proc.returncode, proc.stderr
 
 
 def test_every_dump_file_gets_the_mode_a_plain_open_gives(tmp_path):
     """Pass files were 0600 (safetensors writes through a temp file): an analyst could not read a
     server's dump. Under umask 007 every file must be 0660, as open() would make it."""
-    code, err = run_python(f"""
+    code, err = run_python(
+        f"""
 import os, sys
 os.umask(0o007)
 sys.path.insert(0, "tests")
@@ -238,16 +263,22 @@ handle = dumper.install(model, dumper.DumperConfig(dir={str(tmp_path)!r}, enable
 with torch.no_grad():
     model(torch.tensor([[1, 2, 3]]))
 handle.remove()
-""", {})
+""",
+        {},
+    )
     assert code == 0, err
-    modes = {os.path.relpath(os.path.join(d, f), tmp_path): oct(os.stat(os.path.join(d, f)).st_mode & 0o777)
-             for d, _, files in os.walk(tmp_path) for f in files}
+    modes = {
+        os.path.relpath(os.path.join(d, f), tmp_path): oct(os.stat(os.path.join(d, f)).st_mode & 0o777)
+        for d, _, files in os.walk(tmp_path)
+        for f in files
+    }
     assert "m/rank0/pass-000000.safetensors" in modes
     assert set(modes.values()) == {"0o660"}, modes
 
 
 def test_misspelt_dumper_variables_warn_once_naming_the_closest():
-    code, err = run_python("""
+    code, err = run_python(
+        """
 import sys
 from dumpdiff.dumper.config import DumperConfig, any_dumper_variable
 assert not any_dumper_variable()  # sglang's plugin asks this first: DUMPER_ENABLED=1 alone must still warn
@@ -255,16 +286,23 @@ print("-- from_env", file=sys.stderr)
 cfg = DumperConfig.from_env()
 DumperConfig.from_env()  # read again (sglang's plugin does): no second warning
 assert cfg.dir == "/tmp/dumper" and not cfg.enable
-""", {"DUMPER_ENABLED": "1", "DUMPER_FILTR": "mlp", "DUMPER_ENABLE_VALUE": "1", "DUMPER_GRAFTER_ROLE": "target"})
+""",
+        {"DUMPER_ENABLED": "1", "DUMPER_FILTR": "mlp", "DUMPER_ENABLE_VALUE": "1", "DUMPER_GRAFTER_ROLE": "target"},
+    )
     assert code == 0, err
     lines = err.splitlines()
-    assert lines == ["dumper: DUMPER_ENABLED is not a dumper variable and is ignored; did you mean DUMPER_ENABLE?",
-                     "dumper: DUMPER_FILTR is not a dumper variable and is ignored; did you mean DUMPER_FILTER?",
-                     "-- from_env"]
+    assert lines == [
+        "dumper: DUMPER_ENABLED is not a dumper variable and is ignored; did you mean DUMPER_ENABLE?",
+        "dumper: DUMPER_FILTR is not a dumper variable and is ignored; did you mean DUMPER_FILTER?",
+        "-- from_env",
+    ]
     # sglang's own dumper reads DUMPER_ENABLE_VALUE, DUMPER_GRAFTER_*...: set for it, not misspelt
-    code, err = run_python("from dumpdiff import dumper; dumper.DumperConfig.from_env()", {"DUMPER_EXPNAME": "x"})  # dumper.install()'s way
+    code, err = run_python(
+        "from dumpdiff import dumper; dumper.DumperConfig.from_env()", {"DUMPER_EXPNAME": "x"}
+    )  # dumper.install()'s way
     assert code == 0 and err.splitlines() == [
-        "dumper: DUMPER_EXPNAME is not a dumper variable and is ignored; did you mean DUMPER_EXP_NAME?"], err
+        "dumper: DUMPER_EXPNAME is not a dumper variable and is ignored; did you mean DUMPER_EXP_NAME?"
+    ], err
 
 
 def test_filter_with_an_unknown_key_is_an_error_naming_the_keys():
@@ -275,11 +313,18 @@ def test_filter_with_an_unknown_key_is_an_error_naming_the_keys():
         DumperConfig.from_env({"DUMPER_FILTER": regex})
 
 
-@pytest.mark.parametrize("filter_text,needle", [
-    ("nothing_here", "DUMPER_FILTER='nothing_here' matches no module of Toy; nothing but pass metadata will be dumped"),
-    ("^proj$", "DUMPER_FILTER='^proj$' leaves out the embedding (embed) of Toy; the analyzer needs its output"),
-    ("^(embed|proj)$", None),
-], ids=["matches-nothing", "no-embedding", "fine"])
+@pytest.mark.parametrize(
+    "filter_text,needle",
+    [
+        (
+            "nothing_here",
+            "DUMPER_FILTER='nothing_here' matches no module of Toy; nothing but pass metadata will be dumped",
+        ),
+        ("^proj$", "DUMPER_FILTER='^proj$' leaves out the embedding (embed) of Toy; the analyzer needs its output"),
+        ("^(embed|proj)$", None),
+    ],
+    ids=["matches-nothing", "no-embedding", "fine"],
+)
 def test_filter_that_cannot_localize_warns_once_at_install(tmp_path, caplog, filter_text, needle):
     model = Toy().eval()
     with caplog.at_level("WARNING", logger="dumper"):
@@ -309,8 +354,10 @@ def test_an_earlier_runs_passes_in_the_folder_are_named_once(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="dumper"):
         run(model, 2)  # a second run of the same workflow
     rank_dir = tmp_path / "ref" / "rank0"
-    assert caplog.messages == [f"dumper: {rank_dir} already holds 2 passes from an earlier run; new passes are appended "
-                               "(DUMPER_CLEANUP_PREVIOUS=1 or a new exp_name starts afresh)"]
+    assert caplog.messages == [
+        f"dumper: {rank_dir} already holds 2 passes from an earlier run; new passes are appended "
+        "(DUMPER_CLEANUP_PREVIOUS=1 or a new exp_name starts afresh)"
+    ]
     # the analyzer says so too, in every report (the server's log is rarely read): two writers' passes
     notes = [n for n in open_dump(str(tmp_path / "ref")).warnings() if "writer sessions" in n]
     assert len(notes) == 1 and "passes from 2 writer sessions" in notes[0] and "rerun was appended" in notes[0]
@@ -323,7 +370,9 @@ def test_an_earlier_runs_passes_in_the_folder_are_named_once(tmp_path, caplog):
 
 def test_core_mode_warns_once_per_dumper(tmp_path, caplog):
     model = Toy().eval()
-    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="c1", non_intrusive_mode="core"))
+    handle = dumper.install(
+        model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="c1", non_intrusive_mode="core")
+    )
     with caplog.at_level("WARNING", logger="dumper"), torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
         handle.configure(exp_name="c2")
@@ -333,10 +382,15 @@ def test_core_mode_warns_once_per_dumper(tmp_path, caplog):
 
 
 # An engine's output object: sglang's LogitsProcessorOutput has 24 fields and holds the logits.
-WideOutput = dataclasses.make_dataclass("WideOutput", [("next_token_logits", torch.Tensor)] +
-                                        [(f"field_{i}", object, dataclasses.field(default=None)) for i in range(23)])
-WideState = dataclasses.make_dataclass("WideState", [(f"pool_{i}", object, dataclasses.field(default=None))
-                                                     for i in range(17)] + [("positions", object, None)])
+WideOutput = dataclasses.make_dataclass(
+    "WideOutput",
+    [("next_token_logits", torch.Tensor)]
+    + [(f"field_{i}", object, dataclasses.field(default=None)) for i in range(23)],
+)
+WideState = dataclasses.make_dataclass(
+    "WideState",
+    [(f"pool_{i}", object, dataclasses.field(default=None)) for i in range(17)] + [("positions", object, None)],
+)
 
 
 class LogitsStage(torch.nn.Module):
@@ -377,6 +431,7 @@ def test_an_output_dataclass_of_any_size_is_opened_an_input_state_object_is_not(
 def test_a_module_shared_at_the_top_level_and_deeper_keeps_every_call_closed(tmp_path):
     """A module registered both at the root's top level and under a block is named under the
     block when the block calls it, under its top-level name otherwise; every call is closed."""
+
     class Block(torch.nn.Module):
         def __init__(self, act):
             super().__init__()
@@ -408,6 +463,7 @@ def test_a_module_shared_at_the_top_level_and_deeper_keeps_every_call_closed(tmp
 def test_a_model_that_contains_itself_installs_and_dumps(tmp_path):
     """A submodule holding its parent (a cycle) makes named_modules(remove_duplicate=False)
     recurse without end; the shared-module naming gives up and every module keeps its first name."""
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()

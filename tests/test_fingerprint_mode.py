@@ -15,11 +15,18 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from test_core_loop import plant_stale_kv
 
 from dump_surgery import copy_dump, edit_pass_meta, one_line_error, pass_path, rewrite_header
-from helpers import (dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, make_tiny_qwen3_moe,
-                     prompt_ids)
-from test_core_loop import plant_stale_kv
+from helpers import (
+    dump_pair,
+    dumpdiff,
+    first_divergence_json,
+    load_model,
+    make_tiny_llama,
+    make_tiny_qwen3_moe,
+    prompt_ids,
+)
 
 FP = {"non_intrusive_mode": "fingerprint"}
 
@@ -51,9 +58,14 @@ def pairs(request, llama_dir, tmp_path_factory):
 def _strict_part(result):
     verdict = result["ranks"]["0"]
     culprit = result["culprit"]
-    return {"proof": verdict["alignment"]["proof"], "rows_compared": verdict["rows_compared"],
-            "rows_differing": verdict["rows_differing"], "per_row": verdict["per_row"], "groups": verdict["groups"],
-            "culprit": {k: culprit[k] for k in ("call", "module", "cls", "rows", "n_rows", "victims", "note", "shapes")}}
+    return {
+        "proof": verdict["alignment"]["proof"],
+        "rows_compared": verdict["rows_compared"],
+        "rows_differing": verdict["rows_differing"],
+        "per_row": verdict["per_row"],
+        "groups": verdict["groups"],
+        "culprit": {k: culprit[k] for k in ("call", "module", "cls", "rows", "n_rows", "victims", "note", "shapes")},
+    }
 
 
 def test_fingerprint_dumps_give_the_full_dumps_strict_verdict(pairs):
@@ -85,9 +97,12 @@ def test_a_fingerprint_dump_and_a_full_dump_of_the_same_prefill_are_identical(pa
 def test_fingerprint_files_hold_only_the_print_table_and_are_a_fraction_of_the_full_dump(pairs):
     _, dumps = pairs
     from safetensors import safe_open
+
     sizes = {}
     for kind, (ref, dec) in dumps.items():
-        files = glob.glob(os.path.join(ref, "rank0", "*.safetensors")) + glob.glob(os.path.join(dec, "rank0", "*.safetensors"))
+        files = glob.glob(os.path.join(ref, "rank0", "*.safetensors")) + glob.glob(
+            os.path.join(dec, "rank0", "*.safetensors")
+        )
         sizes[kind] = sum(os.path.getsize(f) for f in files)
         if kind == "fp":
             for path in files:
@@ -101,18 +116,24 @@ def test_fingerprint_files_hold_only_the_print_table_and_are_a_fraction_of_the_f
     assert sizes["fp"] < sizes["full"] / 2, sizes  # tiny hidden size: the metadata is most of it here
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
 def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(llama_dir, tmp_path, device, monkeypatch):
     """DUMPER_FINGERPRINTS=1: each stored tensor's prints, computed where it lies (on a GPU: by
     CUDA kernels), equal the analyzer's prints of its bytes on the CPU; the index reads them and
     hashes nothing."""
     model = load_model(llama_dir, torch.bfloat16).to(device)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20).to(device), new_tokens=4, fingerprints="1")
-    from dumpdiff.analyzer.index import prints as printindex
     from dumpdiff.analyzer.dump.load import PassFile, open_dump
+    from dumpdiff.analyzer.index import prints as printindex
     from dumpdiff.analyzer.index.passtables import stored_tensors
     from dumpdiff.analyzer.index.rowplan import pass_rows
+
     checked, integer_tensors = 0, set()
     for path in (ref, dec):
         for ref_ in open_dump(path).ranks[0].passes:
@@ -127,16 +148,18 @@ def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(lla
                 plan = plans.plan(pf.ref.path, name, metas[name], bits.shape)
                 first, count = metas[name]["print"]
                 here = printindex._printed_here(plan.rows(bits), dtype)
-                kept = carried[:, first:first + count][:, plan.srow]
+                kept = carried[:, first : first + count][:, plan.srow]
                 assert np.array_equal(here[0], kept[0].view(np.int64)), name
                 assert np.array_equal(here[1], kept[1].view(np.float64), equal_nan=True), name
                 checked += 1
     assert checked > 50
-    _, plain = first_divergence_json(*dump_pair(model, tmp_path / "plain", prompt_ids(20).to(device), new_tokens=4,
-                                                 fingerprints="0")[:2])
+    _, plain = first_divergence_json(
+        *dump_pair(model, tmp_path / "plain", prompt_ids(20).to(device), new_tokens=4, fingerprints="0")[:2]
+    )
 
     def no_hashing(*args, **kwargs):
         raise AssertionError("the index hashed tensor bytes")
+
     monkeypatch.setattr(printindex, "_printed_here", no_hashing)
     read = []
     bits_of = PassFile.bits
@@ -145,6 +168,7 @@ def test_prints_carried_in_a_full_dump_are_the_analyzers_prints_of_its_bytes(lla
     # the prints, and the integer tensors that might hold the token ids: no float tensor's bytes
     assert "~rowprints" in read and set(read) - {"~rowprints"} <= integer_tensors, sorted(set(read))
     from dumpdiff.analyzer.verdict.diverge import first_divergence
+
     carried = first_divergence(ref, dec, progress=False, rebuild_index=True)
     assert carried["culprit"] == plain["culprit"] if plain["culprit"] else carried["culprit"] is None
     assert carried["kind"] == plain["kind"]
@@ -172,8 +196,10 @@ def test_focus_prints_settings_whose_dump_gives_the_full_dumps_figures_noise_ver
         assert focused["culprit"][key] == full["culprit"][key] and focused["culprit"][key] is not None
     assert focused["kind"] == full["kind"] == "batch-variance"
     assert "noise" in focused["ranks"]["0"]
-    sizes = {d: sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "rank0", "*.safetensors")))
-             for d in (ref, full_ref)}
+    sizes = {
+        d: sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "rank0", "*.safetensors")))
+        for d in (ref, full_ref)
+    }
     assert sizes[ref] < sizes[full_ref] / 2, sizes
     code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "repro", "--model", llama_dir, "--no-progress")
     assert code == 0 and f"{full['culprit']['call']} [Linear], replayed as linear" in out, err
@@ -189,8 +215,9 @@ def test_commands_that_need_values_refuse_fingerprint_dumps_in_one_line(pairs, t
     _, dumps = pairs
     fp_ref, fp_dec = dumps["fp"]
     repeat = copy_dump(fp_ref, tmp_path / "repeat")
-    one_line_error(dumpdiff("first-divergence", fp_ref, fp_dec, "--noise", repeat, "--no-progress"), "--noise",
-                   "fingerprints only")
+    one_line_error(
+        dumpdiff("first-divergence", fp_ref, fp_dec, "--noise", repeat, "--no-progress"), "--noise", "fingerprints only"
+    )
     one_line_error(dumpdiff("repro", fp_ref, fp_dec, "--out", tmp_path / "repro", "--no-progress"), "dumpdiff focus")
 
 
@@ -205,6 +232,7 @@ def test_a_damaged_print_table_or_an_unknown_print_version_is_one_line_exit_2(pa
         entry["shape"] = [3, entry["shape"][1] // 2]
         entry["data_offsets"] = [start, start + 3 * 8 * entry["shape"][1]]
         return header
+
     rewrite_header(pass_path(short, 0), cut_table)
     one_line_error(dumpdiff("first-divergence", fp_ref, short, "--no-progress"), "pass-000000", "damaged")
     newer = copy_dump(fp_dec, tmp_path / "newer")
@@ -216,8 +244,11 @@ def test_a_damaged_print_table_or_an_unknown_print_version_is_one_line_exit_2(pa
         for call in meta["calls"]:
             for tmeta in call["tensors"].values():
                 tmeta.pop("print", None)
+
     edit_pass_meta(pass_path(unplaced, 1), drop_a_place)
-    one_line_error(dumpdiff("first-divergence", fp_ref, unplaced, "--no-progress"), "neither bytes nor row fingerprints")
+    one_line_error(
+        dumpdiff("first-divergence", fp_ref, unplaced, "--no-progress"), "neither bytes nor row fingerprints"
+    )
 
 
 def test_fingerprint_dumps_of_two_ranks_are_compared_rank_by_rank(llama_dir, tmp_path):
@@ -247,7 +278,10 @@ def test_a_full_dump_keeps_one_index_per_fingerprint_kind(pairs):
     (full_ref, full_dec), (_, fp_dec) = dumps["full"], dumps["fp"]
     first_divergence_json(full_ref, full_dec)
     first_divergence_json(full_ref, fp_dec)
-    stamps = {kind: os.path.join(full_ref, "index", *sub, "stamp.json") for kind, sub in (("xxh3", ()), ("rowprint", ("rowprint",)))}
+    stamps = {
+        kind: os.path.join(full_ref, "index", *sub, "stamp.json")
+        for kind, sub in (("xxh3", ()), ("rowprint", ("rowprint",)))
+    }
     before = {kind: os.stat(path).st_mtime_ns for kind, path in stamps.items()}
     first_divergence_json(full_ref, full_dec)
     first_divergence_json(full_ref, fp_dec)
@@ -258,14 +292,17 @@ def test_a_fingerprint_dump_against_a_metadata_only_dump_is_one_line_exit_2(llam
     _, dumps = pairs
     model = load_model(llama_dir, torch.float32)
     core_ref, _, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6, non_intrusive_mode="core")
-    one_line_error(dumpdiff("first-divergence", core_ref, dumps["fp"][1], "--no-progress", "--allow-mismatch"),
-                   "NON_INTRUSIVE_MODE")
+    one_line_error(
+        dumpdiff("first-divergence", core_ref, dumps["fp"][1], "--no-progress", "--allow-mismatch"),
+        "NON_INTRUSIVE_MODE",
+    )
 
 
 def test_focus_says_in_one_line_when_its_env_file_cannot_be_written(pairs, tmp_path):
     _, dumps = pairs
-    one_line_error(dumpdiff("focus", *dumps["fp"], "--no-progress", "--env-file", tmp_path / "no" / "such" / "f.env"),
-                   "--env-file")
+    one_line_error(
+        dumpdiff("focus", *dumps["fp"], "--no-progress", "--env-file", tmp_path / "no" / "such" / "f.env"), "--env-file"
+    )
 
 
 def test_row_selected_fingerprint_dumps_give_the_row_selected_full_dumps_verdict(llama_dir, tmp_path):
@@ -299,10 +336,21 @@ def test_an_moe_models_fingerprint_dump_gives_the_full_dumps_verdict(tmp_path):
 
 def test_focus_selects_an_op_in_every_layer_and_the_positions_that_differ():
     from analyzer.focus import module_filter, positions_text
-    pattern = re.compile(module_filter(["model.layers.3.mlp.experts.7.down_proj", "model.layers.3.mlp"],
-                                       "model.embed_tokens"))
-    assert all(pattern.search(m) for m in ("model.embed_tokens", "model.layers.10.mlp.experts.0.down_proj",
-                                           "model.layers.0.mlp"))
-    assert not any(pattern.search(m) for m in ("model.layers.1.mlp.up_proj", "model.layers.1.self_attn",
-                                               "model.embed_tokens_extra", "xmodel.layers.1.mlp"))
+
+    pattern = re.compile(
+        module_filter(["model.layers.3.mlp.experts.7.down_proj", "model.layers.3.mlp"], "model.embed_tokens")
+    )
+    assert all(
+        pattern.search(m)
+        for m in ("model.embed_tokens", "model.layers.10.mlp.experts.0.down_proj", "model.layers.0.mlp")
+    )
+    assert not any(
+        pattern.search(m)
+        for m in (
+            "model.layers.1.mlp.up_proj",
+            "model.layers.1.self_attn",
+            "model.embed_tokens_extra",
+            "xmodel.layers.1.mlp",
+        )
+    )
     assert positions_text([14, 12, 13, 20, 12]) == "12:15,20" and positions_text([5]) == "5"

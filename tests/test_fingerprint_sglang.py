@@ -10,10 +10,10 @@ import os
 import shlex
 
 import pytest
-
-from helpers import first_divergence_json, dumpdiff, make_tiny_llama, prompt_ids
-from sglang_server import sglang_fixture
 from test_sglang_e2e import ctl
+
+from helpers import dumpdiff, first_divergence_json, make_tiny_llama, prompt_ids
+from sglang_server import sglang_fixture
 
 pytestmark = pytest.mark.sglang
 sglang = sglang_fixture(scope="module")
@@ -40,9 +40,17 @@ def dump_run(server, prompt, name, *settings, new_tokens=6):
 
 def test_fingerprint_dump_of_the_sglang_server_names_the_planted_call(sglang, model_dir, tmp_path):
     dumps = tmp_path / "dumps"
-    server = sglang(model_dir, env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps),
-                                    "DUMPER_NON_INTRUSIVE_MODE": "fingerprint", "DUMPDIFF_PLANT": "prefix_kv:1"},
-                    extra_args=["--dtype", "bfloat16"])
+    server = sglang(
+        model_dir,
+        env={
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "reuse",
+            "DUMPER_DIR": str(dumps),
+            "DUMPER_NON_INTRUSIVE_MODE": "fingerprint",
+            "DUMPDIFF_PLANT": "prefix_kv:1",
+        },
+        extra_args=["--dtype", "bfloat16"],
+    )
     prompt = prompt_ids(20, seed=3)[0].tolist()
     fp_run = dump_run(server, prompt, "-fp")
     full_run = dump_run(server, prompt, "-full", "non_intrusive_mode=all")
@@ -56,17 +64,22 @@ def test_fingerprint_dump_of_the_sglang_server_names_the_planted_call(sglang, mo
     assert strict_calls <= {PLANTED} | {c for c in strict_calls if ".layers.0." in c}
     assert fp["kind"] == "not-judged" and "fingerprint dump" in verdict["summary"]
     _, full = first_divergence_json(dumps / "ref-full", dumps / "dec-full")
+
     def rows(result):  # sequences are request ids: new in every run
         return [(r["pos"], r["kind"], r["culprit"]) for r in result["ranks"]["0"]["per_row"]]
+
     assert rows(fp) == rows(full) and fp["culprit"]["call"] == full["culprit"]["call"]
     from safetensors import safe_open
+
     for name in ("dec-fp", "ref-fp"):  # one small file per pass: the print table alone (and the metadata)
         files = glob.glob(str(dumps / name / "rank0" / "*.safetensors"))
         assert files
         for path in files:
             with safe_open(path, "np") as handle:
                 assert list(handle.keys()) == ["~rowprints"]
-        full_bytes = sum(os.path.getsize(f) for f in glob.glob(str(dumps / name.replace("fp", "full") / "rank0" / "*.safetensors")))
+        full_bytes = sum(
+            os.path.getsize(f) for f in glob.glob(str(dumps / name.replace("fp", "full") / "rank0" / "*.safetensors"))
+        )
         assert sum(os.path.getsize(f) for f in files) < full_bytes
 
     code, out, err = dumpdiff("focus", dumps / "ref-fp", dumps / "dec-fp", "--no-progress")
@@ -88,11 +101,20 @@ def test_per_head_norm_rows_of_a_flat_engine_are_printed_token_by_token(sglang, 
     their prints are per token row too, so the norms are compared row by row on a fingerprint dump
     and its verdict (with a decode-only error in layer 1's q_norm) is the full dump's."""
     from tiny_models import make_tiny_qwen3
+
     model = make_tiny_qwen3(tmp_path / "qwen3", num_hidden_layers=2)
     dumps = tmp_path / "dumps"
-    server = sglang(model, env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps),
-                                "DUMPER_NON_INTRUSIVE_MODE": "fingerprint", "DUMPDIFF_PLANT": "q_norm:1"},
-                    extra_args=["--dtype", "bfloat16"])
+    server = sglang(
+        model,
+        env={
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "reuse",
+            "DUMPER_DIR": str(dumps),
+            "DUMPER_NON_INTRUSIVE_MODE": "fingerprint",
+            "DUMPDIFF_PLANT": "q_norm:1",
+        },
+        extra_args=["--dtype", "bfloat16"],
+    )
     try:
         prompt = prompt_ids(12, seed=12)[0].tolist()
         dump_run(server, prompt, "-fp")
@@ -104,8 +126,9 @@ def test_per_head_norm_rows_of_a_flat_engine_are_printed_token_by_token(sglang, 
     verdict = fp["ranks"]["0"]
     assert code == 1 and not any("_norm" in n["call"] for n in verdict["not_comparable"])
     assert fp["culprit"]["call"] == full["culprit"]["call"]
-    assert [(r["pos"], r["culprit"]) for r in verdict["per_row"]] == \
-        [(r["pos"], r["culprit"]) for r in full["ranks"]["0"]["per_row"]]
+    assert [(r["pos"], r["culprit"]) for r in verdict["per_row"]] == [
+        (r["pos"], r["culprit"]) for r in full["ranks"]["0"]["per_row"]
+    ]
     timeline = {c["call"]: c for c in verdict["calls_timeline"]}
     norm = timeline["model.layers.1.self_attn.q_norm#0"]
     assert norm["rows"] == verdict["rows_compared"] and norm["rows"] > 0  # compared on every token row
@@ -114,8 +137,17 @@ def test_per_head_norm_rows_of_a_flat_engine_are_printed_token_by_token(sglang, 
 
 def test_tensor_parallel_ranks_write_and_compare_their_own_fingerprints(sglang, model_dir, tmp_path):
     dumps = tmp_path / "dumps"
-    server = sglang(model_dir, tp=2, env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps),
-                                          "DUMPER_NON_INTRUSIVE_MODE": "fingerprint"}, startup_timeout=400)
+    server = sglang(
+        model_dir,
+        tp=2,
+        env={
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "reuse",
+            "DUMPER_DIR": str(dumps),
+            "DUMPER_NON_INTRUSIVE_MODE": "fingerprint",
+        },
+        startup_timeout=400,
+    )
     try:
         prompt = prompt_ids(10, seed=5)[0].tolist()
         dump_run(server, prompt, "-fp", new_tokens=4)
@@ -128,5 +160,6 @@ def test_tensor_parallel_ranks_write_and_compare_their_own_fingerprints(sglang, 
     assert set(fp["ranks"]) == {"0", "1"}
     for rank, verdict in fp["ranks"].items():
         assert verdict["alignment"]["unaligned_b"] == 0 and "bit-identical" in verdict["alignment"]["proof"][1]
-        assert [(r["pos"], r["culprit"]) for r in verdict["per_row"]] == \
-            [(r["pos"], r["culprit"]) for r in full["ranks"][rank]["per_row"]]
+        assert [(r["pos"], r["culprit"]) for r in verdict["per_row"]] == [
+            (r["pos"], r["culprit"]) for r in full["ranks"][rank]["per_row"]
+        ]

@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dumpdiff.analyzer.verdict.diverge import first_divergence
-from dumpdiff.analyzer.errors import DumpError
 from dump_surgery import match_manifest_size
+from dumpdiff.analyzer.errors import DumpError
+from dumpdiff.analyzer.verdict.diverge import first_divergence
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 
 pytestmark = pytest.mark.slow  # minutes of CPU: left out of make test-fast
@@ -34,9 +34,10 @@ SECONDS = float(os.environ.get("DUMPDIFF_FUZZ_SECONDS", "45"))
 TARGETS = ("rank0/pass-000000.safetensors", "rank0/pass-000001.safetensors", "rank0/manifest.jsonl", "run.json")
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=6)
+    max_leaves=6,
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +104,9 @@ def mutate(data, path: str, into: list):
         span = header_span(raw) if is_pass and data.draw(st.booleans(), label="in header") else len(raw)
         for _ in range(data.draw(st.integers(1, 8), label="count")):
             at = data.draw(st.integers(0, max(0, span - 1)), label="at")
-            raw = raw[:at] + bytes([data.draw(st.integers(0, 255), label="byte")]) + raw[at + 1:]
+            raw = raw[:at] + bytes([data.draw(st.integers(0, 255), label="byte")]) + raw[at + 1 :]
     elif kind == "truncate":
-        raw = raw[:data.draw(st.integers(0, max(0, len(raw) - 1)), label="keep")]
+        raw = raw[: data.draw(st.integers(0, max(0, len(raw) - 1)), label="keep")]
     else:
         at = data.draw(st.integers(0, len(raw)), label="at")
         raw = raw[:at] + data.draw(st.binary(min_size=1, max_size=16), label="inserted") + raw[at:]
@@ -140,16 +141,20 @@ def test_fuzz_loaders(dumps, tmp_path, capsys):
             stats["dump errors"] += 1
         except Exception as exc:  # noqa: BLE001 - the very thing counted
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            crashes.append(f"{type(exc).__name__}: {exc} at {os.path.basename(where.filename)}:{where.lineno} "
-                           f"after {', '.join(done)}")
+            crashes.append(
+                f"{type(exc).__name__}: {exc} at {os.path.basename(where.filename)}:{where.lineno} "
+                f"after {', '.join(done)}"
+            )
         finally:
             shutil.rmtree(work)
 
     start = time.time()
     while time.time() - start < SECONDS:
         some_inputs()  # a fresh random batch each round, until the time budget is spent
-    summary = (f"fuzz_loaders: {stats['inputs']} damaged dumps tried in {time.time() - start:.0f} s: "
-               f"{stats['dump errors']} DumpError (exit 2), {stats['results']} results, {len(crashes)} crashes")
+    summary = (
+        f"fuzz_loaders: {stats['inputs']} damaged dumps tried in {time.time() - start:.0f} s: "
+        f"{stats['dump errors']} DumpError (exit 2), {stats['results']} results, {len(crashes)} crashes"
+    )
     with capsys.disabled():
         print("\n" + summary)
         for crash in sorted(set(crashes)):

@@ -11,12 +11,12 @@ import time
 
 import pytest
 import torch
+from test_dumper_units import Toy, read_pass
 
 from dumpdiff import dumper
 from dumpdiff.dumper import format as fmt
 from dumpdiff.dumper.config import DumperConfig
 from helpers import dumpdiff, first_divergence_json
-from test_dumper_units import Toy, read_pass
 
 D, V = 16, 50
 
@@ -220,8 +220,12 @@ def test_tensors_the_format_does_not_hold_are_skipped_not_fatal(tmp_path):
 
     class Odd(torch.nn.Module):
         def forward(self, x):
-            return (x.to(torch.complex64), torch.quantize_per_tensor(x, 0.1, 0, torch.qint8),
-                    TwoTensor(x.clone(), x.clone()), x.to(torch.float8_e4m3fnuz))
+            return (
+                x.to(torch.complex64),
+                torch.quantize_per_tensor(x, 0.1, 0, torch.qint8),
+                TwoTensor(x.clone(), x.clone()),
+                x.to(torch.float8_e4m3fnuz),
+            )
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -298,6 +302,7 @@ def test_slot_names_never_collide(tmp_path):
 
 def test_every_element_type_the_dumper_stores_is_one_the_analyzer_reads():
     from dumpdiff.analyzer.dump.dtypes import BY_NAME
+
     assert fmt.STORED_DTYPES == set(BY_NAME)
 
 
@@ -319,10 +324,14 @@ def test_installing_and_dumping_does_not_import_torch_dynamo(tmp_path):
     never compiles (importing it took 0.7 s in every engine process, dumping or not)."""
     import subprocess
     import sys
-    script = ("import sys, torch, dumper; m = torch.nn.Embedding(5, 4); "
-              f"h = dumper.install(m, dumper.DumperConfig(dir={str(tmp_path)!r}, enable=True)); "
-              "m(torch.tensor([[1, 2]])); h.remove(); print('torch._dynamo' in sys.modules)")
+
+    script = (
+        "import sys, torch, dumper; m = torch.nn.Embedding(5, 4); "
+        f"h = dumper.install(m, dumper.DumperConfig(dir={str(tmp_path)!r}, enable=True)); "
+        "m(torch.tensor([[1, 2]])); h.remove(); print('torch._dynamo' in sys.modules)"
+    )
     from helpers import ROOT
+
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 
@@ -331,6 +340,7 @@ def test_generic_adapter_reads_flags_input_pos_and_packed_rows_right(tmp_path, c
     """A flag such as use_cache=False is no cache (it made every row unaligned); gpt-fast's
     input_pos gives positions; positions that restart within a row (packed sequences) cannot be
     placed: unaligned, with a warning."""
+
     class Flags(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -370,6 +380,7 @@ HEADS = 4
 
 class HeadNorm(torch.nn.RMSNorm):
     """RMSNorm over one head's features; ``bug``: wrong on one-token (decode) passes."""
+
     bug = False
 
     def forward(self, x):
@@ -494,8 +505,7 @@ def test_a_filter_selects_a_shared_modules_calls_by_the_layer_they_run_in(tmp_pa
     shared = HeadNorm(8)
     for attn in model.attns:
         attn.q_norm = shared
-    ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 2,
-                                           filter=rf"attns\.{layer}\b")
+    ref, dec = flat_generate_and_reference(model, tmp_path, torch.randint(0, V, (12,)), 2, filter=rf"attns\.{layer}\b")
     for dump in (ref, dec):
         meta, _ = read_pass(str(dump / "rank0" / "pass-000000.safetensors"))
         assert [c["call"] for c in meta["calls"] if "q_norm" in c["call"]] == [f"attns.{layer}.q_norm#0"]
@@ -555,6 +565,7 @@ def test_a_shared_blocks_children_follow_the_layer_it_runs_in(tmp_path, filter_t
 class HeadScale(torch.nn.Module):
     """Not a norm: its [T*heads, head_dim] rows are not compared. ``bug``: wrong on decode passes;
     ``decode_only``: called in decode passes only."""
+
     bug = decode_only = False
 
     def forward(self, x):
@@ -582,6 +593,7 @@ def test_a_gap_that_holds_a_call_not_compared_names_it(tmp_path, decode_only):
 
 class Split(torch.nn.Module):
     """Not a norm: returns its input as [T*heads, head_dim] rows. ``bug``: wrong on decode passes."""
+
     bug = False
 
     def forward(self, q):
@@ -628,4 +640,6 @@ def test_a_gap_does_not_name_a_call_whose_output_was_compared(tmp_path):
     verdict = result["ranks"]["0"]
     assert any(n["call"] == "attns.0#0" for n in verdict["not_comparable"])  # its cache input
     culprits = verdict["noise"]["culprits"]
-    assert [(c.get("gap_after"), c.get("gap_uncompared")) for c in culprits] == [("attns.0#0", None)], verdict["summary"]
+    assert [(c.get("gap_after"), c.get("gap_uncompared")) for c in culprits] == [("attns.0#0", None)], verdict[
+        "summary"
+    ]

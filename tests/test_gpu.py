@@ -57,6 +57,7 @@ def test_async_pinned_copies_equal_a_synchronous_cpu_copy(tmp_path):
     def sync_hook(name):
         def hook(module, args, output):
             sync_copies[name] = output.detach().to("cpu", copy=True)  # blocking: the value at hook time
+
         return hook
 
     for name in ("embed", "up", "down"):
@@ -112,9 +113,18 @@ def test_back_pressure_bounds_host_memory_on_device(tmp_path):
 
 def test_bf16_llama_dump_pair_is_analyzed(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=512, vocab_size=1024, max_position_embeddings=512, pad_token_id=0)
+    config = LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config).cuda().to(torch.bfloat16).eval()
     dump_pair(model, tmp_path, torch.randint(3, 1024, (1, 64), device="cuda"), new_tokens=6)
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec", "--strict-only")
@@ -128,11 +138,21 @@ GPU_ARCHS = {  # moderate sizes, so the GPU picks its real kernels (cuBLAS GEMMs
     "llama": dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=1024),
     "qwen2": dict(num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024),
     "mistral": dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=1024, sliding_window=128),
-    "gemma2": dict(num_attention_heads=8, num_key_value_heads=4, intermediate_size=1024, head_dim=64, sliding_window=128),
+    "gemma2": dict(
+        num_attention_heads=8, num_key_value_heads=4, intermediate_size=1024, head_dim=64, sliding_window=128
+    ),
     "phi3": dict(num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024),
     "gpt_neox": dict(num_attention_heads=8, intermediate_size=1024),
-    "qwen3_moe": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=1024,
-                      moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1),
+    "qwen3_moe": dict(
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+    ),
 }
 
 
@@ -144,13 +164,24 @@ def test_bf16_natural_gpu_divergence_is_called_noise(arch, planted, tmp_path):
     bit-identical inputs (judged in epsilons), and still name a decode-only MLP error of 100% (with
     an ulp of bf16 noise at its input, the 30x line for carried noise sits at about 25%)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     torch.manual_seed(0)
-    config = AutoConfig.for_model(arch, vocab_size=4096, hidden_size=512, num_hidden_layers=4, bos_token_id=1,
-                                  eos_token_id=2, pad_token_id=0, max_position_embeddings=1024, **GPU_ARCHS[arch])
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=4096,
+        hidden_size=512,
+        num_hidden_layers=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=1024,
+        **GPU_ARCHS[arch],
+    )
     model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     layers = model.gpt_neox.layers if arch == "gpt_neox" else model.model.layers
     if planted:
+
         def decode_only(module, args, out):
             hidden = out[0] if isinstance(out, tuple) else out
             if hidden.shape[1] != 1:
@@ -174,24 +205,40 @@ def test_a_corrupted_kv_page_at_real_size_is_named_in_bf16(planted, tmp_path):
     attention by tens of percent of the row, yet its jump (about 20x) stays under any fixed line
     that clean runs on random weights need; against the same op in other layers (1-2x) it
     stands out and is named at its layer. The clean run names nothing."""
-    from plants import plant
-    from helpers import dump_padded_batch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers import dump_padded_batch
+    from plants import plant
+
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=8192, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
-                                  num_key_value_heads=4, intermediate_size=2816, bos_token_id=1, eos_token_id=2,
-                                  pad_token_id=0, max_position_embeddings=1024)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=8192,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=1024,
+    )
     model = AutoModelForCausalLM.from_config(config).cuda().to(torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     if planted:
         plant(model, "kv-garbage", 5)
-    prompts = [torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (180, 310, 450)]
+    prompts = [
+        torch.randint(3, 8192, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (180, 310, 450)
+    ]
     _, ref, dec = dump_padded_batch(model, tmp_path, prompts=prompts, new_tokens=12)
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
     named = verdict["noise"]["culprits"]
     if planted:
-        assert result["kind"] == "state-bug" and named[0]["module"].startswith("model.layers.5.self_attn"), \
-            (named, verdict["noise"]["top_jumps"])
+        assert result["kind"] == "state-bug" and named[0]["module"].startswith("model.layers.5.self_attn"), (
+            named,
+            verdict["noise"]["top_jumps"],
+        )
     else:
         assert result["kind"] == "batch-variance" and named == [], (named, verdict["noise"]["top_jumps"])

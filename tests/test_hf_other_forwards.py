@@ -23,8 +23,17 @@ def _one_row_error(module):
 
 def _tiny_t5():
     torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    config = transformers.T5Config(
+        vocab_size=256,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     model = transformers.T5ForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = None
     return model
@@ -70,13 +79,35 @@ def test_multimodal_rope_positions_are_read(tmp_path):
     """Qwen2-VL's generate passes position_ids of shape [3 or 4, batch, seq] (text, height,
     width): reshaping them as [batch, seq] raised out of generate. The text position leads."""
     torch.manual_seed(0)
-    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=2, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3, mlp_ratio=2)
-    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=500, video_token_id=501,
-                                        vision_start_token_id=502, vision_end_token_id=503)
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=1,
+        embed_dim=32,
+        hidden_size=64,
+        num_heads=2,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+        mlp_ratio=2,
+    )
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=500,
+        video_token_id=501,
+        vision_start_token_id=502,
+        vision_end_token_id=503,
+    )
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = None
     _one_row_error(model.model.language_model.layers[1].mlp)
@@ -93,14 +124,21 @@ def test_a_patched_forward_with_any_catch_all_name(tmp_path):
     """A forward patched by the user with def f(*args, **kw): names passed through **kw are read
     whatever the catch-all is called (only **kwargs was)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     original = model.forward
 
     @functools.wraps(original)
     def patched(*args, **kw):
         return original(*args, **kw)
+
     patched.__signature__ = None  # inspect then reads the wrapper itself: (*args, **kw)
     del patched.__wrapped__
     model.forward = patched
@@ -113,6 +151,7 @@ def test_a_patched_forward_with_any_catch_all_name(tmp_path):
 
 class _Broken:
     """An adapter with a bug of its own."""
+
     engine = "broken"
 
     def attach(self, model):
@@ -124,8 +163,14 @@ class _Broken:
 
 def test_an_adapter_failure_never_fails_the_model_call(tmp_path, caplog):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     ids = torch.randint(1, 256, (1, 5))
     with torch.no_grad():
@@ -150,8 +195,15 @@ def test_sequences_told_apart_only_by_their_encoder_input_are_not_paired_by_gues
     sources = torch.randint(2, 256, (2, 9), generator=torch.Generator().manual_seed(4))
     # the reference: one prefill per source, as for any batch (rows of one pass are not compared
     # with each other: in a left-padded batch, batch-variance makes a shared prefix differ)
-    out = _generate_then_prefill(model, tmp_path, sources, 5, lambda out: [
-        model(input_ids=sources[i:i + 1], decoder_input_ids=out[i:i + 1]) for i in range(len(sources))])
+    out = _generate_then_prefill(
+        model,
+        tmp_path,
+        sources,
+        5,
+        lambda out: [
+            model(input_ids=sources[i : i + 1], decoder_input_ids=out[i : i + 1]) for i in range(len(sources))
+        ],
+    )
     assert out[0, 1] != out[1, 1]  # the sequences part after the start token
     code, result = first_divergence_json(tmp_path / "ref", tmp_path / "dec")
     verdict = result["ranks"]["0"]
@@ -167,6 +219,7 @@ def test_a_shared_prefix_in_one_padded_reference_batch_is_not_ambiguous(tmp_path
     in context. They were taken for "inputs besides the token ids" and 22 of 42 rows went
     uncompared. Rows of one pass are not compared with each other."""
     from helpers import left_padded, load_model, make_tiny_llama
+
     model = load_model(make_tiny_llama(tmp_path / "model"))
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(3, 1000, (12,), generator=g).tolist()

@@ -12,22 +12,22 @@ import subprocess
 import sys
 
 import numpy as np
-import torch
 import pytest
+import torch
 
-from helpers import dumpdiff, load_model, make_tiny_llama
-from dumpdiff.analyzer.kl import score as kl
-from dumpdiff.analyzer.kl import prompts as kl_prompts
-from dumpdiff.analyzer.kl import thresholds as kl_thresholds
 from dumpdiff.analyzer.errors import DumpError
+from dumpdiff.analyzer.kl import prompts as kl_prompts
+from dumpdiff.analyzer.kl import score as kl
+from dumpdiff.analyzer.kl import thresholds as kl_thresholds
 from dumpdiff.analyzer.kl.helpers import Context, _check_ids, prefill_groups, prefill_logprobs, run_match
 from dumpdiff.analyzer.kl.inprocess import check_model
 from dumpdiff.analyzer.kl.localize import reading
 from dumpdiff.analyzer.kl.render import render
 from dumpdiff.analyzer.pytest_plugin import KLCheckFailed, assert_kl_pass
-
+from helpers import dumpdiff, load_model, make_tiny_llama
 
 # -- scoring ---------------------------------------------------------------------------------------
+
 
 def test_k3_of_one_ulp_is_exact_and_positive():
     a = np.float32(-6.4)
@@ -44,9 +44,11 @@ def test_score_prompt_counts():
 
 
 def test_summary_is_mean_of_prompt_means_and_skips_misses():
-    prompts = [{"index": 0, "hit": True, "prefill_lp": [0.0, 0.0], "decode_lp": [0.0, -0.2]},
-               {"index": 1, "hit": True, "prefill_lp": [0.0] * 8, "decode_lp": [0.0] * 8},
-               {"index": 2, "hit": False, "prefill_lp": None, "decode_lp": [0.0]}]
+    prompts = [
+        {"index": 0, "hit": True, "prefill_lp": [0.0, 0.0], "decode_lp": [0.0, -0.2]},
+        {"index": 1, "hit": True, "prefill_lp": [0.0] * 8, "decode_lp": [0.0] * 8},
+        {"index": 2, "hit": False, "prefill_lp": None, "decode_lp": [0.0]},
+    ]
     h = kl.summarize_helper("prefill_cache_hit", prompts, 1e-3)
     per0 = (np.exp(0.2) - 1.2) / 2
     assert h["avg_kl_div"] == pytest.approx(per0 / 2)  # (per0 + 0) / 2 prompts, not over 10 tokens
@@ -58,20 +60,23 @@ def _helper(status, avg=0.0):
     return {"status": status, "avg_kl_div": avg, "worst": 0}
 
 
-@pytest.mark.parametrize("m,p,d,kind", [
-    ("clean", "clean", "clean", kl.PASS),
-    ("dirty", "dirty", "dirty", kl.BATCH),
-    ("clean", "dirty", "clean", kl.STATE),
-    ("clean", "dirty", "dirty", kl.STATE),   # a prefix-restore bug bites both cache helpers
-    ("clean", "clean", "dirty", kl.STATE),
-    ("dirty", "clean", "clean", kl.MIXED),
-    ("clean", "no_cache_hit", "clean", kl.INCONCLUSIVE),
-    ("clean", "no_cache_hit", "dirty", kl.STATE),  # a dirty helper decides even when another lacks hits
-    ("dirty", "n/a", "n/a", kl.BATCH),       # no radix cache: the verdict rests on match
-    ("clean", "n/a", "n/a", kl.PASS),
-    (None, "dirty", "clean", kl.UNCLASSIFIED),  # --helpers without match: cannot tell the two apart
-    (None, "clean", "clean", kl.PASS),
-])
+@pytest.mark.parametrize(
+    "m,p,d,kind",
+    [
+        ("clean", "clean", "clean", kl.PASS),
+        ("dirty", "dirty", "dirty", kl.BATCH),
+        ("clean", "dirty", "clean", kl.STATE),
+        ("clean", "dirty", "dirty", kl.STATE),  # a prefix-restore bug bites both cache helpers
+        ("clean", "clean", "dirty", kl.STATE),
+        ("dirty", "clean", "clean", kl.MIXED),
+        ("clean", "no_cache_hit", "clean", kl.INCONCLUSIVE),
+        ("clean", "no_cache_hit", "dirty", kl.STATE),  # a dirty helper decides even when another lacks hits
+        ("dirty", "n/a", "n/a", kl.BATCH),  # no radix cache: the verdict rests on match
+        ("clean", "n/a", "n/a", kl.PASS),
+        (None, "dirty", "clean", kl.UNCLASSIFIED),  # --helpers without match: cannot tell the two apart
+        (None, "clean", "clean", kl.PASS),
+    ],
+)
 def test_verdict(m, p, d, kind):
     helpers = {"match": _helper(m), "prefill_cache_hit": _helper(p), "decode_cache_hit": _helper(d)}
     helpers = {n: h for n, h in helpers.items() if h["status"]}
@@ -91,30 +96,54 @@ def _chunked(status, chunked):
 def test_verdict_with_chunked_references():
     """A reference longer than the chunk read the KV cache: a dirty match then proves nothing
     about batch-variance, and a clean check may hide a cache bug that ran on both sides."""
-    message = ("reference prefills longer than --chunked-prefill-size 32 were chunked (match 2 of 4): they read the "
-               "KV cache, so a cache bug dirties match too; restart the server with --chunked-prefill-size larger "
-               "than prompt+output (or -1), or use shorter --prompt-len/--max-new-tokens")
-    dirty = kl.classify({"match": _chunked("dirty", 2), "prefill_cache_hit": _chunked("dirty", 0),
-                         "decode_cache_hit": _chunked("dirty", 0)})
+    message = (
+        "reference prefills longer than --chunked-prefill-size 32 were chunked (match 2 of 4): they read the "
+        "KV cache, so a cache bug dirties match too; restart the server with --chunked-prefill-size larger "
+        "than prompt+output (or -1), or use shorter --prompt-len/--max-new-tokens"
+    )
+    dirty = kl.classify(
+        {
+            "match": _chunked("dirty", 2),
+            "prefill_cache_hit": _chunked("dirty", 0),
+            "decode_cache_hit": _chunked("dirty", 0),
+        }
+    )
     assert dirty["kind"] == kl.UNCLASSIFIED and dirty["text"].endswith(message) and kl.exit_status(dirty) == 1
-    mixed = kl.classify({"match": _chunked("dirty", 2), "prefill_cache_hit": _chunked("clean", 0),
-                         "decode_cache_hit": _chunked("clean", 0)})
+    mixed = kl.classify(
+        {
+            "match": _chunked("dirty", 2),
+            "prefill_cache_hit": _chunked("clean", 0),
+            "decode_cache_hit": _chunked("clean", 0),
+        }
+    )
     assert mixed["kind"] == kl.UNCLASSIFIED  # not "no_cache_only": match is not the no-cache path here
-    clean = kl.classify({"match": _chunked("clean", 0), "prefill_cache_hit": _chunked("clean", 0),
-                         "decode_cache_hit": _chunked("clean", 3)})
+    clean = kl.classify(
+        {
+            "match": _chunked("clean", 0),
+            "prefill_cache_hit": _chunked("clean", 0),
+            "decode_cache_hit": _chunked("clean", 3),
+        }
+    )
     assert clean["kind"] == kl.INCONCLUSIVE and "decode_cache_hit 3 of 4" in clean["text"]
     assert kl.exit_status(clean) == 2
-    state = kl.classify({"match": _chunked("clean", 2), "prefill_cache_hit": _chunked("dirty", 2),
-                         "decode_cache_hit": _chunked("dirty", 4)})
+    state = kl.classify(
+        {
+            "match": _chunked("clean", 2),
+            "prefill_cache_hit": _chunked("dirty", 2),
+            "decode_cache_hit": _chunked("dirty", 4),
+        }
+    )
     assert state["kind"] == kl.STATE and any("were chunked" in n for n in state["notes"])
-    rows = [{"index": i, "hit": True, "ref_chunked": i < 2, "prefill_lp": [0.0], "decode_lp": [-0.1 * i]}
-            for i in range(4)]
+    rows = [
+        {"index": i, "hit": True, "ref_chunked": i < 2, "prefill_lp": [0.0], "decode_lp": [-0.1 * i]} for i in range(4)
+    ]
     summary = kl.summarize_helper("match", rows, 1e-3, chunk_size=32)
     assert summary["chunked_references"] == 2 and summary["chunked_prefill_size"] == 32
     assert summary["avg_kl_div_unchunked"] == pytest.approx(np.mean(kl.token_kl([0.0, 0.0], [-0.2, -0.3])))
     # match is dirty on its cache-free references alone: that still decides
-    both = kl.classify({"match": summary, "prefill_cache_hit": _chunked("dirty", 0),
-                        "decode_cache_hit": _chunked("dirty", 0)})
+    both = kl.classify(
+        {"match": summary, "prefill_cache_hit": _chunked("dirty", 0), "decode_cache_hit": _chunked("dirty", 0)}
+    )
     assert both["kind"] == kl.BATCH and any("were chunked" in n for n in both["notes"])
 
 
@@ -128,6 +157,7 @@ def test_prefill_groups_fit_one_chunk():
 
 class StandInServer:
     """The Server calls run_match makes, recorded: each generate batch and each flush."""
+
     chunk_size, page_size = 32, 1
 
     def __init__(self):
@@ -141,9 +171,16 @@ class StandInServer:
         out = []
         for ids in input_ids:
             new = [7] * max_new_tokens
-            out.append({"output_ids": new, "meta_info": {
-                "cached_tokens": 0, "output_token_logprobs": [[-1.0, t, None] for t in new],
-                "input_token_logprobs": [[None if k == 0 else -1.0, t, None] for k, t in enumerate(ids)]}})
+            out.append(
+                {
+                    "output_ids": new,
+                    "meta_info": {
+                        "cached_tokens": 0,
+                        "output_token_logprobs": [[-1.0, t, None] for t in new],
+                        "input_token_logprobs": [[None if k == 0 else -1.0, t, None] for k, t in enumerate(ids)],
+                    },
+                }
+            )
         return out
 
 
@@ -201,14 +238,18 @@ def test_localize_reading_follows_the_dumped_passes():
 
 
 def test_batch_variance_with_a_state_bug_on_top_is_noted():
-    helpers = {"match": _helper("dirty", 1e-6), "prefill_cache_hit": _helper("dirty", 1e-2),
-               "decode_cache_hit": _helper("dirty", 2e-6)}
+    helpers = {
+        "match": _helper("dirty", 1e-6),
+        "prefill_cache_hit": _helper("dirty", 1e-2),
+        "decode_cache_hit": _helper("dirty", 2e-6),
+    }
     verdict = kl.classify(helpers)
     assert verdict["kind"] == kl.BATCH
     assert any("prefill_cache_hit" in n and "state bug" in n for n in verdict["notes"])
 
 
 # -- logprob ids: positions are the truth ---------------------------------------------------------
+
 
 def test_vocab_quirk_is_tolerated_and_misalignment_refused():
     assert _check_ids([5, 0, 7], [5, 1023, 7], "x", vocab_size=1024) == 1
@@ -218,14 +259,16 @@ def test_vocab_quirk_is_tolerated_and_misalignment_refused():
     with pytest.raises(DumpError, match="do not line up"):
         _check_ids([5, 8], [5, 7], "x", vocab_size=1024)
     full = [1, 2, 3, 1023]
-    result = {"meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None], [-2.0, 3, None],
-                                                     [-3.0, 0, None]]}}
+    result = {
+        "meta_info": {"input_token_logprobs": [[None, 1, None], [-1.0, 2, None], [-2.0, 3, None], [-3.0, 0, None]]}
+    }
     assert prefill_logprobs(result, full, 2, "x", 1024) == ([-2.0, -3.0], 1)
     with pytest.raises(DumpError, match="input logprobs for 5"):
         prefill_logprobs(result, full + [4], 2, "x", 1024)
 
 
 # -- prompts ---------------------------------------------------------------------------------------
+
 
 def test_prompts_jsonl_and_synthetic(tmp_path):
     path = tmp_path / "p.jsonl"
@@ -247,9 +290,19 @@ def test_prompts_jsonl_and_synthetic(tmp_path):
 
 # -- thresholds file ------------------------------------------------------------------------------
 
+
 def _run(avg, max_kl, identical, tokens):
-    return {"helpers": {"match": {"status": "clean", "avg_kl_div": avg, "max_kl": max_kl, "tokens": tokens,
-                                  "bit_identical": identical}}}
+    return {
+        "helpers": {
+            "match": {
+                "status": "clean",
+                "avg_kl_div": avg,
+                "max_kl": max_kl,
+                "tokens": tokens,
+                "bit_identical": identical,
+            }
+        }
+    }
 
 
 def test_propose_threshold():
@@ -285,6 +338,7 @@ def test_thresholds_file_roundtrip_and_lookup(tmp_path):
 
 
 # -- the HF in-process check on a real tiny model ------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -336,7 +390,8 @@ def test_inprocess_clean_calibrated_and_planted(tiny, prompts):
     assert broken["verdict"]["kind"] == kl.STATE
 
     def batch_variant(module, args, out):  # a GEMM chosen by M: one token row computes differently
-        return out * (1 + 2 ** -9) if out.shape[-2] == 1 else None
+        return out * (1 + 2**-9) if out.shape[-2] == 1 else None
+
     hook = tiny.model.layers[1].mlp.down_proj.register_forward_hook(batch_variant)
     try:
         variant = check_model(tiny, prompts, max_new_tokens=12, threshold=threshold)
@@ -350,17 +405,29 @@ def test_inprocess_clean_calibrated_and_planted(tiny, prompts):
     assert "| match | DIRTY |" in md and js["verdict"]["kind"] == "batch_invariance"
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("mamba", dict(state_size=8, expand=2, conv_kernel=4)),
-    ("mamba2", dict(state_size=8, expand=2, conv_kernel=4, head_dim=16, n_groups=1, num_heads=8, chunk_size=16)),
-])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        ("mamba", dict(state_size=8, expand=2, conv_kernel=4)),
+        ("mamba2", dict(state_size=8, expand=2, conv_kernel=4, head_dim=16, n_groups=1, num_heads=8, chunk_size=16)),
+    ],
+)
 def test_inprocess_state_space_model_has_no_cache_hit_path(arch, extra):
     """Mamba's cache is a recurrent state with no length (get_seq_length raises): generate cannot
     resume a prompt from it, so the cache-hit helpers are n/a with the reason; match still runs."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     torch.manual_seed(0)
-    config = AutoConfig.for_model(arch, vocab_size=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                  hidden_size=64, num_hidden_layers=2, **extra)
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_size=64,
+        num_hidden_layers=2,
+        **extra,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config.eos_token_id = None
     result = check_model(model, kl_prompts.synthetic(2, 12, 1024, seed=0), max_new_tokens=4, threshold=1e-6)
@@ -377,6 +444,7 @@ def test_inprocess_text_prompts_need_a_tokenizer(tiny):
 
 
 # -- CLI trouble -----------------------------------------------------------------------------------
+
 
 def test_cli_unreachable_server_is_one_line_exit_2():
     code, out, err = dumpdiff("kl", "--url", "http://127.0.0.1:9", "-q")
@@ -400,14 +468,22 @@ def test_pytest_plugin_loads_in_a_user_suite(tmp_path):
         "class TestServer(KLConsistency):\n"
         "    pass\n"
         "def test_fixture(dumpdiff_kl):\n"
-        "    dumpdiff_kl()\n")
+        "    dumpdiff_kl()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "DUMPDIFF_KL_URL"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 skipped" in proc.stdout and "no server for the KL check" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120
+    )
     assert "--kl-url" in proc.stdout and "--kl-thresholds" in proc.stdout
 
 
@@ -446,8 +522,10 @@ def _one_line(result, *needles):
 @pytest.mark.parametrize("command", [["kl"], ["kl", "calibrate"], ["localize"]], ids=" ".join)
 def test_cli_a_missing_prompts_file_is_said_before_the_unreachable_server(tmp_path, command):
     missing = tmp_path / "nope.jsonl"
-    _one_line(dumpdiff(*command, "--url", NO_SERVER, "--prompts", missing, "-q", timeout=60),
-              f"{missing}: cannot read the prompts file (No such file or directory)")
+    _one_line(
+        dumpdiff(*command, "--url", NO_SERVER, "--prompts", missing, "-q", timeout=60),
+        f"{missing}: cannot read the prompts file (No such file or directory)",
+    )
 
 
 @pytest.mark.parametrize("command", [["kl"], ["kl", "calibrate"], ["localize"]], ids=" ".join)
@@ -455,11 +533,15 @@ def test_cli_a_token_id_past_the_vocabulary_is_refused_before_anything_is_sent(t
     """An id >= vocab_size was sent; the server's embedding crashed and the check said "cannot connect"."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("[1, 2, 3]\n\n[4, 1000, 5]\n")
-    _one_line(dumpdiff(*command, "--url", NO_SERVER, "--prompts", prompts, "--vocab-size", "1000", "-q", timeout=60),
-              f"{prompts}:3: token id 1000 is out of the model's vocabulary (vocab size 1000, from --vocab-size)")
+    _one_line(
+        dumpdiff(*command, "--url", NO_SERVER, "--prompts", prompts, "--vocab-size", "1000", "-q", timeout=60),
+        f"{prompts}:3: token id 1000 is out of the model's vocabulary (vocab size 1000, from --vocab-size)",
+    )
     if command == ["localize"]:
-        _one_line(dumpdiff("localize", "--url", NO_SERVER, "--prompt-ids", "[1, 4096]", "--vocab-size", "1000",
-                           timeout=60), "--prompt-ids: token id 4096 is out of the model's vocabulary")
+        _one_line(
+            dumpdiff("localize", "--url", NO_SERVER, "--prompt-ids", "[1, 4096]", "--vocab-size", "1000", timeout=60),
+            "--prompt-ids: token id 4096 is out of the model's vocabulary",
+        )
 
 
 def test_cli_the_vocab_size_from_the_models_config_refuses_ids_before_any_generate(tmp_path):
@@ -467,6 +549,7 @@ def test_cli_the_vocab_size_from_the_models_config_refuses_ids_before_any_genera
     /server_info is all the server is asked."""
     import http.server
     import threading
+
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"vocab_size": 512}))
@@ -495,8 +578,11 @@ def test_cli_the_vocab_size_from_the_models_config_refuses_ids_before_any_genera
     try:
         prompts = tmp_path / "p.jsonl"
         prompts.write_text('{"input_ids": [3, 600]}\n')
-        _one_line(dumpdiff("kl", "--url", f"http://127.0.0.1:{server.server_port}", "--prompts", prompts, "-q",
-                           timeout=60), f"{prompts}:1: token id 600", f"vocab size 512, from {model}/config.json")
+        _one_line(
+            dumpdiff("kl", "--url", f"http://127.0.0.1:{server.server_port}", "--prompts", prompts, "-q", timeout=60),
+            f"{prompts}:1: token id 600",
+            f"vocab size 512, from {model}/config.json",
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -505,6 +591,7 @@ def test_cli_the_vocab_size_from_the_models_config_refuses_ids_before_any_genera
 
 def test_json_outputs_say_their_format_and_version():
     from dumpdiff.analyzer.kl.render import to_json
+
     result = {"kind": "dumpdiff-kl", "verdict": {"kind": "pass"}}
     marked = json.loads(to_json(result))
     assert list(marked)[:2] == ["format", "version"] and marked["format"] == "dumpdiff-kl" and marked["version"] == 1
@@ -515,11 +602,26 @@ def test_json_outputs_say_their_format_and_version():
 
 def test_text_reports_count_in_the_right_number():
     from dumpdiff.analyzer.kl.localize import to_text
-    result = {"localized": True, "divergence": True, "helper": "match", "prompt_index": None, "prompt_len": 1,
-              "replay": {"output_len": 1, "cached_tokens": 0, "hit": True, "mean_kl": 0.0, "max_kl": 0.0,
-                         "bit_identical": 1, "tokens": 1},
-              "strict_culprit": None, "noise_culprits": [{"call": "c#0", "cls": "L", "rows": 1, "in_err": 0.0,
-                                                          "out_err": 1.0, "amplification": 9.0}],
-              "dumps": {"dec": "d", "ref": "r"}, "notes": []}
+
+    result = {
+        "localized": True,
+        "divergence": True,
+        "helper": "match",
+        "prompt_index": None,
+        "prompt_len": 1,
+        "replay": {
+            "output_len": 1,
+            "cached_tokens": 0,
+            "hit": True,
+            "mean_kl": 0.0,
+            "max_kl": 0.0,
+            "bit_identical": 1,
+            "tokens": 1,
+        },
+        "strict_culprit": None,
+        "noise_culprits": [{"call": "c#0", "cls": "L", "rows": 1, "in_err": 0.0, "out_err": 1.0, "amplification": 9.0}],
+        "dumps": {"dec": "d", "ref": "r"},
+        "notes": [],
+    }
     text = to_text(result)
     assert "(1 token)" in text and "replay: 1 token decoded" in text and "(1 row, " in text, text

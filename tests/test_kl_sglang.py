@@ -33,9 +33,9 @@ import os
 
 import pytest
 
+from dumpdiff.analyzer.pytest_plugin import KLConsistency
 from helpers import check_schema, dumpdiff, make_tiny_llama
 from sglang_server import sglang_fixture
-from dumpdiff.analyzer.pytest_plugin import KLConsistency
 
 pytestmark = pytest.mark.sglang
 sglang = sglang_fixture(scope="module")
@@ -60,8 +60,9 @@ def clean(sglang, model_dir):
 def calibrated(clean, tmp_path_factory):
     """`dumpdiff kl calibrate` on the clean engine: (thresholds file, its JSON output)."""
     path = tmp_path_factory.mktemp("kl") / "dumpdiff-kl-thresholds.json"
-    code, out, err = dumpdiff("kl", "calibrate", "--url", clean.url, *SIZES, "--repeats", "2",
-                              "--thresholds", path, "--format", "json", "-q")
+    code, out, err = dumpdiff(
+        "kl", "calibrate", "--url", clean.url, *SIZES, "--repeats", "2", "--thresholds", path, "--format", "json", "-q"
+    )
     assert code == 0, err
     return path, json.loads(out)
 
@@ -70,8 +71,9 @@ def localize_json(server, kl_result: dict, tmp_path, prefix: str, *extra):
     """`dumpdiff localize` on a saved `kl` result; (its JSON result, stderr). A culprit: exit 1."""
     saved = tmp_path / "kl.json"
     saved.write_text(json.dumps(kl_result))
-    code, out, err = dumpdiff("localize", "--url", server.url, "--kl-result", saved, "--exp-prefix", prefix,
-                              "--format", "json", "-q", *extra)
+    code, out, err = dumpdiff(
+        "localize", "--url", server.url, "--kl-result", saved, "--exp-prefix", prefix, "--format", "json", "-q", *extra
+    )
     assert code == 1, err
     return json.loads(out), err
 
@@ -130,8 +132,9 @@ def test_text_prompts_without_tokenizer_and_missing_cache_hits(clean, tmp_path):
     # is always recomputed), so prefill_cache_hit tests nothing and the check cannot pass
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("".join(f"[{t}]\n" for t in (5, 9, 17, 33)))
-    code, out, err = dumpdiff("kl", "--url", clean.url, "--prompts", tiny, "--max-new-tokens", "8",
-                              "--threshold", "1e-6", "-q")
+    code, out, err = dumpdiff(
+        "kl", "--url", clean.url, "--prompts", tiny, "--max-new-tokens", "8", "--threshold", "1e-6", "-q"
+    )
     assert code == 2 and "dumpdiff kl: INCONCLUSIVE" in out and "prefill_cache_hit  no_cache_hit" in out
     assert "cache hits on 0 of 4 prompts" in out
     assert err.startswith("dumpdiff: error: inconclusive") and err.count("\n") == 1
@@ -139,6 +142,7 @@ def test_text_prompts_without_tokenizer_and_missing_cache_hits(clean, tmp_path):
 
 class TestPytestIntegration(KLConsistency):
     """The mixin users drop into their suite, here pointed at the clean server."""
+
     kl_max_samples, kl_max_new_tokens, kl_prompt_len = 4, 16, 16
 
     @pytest.fixture
@@ -149,14 +153,24 @@ class TestPytestIntegration(KLConsistency):
 
 def test_planted_cache_restore_bug_is_a_state_bug_and_localized(sglang, model_dir, calibrated, tmp_path):
     dumps = tmp_path / "dumps"
-    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "prefix_kv:1", "DUMPER_ENABLE": "0",
-                                    "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps)}, extra_args=IDLE)
+    server = sglang(
+        model_dir,
+        env={
+            "DUMPDIFF_PLANT": "prefix_kv:1",
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "reuse",
+            "DUMPER_DIR": str(dumps),
+        },
+        extra_args=IDLE,
+    )
     code, result = kl_json(server.url, *SIZES, "--thresholds", calibrated[0])
     status = {n: h["status"] for n, h in result["helpers"].items()}
     # both cache-hit helpers restore from the radix cache (turn 2 restores turn 1), so both are hit
     assert status == {"match": "clean", "prefill_cache_hit": "dirty", "decode_cache_hit": "dirty"}
     assert code == 1 and result["verdict"]["kind"] == "state_bug" and "cache-restore" in result["verdict"]["text"]
-    assert result["helpers"]["match"]["avg_kl_div"] < 1e-12 < 1e-9 < result["helpers"]["prefill_cache_hit"]["avg_kl_div"]
+    assert (
+        result["helpers"]["match"]["avg_kl_div"] < 1e-12 < 1e-9 < result["helpers"]["prefill_cache_hit"]["avg_kl_div"]
+    )
     choice = result["verdict"]["localize"]
     assert choice["helper"] in ("prefill_cache_hit", "decode_cache_hit")
 
@@ -174,11 +188,19 @@ def test_planted_batch_variant_op_dirties_every_helper(sglang, model_dir, calibr
     """The planted op is wrong only on passes of one token row: one prompt (each decode step of
     batch size 1) shows it in every helper. localize then points at the planted op first, not
     at the strict culprit (natural CPU GEMM variance), and not at a cache bug."""
-    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "batch_variant:1", "DUMPER_ENABLE": "0",
-                                    "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(tmp_path / "dumps")},
-                    extra_args=IDLE)
-    code, result = kl_json(server.url, "--max-samples", "1", "--max-new-tokens", "16", "--prompt-len", "16",
-                           "--thresholds", calibrated[0])
+    server = sglang(
+        model_dir,
+        env={
+            "DUMPDIFF_PLANT": "batch_variant:1",
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "reuse",
+            "DUMPER_DIR": str(tmp_path / "dumps"),
+        },
+        extra_args=IDLE,
+    )
+    code, result = kl_json(
+        server.url, "--max-samples", "1", "--max-new-tokens", "16", "--prompt-len", "16", "--thresholds", calibrated[0]
+    )
     assert code == 1 and result["verdict"]["kind"] == "batch_invariance", result["verdict"]
     assert all(h["status"] == "dirty" for h in result["helpers"].values())
     assert not any("decode together" in n for n in result["notes"])  # one prompt: batch size 1 was run
@@ -194,9 +216,16 @@ def test_chunked_prefill_keeps_match_cache_free_or_says_it_cannot(sglang, model_
     """Chunked prefill reads earlier chunks back from the KV cache, as a prefix restore does:
     a reference (or match's decode-run prefill) cut into chunks is not cache-free, and the
     planted cache-restore bug then dirties match too."""
-    server = sglang(model_dir, env={"DUMPDIFF_PLANT": "prefix_kv:1", "DUMPER_ENABLE": "0",
-                                    "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(tmp_path / "dumps")},
-                    extra_args=IDLE + ["--chunked-prefill-size", "64"])
+    server = sglang(
+        model_dir,
+        env={
+            "DUMPDIFF_PLANT": "prefix_kv:1",
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "reuse",
+            "DUMPER_DIR": str(tmp_path / "dumps"),
+        },
+        extra_args=IDLE + ["--chunked-prefill-size", "64"],
+    )
     # every prompt+output fits one chunk (<= 40 tokens), all of them together do not
     code, result = kl_json(server.url, *SIZES, "--thresholds", calibrated[0])
     assert result["target"]["chunked_prefill_size"] == 64
@@ -220,7 +249,19 @@ def test_chunked_prefill_keeps_match_cache_free_or_says_it_cannot(sglang, model_
     assert "the reference is not cache-free" in found["reading"] and "no prefix restored" not in found["reading"]
 
     # one prompt longer than a chunk: both sides run the planted bug alike and agree; not a pass
-    code, out, err = dumpdiff("kl", "--url", server.url, "--max-samples", "1", "--max-new-tokens", "16",
-                              "--prompt-len", "96", "--threshold", "1e-10", "-q")
+    code, out, err = dumpdiff(
+        "kl",
+        "--url",
+        server.url,
+        "--max-samples",
+        "1",
+        "--max-new-tokens",
+        "16",
+        "--prompt-len",
+        "96",
+        "--threshold",
+        "1e-10",
+        "-q",
+    )
     assert code == 2 and "dumpdiff kl: INCONCLUSIVE" in out and "were chunked" in out, out
     server.stop()

@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from helpers import dumpdiff
 from test_kl_sglang import kl_json
 from test_vllm_e2e import make_model
+
+from helpers import dumpdiff
 from vllm_server import vllm_fixture
 
 pytestmark = pytest.mark.vllm
@@ -54,8 +54,15 @@ def test_clean_engine_passes_with_real_cache_hits(vllm, model_dir):
 
 def test_planted_prefix_bug_is_a_state_bug_and_localized(vllm, model_dir, tmp_path):
     dumps = tmp_path / "dumps"
-    server = vllm(model_dir, env={"DUMPDIFF_PLANT": "prefix_kv:1", "DUMPER_ENABLE": "0",
-                                  "DUMPER_SERVER_PORT": "auto", "DUMPER_DIR": str(dumps)})
+    server = vllm(
+        model_dir,
+        env={
+            "DUMPDIFF_PLANT": "prefix_kv:1",
+            "DUMPER_ENABLE": "0",
+            "DUMPER_SERVER_PORT": "auto",
+            "DUMPER_DIR": str(dumps),
+        },
+    )
     try:
         code, result = kl_json(server.url, *SIZES)
         assert code == 1 and result["verdict"]["kind"] == "state_bug", result["verdict"]
@@ -64,11 +71,24 @@ def test_planted_prefix_bug_is_a_state_bug_and_localized(vllm, model_dir, tmp_pa
 
         saved = tmp_path / "kl.json"
         saved.write_text(json.dumps(result))
-        code, out, err = dumpdiff("localize", "--url", server.url, "--kl-result", saved, "--exp-prefix", "loc",
-                                  "--format", "json", "-q")
+        code, out, err = dumpdiff(
+            "localize", "--url", server.url, "--kl-result", saved, "--exp-prefix", "loc", "--format", "json", "-q"
+        )
         assert code == 2 and "--dumper-url" in err and "Traceback" not in err  # vLLM has no /dumper route
-        code, out, err = dumpdiff("localize", "--url", server.url, "--dumper-url", server.dumper_url,
-                                  "--kl-result", saved, "--exp-prefix", "loc", "--format", "json", "-q")
+        code, out, err = dumpdiff(
+            "localize",
+            "--url",
+            server.url,
+            "--dumper-url",
+            server.dumper_url,
+            "--kl-result",
+            saved,
+            "--exp-prefix",
+            "loc",
+            "--format",
+            "json",
+            "-q",
+        )
         assert code == 1, err
         located = json.loads(out)
         assert located["replay"]["hit"] and located["dumps"]["dec"] == str(dumps / "loc-dec")

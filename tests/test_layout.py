@@ -52,7 +52,9 @@ def _imports(path: str, name: str, is_package: bool):
 def _graph():
     modules = _modules()
     # A module's parent packages are imported before it whatever it says: not a dependency.
-    return modules, {m: {n for n in imports if n in modules and not m.startswith(n)} for m, (_, imports) in modules.items()}
+    return modules, {
+        m: {n for n in imports if n in modules and not m.startswith(n)} for m, (_, imports) in modules.items()
+    }
 
 
 def test_the_dumper_never_imports_the_analyzer_nor_the_analyzer_an_engine():
@@ -64,8 +66,9 @@ def test_the_dumper_never_imports_the_analyzer_nor_the_analyzer_an_engine():
             wrong.append(f"{path} imports the analyzer")
         if name.startswith("dumpdiff.analyzer") and roots & ENGINES:
             wrong.append(f"{path} imports {sorted(roots & ENGINES)}")
-        if name.startswith("dumpdiff.analyzer") and any(i.startswith("dumpdiff.dumper.") and not i.startswith(
-                SHARED_WITH_THE_ANALYZER) for i in imports):
+        if name.startswith("dumpdiff.analyzer") and any(
+            i.startswith("dumpdiff.dumper.") and not i.startswith(SHARED_WITH_THE_ANALYZER) for i in imports
+        ):
             wrong.append(f"{path} imports dumper code other than {SHARED_WITH_THE_ANALYZER}")
     assert wrong == []
 
@@ -117,6 +120,9 @@ def test_analyzer_layers_depend_one_way():
 
 
 def test_every_analyzer_sub_package_says_what_it_owns():
-    missing = [layer for layer in LAYERS
-               if not ast.get_docstring(ast.parse(open(os.path.join(ROOT, "analyzer", layer, "__init__.py")).read()))]
+    missing = [
+        layer
+        for layer in LAYERS
+        if not ast.get_docstring(ast.parse(open(os.path.join(ROOT, "analyzer", layer, "__init__.py")).read()))
+    ]
     assert missing == []

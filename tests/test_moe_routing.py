@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_qwen3_moe, prompt_ids
 
-from dumpdiff.analyzer.verdict import moe
-from dumpdiff.analyzer.verdict.diverge import first_divergence
 from dumpdiff.analyzer.report.html import to_html
 from dumpdiff.analyzer.report.markdown import to_markdown
+from dumpdiff.analyzer.verdict import moe
+from dumpdiff.analyzer.verdict.diverge import first_divergence
+from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_qwen3_moe, prompt_ids
 
 PROMPT, NEW = 16, 8
 DELTA = torch.tensor([0.06, -0.06, 0.06, -0.06])  # router logits are ~0.1: enough to swap close experts
@@ -169,6 +169,7 @@ def test_top_k_ids_in_another_order_are_the_same_choice():
     router was named on clean bfloat16 Mixtral, OLMoE and Qwen3-MoE runs (72-128x)."""
     from dumpdiff.analyzer.dump.dtypes import BY_NAME
     from dumpdiff.analyzer.verdict.noise import _compare_rows
+
     int64 = BY_NAME["int64"]
     ref = np.array([[3, 1], [0, 2], [5, 4]], dtype=np.int64).view(np.uint64)
     test = np.array([[1, 3], [0, 2], [5, 6]], dtype=np.int64).view(np.uint64)  # swapped / same / another expert

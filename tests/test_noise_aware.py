@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
+from test_core_loop import plant_stale_kv
 
 from dumpdiff import dumper
 from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
-from test_core_loop import plant_stale_kv
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def test_a_real_error_in_lm_head_alone_is_named_in_bfloat16(llama_dir, tmp_path)
 
     def scale(module, args, out):  # on one token row: decode steps (and the logits generate asks of a prefill)
         return out * 1.3 if out.shape[-2] == 1 else None
+
     model.lm_head.register_forward_hook(scale)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=6)
     code, result = first_divergence_json(ref, dec)
@@ -72,8 +73,10 @@ def test_clean_float32_run_has_no_noise_aware_culprit(llama_dir, tmp_path, seed)
     top = jumps[0]  # the summary says by how much the jump nearest its line stayed under it
     assert top["amplification"] < top["line"]
     assert all(j["amplification"] / j["line"] <= top["amplification"] / top["line"] for j in jumps)
-    assert f"the jump nearest its line, {top['amplification']:.3g}x at {top['call']}, is under its {top['line']:.3g}x line" \
+    assert (
+        f"the jump nearest its line, {top['amplification']:.3g}x at {top['call']}, is under its {top['line']:.3g}x line"
         in verdict["summary"]
+    )
 
 
 def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
@@ -91,34 +94,53 @@ def test_tolerances_and_repeat_floor(llama_dir, tmp_path):
     assert "inputs within atol=1e-05, rtol=0.0001, output not" in summary and "amplification" not in summary
     code, result = first_divergence_json(ref, dec, "--noise", tmp_path / "ref2")
     noise = result["ranks"]["0"]["noise"]
-    assert noise["rule"]["floor_from_repeat"] and [c["call"] for c in noise["culprits"]] == ["model.layers.1.self_attn#0"]
+    assert noise["rule"]["floor_from_repeat"] and [c["call"] for c in noise["culprits"]] == [
+        "model.layers.1.self_attn#0"
+    ]
     code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", tmp_path / "ref2", "--no-progress")
     assert "a float32 output > 100 epsilons (or repeat-run floors, if larger)" in out  # the line's unit with a floor
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
     # the stale key is read in the attention's own forward, between its dumped children
-    assert "noise-aware verdict" in out and ("introduced in code not dumped inside model.layers.1.self_attn#0, between "
-                                             "model.layers.1.self_attn.v_proj#0 and model.layers.1.self_attn.o_proj#0") in out
+    assert (
+        "noise-aware verdict" in out
+        and (
+            "introduced in code not dumped inside model.layers.1.self_attn#0, between "
+            "model.layers.1.self_attn.v_proj#0 and model.layers.1.self_attn.o_proj#0"
+        )
+        in out
+    )
     # the decode run given as the repeat would make every difference its own floor: the bug would become noise
     code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", dec, "--no-progress")
     assert code == 2 and err.count("\n") == 1 and "is TEST itself; give a second, independent dump" in err, err
     shutil.copytree(dec, tmp_path / "dec_copy")  # a decode run in another folder: told by its decode rows
     code, out, err = dumpdiff("first-divergence", ref, dec, "--noise", tmp_path / "dec_copy", "--no-progress")
-    assert code == 2 and err.count("\n") == 1 and "decode rows (the reference 0); give a second dump of the reference" in err, err
+    assert (
+        code == 2
+        and err.count("\n") == 1
+        and "decode rows (the reference 0); give a second dump of the reference" in err
+    ), err
 
 
 def _scale_output(module, factor, when):
     """Multiply the module's output by ``factor`` on the passes ``when(output)`` picks."""
+
     def hook(mod, args, output):
         return output * factor if when(output) else None
+
     module.register_forward_hook(hook)
 
 
-@pytest.mark.parametrize("module, layer, factor, size, new_tokens", [
-    ("mlp", 1, 1.2, {}, 5),
-    ("self_attn", 0, 1.1, {"seed": 1, "hidden_size": 256, "intermediate_size": 512}, 16),
-], ids=["mlp", "attention"])
-def test_a_decode_only_error_from_identical_inputs_is_named_in_bfloat16(tmp_path, module, layer, factor, size,
-                                                                         new_tokens):
+@pytest.mark.parametrize(
+    "module, layer, factor, size, new_tokens",
+    [
+        ("mlp", 1, 1.2, {}, 5),
+        ("self_attn", 0, 1.1, {"seed": 1, "hidden_size": 256, "intermediate_size": 512}, 16),
+    ],
+    ids=["mlp", "attention"],
+)
+def test_a_decode_only_error_from_identical_inputs_is_named_in_bfloat16(
+    tmp_path, module, layer, factor, size, new_tokens
+):
     """A 20% decode-only error in bfloat16 (26 epsilons) from bit-identical inputs passed for float
     noise: the line for carried noise, 30 epsilons, was applied to it. From identical inputs a
     kernel's other summation order moves a 16-bit output an ulp or two. So also for a call whose
@@ -133,6 +155,7 @@ def test_a_decode_only_error_from_identical_inputs_is_named_in_bfloat16(tmp_path
         if first.shape[1] != 1:
             return None
         return (first * factor, *output[1:]) if isinstance(output, tuple) else first * factor
+
     target.register_forward_hook(scaled)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=new_tokens)
     code, result = first_divergence_json(ref, dec)
@@ -142,8 +165,9 @@ def test_a_decode_only_error_from_identical_inputs_is_named_in_bfloat16(tmp_path
     assert named["kinds"] == {"decode": new_tokens - 1}
     # bit-identical inputs where bfloat16 prefill and decode agree up to here (AVX-512); an ulp
     # apart on processors with AVX2 only, where the same op in the other layers draws the line
-    assert ("from bit-identical inputs" if named["in_err"] == 0 else "the same op in other layers jumps") \
-        in verdict["summary"], verdict["summary"]
+    assert ("from bit-identical inputs" if named["in_err"] == 0 else "the same op in other layers jumps") in verdict[
+        "summary"
+    ], verdict["summary"]
 
 
 def test_the_model_is_not_named_for_an_error_its_submodule_made_on_an_earlier_row(llama_dir, tmp_path):
@@ -180,8 +204,10 @@ def test_a_layer_from_bit_identical_inputs_is_judged_against_its_children(tmp_pa
     children are dumped is judged against them; the noise through the attention core, inlined
     in its module's forward, stays under the line for code no hook saw."""
     from helpers import dump_padded_batch
-    model_dir = make_tiny_llama(tmp_path / "model", seed=4, num_hidden_layers=4, hidden_size=256,
-                                intermediate_size=512, initializer_range=0.4)
+
+    model_dir = make_tiny_llama(
+        tmp_path / "model", seed=4, num_hidden_layers=4, hidden_size=256, intermediate_size=512, initializer_range=0.4
+    )
     model = load_model(model_dir, torch.float32)
     _, ref, dec = dump_padded_batch(model, tmp_path / "d", lengths=(5, 9, 13, 3), new_tokens=6)
     code, result = first_divergence_json(ref, dec)
@@ -200,15 +226,21 @@ def test_an_error_made_in_code_no_hook_saw_is_named_between_the_dumped_calls(lla
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
     gap = verdict["noise"]["culprits"]
-    assert [(c["gap_after"], c["gap_before"]) for c in gap] == [("model.layers.1.post_attention_layernorm#0",
-                                                                 "model.layers.2.input_layernorm#0")]
+    assert [(c["gap_after"], c["gap_before"]) for c in gap] == [
+        ("model.layers.1.post_attention_layernorm#0", "model.layers.2.input_layernorm#0")
+    ]
     assert gap[0]["kinds"] == {"decode": 4} and gap[0]["amplification"] > 100
-    assert "code not dumped, between model.layers.1.post_attention_layernorm#0 and model.layers.2.input_layernorm#0" \
-        in verdict["summary"] and "DUMPER_FILTER" in verdict["summary"]
+    assert (
+        "code not dumped, between model.layers.1.post_attention_layernorm#0 and model.layers.2.input_layernorm#0"
+        in verdict["summary"]
+        and "DUMPER_FILTER" in verdict["summary"]
+    )
     # a ticket's title and verdict lead with the real error, not the first bit flip (batch-variance)
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "md")
-    assert out.splitlines()[0] == \
-        "## dumpdiff first-divergence: DIVERGENCE (state bug before `model.layers.2.input_layernorm#0`)"
+    assert (
+        out.splitlines()[0]
+        == "## dumpdiff first-divergence: DIVERGENCE (state bug before `model.layers.2.input_layernorm#0`)"
+    )
     assert "**Verdict:** DIVERGENCE: a real error introduced in code not dumped, between " in out
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "html")
     assert "<title>dumpdiff: DIVERGENCE (state bug before model.layers.2.input_layernorm#0)</title>" in out
@@ -225,14 +257,17 @@ def test_a_small_error_in_code_no_hook_saw_is_named_against_the_same_gap_in_othe
     code, result = first_divergence_json(ref, dec)
     verdict = result["ranks"]["0"]
     gap = verdict["noise"]["culprits"]
-    assert [(c["gap_after"], c["gap_before"]) for c in gap] == [("model.layers.1.post_attention_layernorm#0",
-                                                                 "model.layers.2.input_layernorm#0")]
+    assert [(c["gap_after"], c["gap_before"]) for c in gap] == [
+        ("model.layers.1.post_attention_layernorm#0", "model.layers.2.input_layernorm#0")
+    ]
     assert result["kind"] == "state-bug" and gap[0]["kinds"] == {"decode": 4}
     named = next(j for j in verdict["noise"]["top_jumps"] if j["call"] == "before model.layers.2.input_layernorm#0")
     assert named["amplification"] > named["line"] >= 5 * named["peers"] and named["line"] < 100
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress")
     listed = next(line for line in out.splitlines() if "largest jumps against their lines" in line)
-    assert f"before model.layers.2.input_layernorm#0 {named['amplification']:.3g}x/{named['line']:.3g}x" in listed, listed
+    assert f"before model.layers.2.input_layernorm#0 {named['amplification']:.3g}x/{named['line']:.3g}x" in listed, (
+        listed
+    )
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +312,9 @@ def test_the_kind_of_divergence_is_said_per_rank_and_worst_over_ranks(two_rank_d
     assert md.splitlines()[0] == "## dumpdiff first-divergence: DIVERGENCE (state bug in `model.layers.2.self_attn#0`)"
     assert "Ranks that diverge: 0 (batch-variance), 1 (state bug in `model.layers.2.self_attn#0`)" in md
     code, page, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--format", "html")
-    assert "<h1>dumpdiff first-divergence: DIVERGENCE (state bug in <code>model.layers.2.self_attn#0</code>)</h1>" \
-        in page
+    assert (
+        "<h1>dumpdiff first-divergence: DIVERGENCE (state bug in <code>model.layers.2.self_attn#0</code>)</h1>" in page
+    )
     assert f"<title>dumpdiff: DIVERGENCE ({BUG})</title>" in page
     code, result = first_divergence_json(ref, dec, "--rank", "0")
     assert code == 1 and result["kind"] == "batch-variance"
@@ -325,17 +361,20 @@ def test_integer_inputs_that_differ_by_design_do_not_hide_the_state_bug(llama_di
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         rows = torch.arange(hidden.shape[1]).expand(hidden.shape[0], -1)
         return args, {**kwargs, "slots": rows + run["offset"]}  # LlamaAttention takes **kwargs
+
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(hand_slots, with_kwargs=True)
 
     def count_passes(module, args, kwargs):
         run["offset"] += 1000  # another slot for every pass: a paged cache's allocation
+
     model.register_forward_pre_hook(count_passes, with_kwargs=True)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(20), new_tokens=5)
     code, result = first_divergence_json(ref, dec)
     culprits = result["ranks"]["0"]["noise"]["culprits"]
     assert [(c["call"], c.get("gap_after"), c.get("gap_before")) for c in culprits] == [
-        ("model.layers.1.self_attn#0", "model.layers.1.self_attn.v_proj#0", "model.layers.1.self_attn.o_proj#0")]
+        ("model.layers.1.self_attn#0", "model.layers.1.self_attn.v_proj#0", "model.layers.1.self_attn.o_proj#0")
+    ]
     assert culprits[0]["kinds"] == {"decode": 4}
 
 
@@ -349,6 +388,7 @@ def test_a_float32_call_from_identical_inputs_is_named_beyond_100_epsilons(llama
 
     def decode_only(module, args, out):  # layer 0's first norm: its input, the embedding, is bit-identical
         return out * factor if out.shape[-2] == 1 else None
+
     model.model.layers[0].input_layernorm.register_forward_hook(decode_only)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(24), new_tokens=8)
     code, result = first_divergence_json(ref, dec)
@@ -372,6 +412,7 @@ def test_a_state_bug_on_one_prompt_row_of_600_is_judged_whatever_the_sample(llam
         output = output.clone()
         output[..., 1, :] += 1e-2
         return output
+
     model.model.layers[1].mlp.down_proj.register_forward_hook(one_row_wrong)
     ref, dec, _ = dump_pair(model, tmp_path, prompt_ids(600), new_tokens=4)
     code, result = first_divergence_json(ref, dec)
@@ -390,6 +431,7 @@ def test_a_corrupted_kv_page_is_named_at_its_layer(tmp_path, dtype):
     whether the rest of the run is bit-identical or an ulp apart on this processor."""
     from helpers import dump_padded_batch
     from plants import plant
+
     model_dir = make_tiny_llama(tmp_path / "model", seed=3, num_hidden_layers=5, hidden_size=128, intermediate_size=256)
     model = load_model(model_dir, dtype)
     plant(model, "kv-page", 3)
@@ -416,6 +458,9 @@ def test_an_error_under_the_float32_floor_is_a_suspect_not_a_state_bug(llama_dir
     assert "not named: model.layers.2.mlp#0 " in verdict["summary"] and "(--noise)" in verdict["summary"]
     top = verdict["noise"]["top_jumps"][0]  # over its line, and the summary says so
     assert top["call"] == "model.layers.2.mlp#0" and top["amplification"] > top["line"]
-    assert f"{top['amplification']:.3g}x at model.layers.2.mlp#0, is over its {top['line']:.3g}x line" in verdict["summary"]
+    assert (
+        f"{top['amplification']:.3g}x at model.layers.2.mlp#0, is over its {top['line']:.3g}x line"
+        in verdict["summary"]
+    )
     code, out, err = dumpdiff("first-divergence", ref, dec, "--no-progress", "--fail-on", "state-bug")
     assert code == 0, out + err

@@ -26,8 +26,12 @@ runpy.run_module("dumpdiff.analyzer.cli", run_name="__main__")
 
 
 def test_the_wheel_holds_dumpdiff_packages_only(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("dumpdiff-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
@@ -47,8 +51,14 @@ def test_a_dense_dump_is_analysed_without_torch(tmp_path):
     code, with_torch = first_divergence_json(ref, dec)
 
     def without(*args):
-        return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *map(str, args)], capture_output=True, text=True,
-                              cwd=ROOT, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-c", WITHOUT_TORCH, *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
+
     proc = without("first-divergence", ref, dec, "--format", "json", "--no-progress", "--rebuild-index")
     assert proc.returncode == code, proc.stderr
     assert json.loads(proc.stdout)["ranks"] == with_torch["ranks"]

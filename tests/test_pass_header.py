@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from dumpdiff.analyzer.dump import meta as metaparse
+from dump_surgery import match_manifest_size, pass_path, split_header, with_header
 from dumpdiff.analyzer.dump import header as passheader
-from dumpdiff.analyzer.errors import DumpError
+from dumpdiff.analyzer.dump import meta as metaparse
 from dumpdiff.analyzer.dump.load import PassFile, open_dump
 from dumpdiff.analyzer.dump.metacheck import meta_problem
-from dump_surgery import match_manifest_size, pass_path, split_header, with_header
+from dumpdiff.analyzer.errors import DumpError
 from dumpdiff.dumper.format import PASS_META_KEY
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
 
@@ -71,42 +71,76 @@ def entry_edits(header: bytes):
         h = json.loads(header)
         change(h)
         return compact(h)
+
     yield "as written", header
     yield "extra field", edited(lambda h: h[first].update(extra=1))
     yield "float offset", edited(lambda h: h[first].update(data_offsets=[float(v) for v in h[first]["data_offsets"]]))
-    yield "gap", edited(lambda h: h[last].update(data_offsets=[h[last]["data_offsets"][0] + 1, h[last]["data_offsets"][1] + 1]))
+    yield (
+        "gap",
+        edited(lambda h: h[last].update(data_offsets=[h[last]["data_offsets"][0] + 1, h[last]["data_offsets"][1] + 1])),
+    )
     yield "overlap", edited(lambda h: h[first].update(data_offsets=[0, h[first]["data_offsets"][1] + 4]))
-    yield "short data", edited(lambda h: h[last].update(data_offsets=[h[last]["data_offsets"][0], h[last]["data_offsets"][1] - 4],
-                                                        shape=[0]))
+    yield (
+        "short data",
+        edited(
+            lambda h: h[last].update(
+                data_offsets=[h[last]["data_offsets"][0], h[last]["data_offsets"][1] - 4], shape=[0]
+            )
+        ),
+    )
     sizes = {}
     for name in names:
         begin, end = parsed[name]["data_offsets"]
         sizes.setdefault(end - begin, []).append(name)
     twins = next(group for size, group in sizes.items() if len(group) >= 2 and size)
-    yield "two tensors on the same bytes", edited(lambda h: h[twins[1]].update(data_offsets=h[twins[0]]["data_offsets"]))
+    yield (
+        "two tensors on the same bytes",
+        edited(lambda h: h[twins[1]].update(data_offsets=h[twins[0]]["data_offsets"])),
+    )
     yield "minus zero", header.replace(b'"data_offsets":[0,', b'"data_offsets":[-0,', 1)
     yield "exponent", header.replace(b'"data_offsets":[0,', b'"data_offsets":[0e0,', 1)
-    yield "zero-size tensor whose dims overflow", put_first({"huge": {"dtype": "F32", "shape": [2**62, 4, 0],
-                                                                      "data_offsets": [0, 0]}})
+    yield (
+        "zero-size tensor whose dims overflow",
+        put_first({"huge": {"dtype": "F32", "shape": [2**62, 4, 0], "data_offsets": [0, 0]}}),
+    )
     yield "a field twice", header.replace(b'":{"dtype":"', b'":{"dtype":"U8","dtype":"', 1)
-    yield "a field twice, once spelt with an escape", header.replace(b'":{"dtype":"', b'":{"d\\u0074ype":"U8","dtype":"', 1)
+    yield (
+        "a field twice, once spelt with an escape",
+        header.replace(b'":{"dtype":"', b'":{"d\\u0074ype":"U8","dtype":"', 1),
+    )
     yield "a dim of 2**64 after a 0", put_first({"z": {"dtype": "F32", "shape": [0, 2**64], "data_offsets": [0, 0]}})
     yield "zero-size tensor", put_first({"empty": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}})
     yield "bool dim", edited(lambda h: h[first].update(shape=[True] + h[first]["shape"][1:]))
-    yield "dtype of other width", edited(lambda h: h[first].update(dtype="F16" if h[first]["dtype"] != "F16" else "F32"))
-    yield "dtype of same width", edited(lambda h: h[first].update(dtype={"F32": "I32", "I64": "F64"}.get(h[first]["dtype"], "U8")))
+    yield (
+        "dtype of other width",
+        edited(lambda h: h[first].update(dtype="F16" if h[first]["dtype"] != "F16" else "F32")),
+    )
+    yield (
+        "dtype of same width",
+        edited(lambda h: h[first].update(dtype={"F32": "I32", "I64": "F64"}.get(h[first]["dtype"], "U8"))),
+    )
     yield "unknown dtype", edited(lambda h: h[first].update(dtype="Q7"))
-    yield "name with surrogate", compact(json.loads(header)).replace(json.dumps(first).encode(), b'"\\udcff' + json.dumps(first).encode()[1:], 1)
+    yield (
+        "name with surrogate",
+        compact(json.loads(header)).replace(
+            json.dumps(first).encode(), b'"\\udcff' + json.dumps(first).encode()[1:], 1
+        ),
+    )
     yield "name twice, the first bogus", put_first({first: dict(parsed[first], data_offsets=[0, 0], shape=[0])})
     yield "metadata twice", header.rstrip(b" ")[:-1] + b',"__metadata__":{"x":"y"}}'
-    yield "metadata twice, as a tensor", header.rstrip(b" ")[:-1] + b',"__metadata__":' + compact(
-        {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}) + b"}"
+    yield (
+        "metadata twice, as a tensor",
+        header.rstrip(b" ")[:-1]
+        + b',"__metadata__":'
+        + compact({"dtype": "U8", "shape": [0], "data_offsets": [0, 0]})
+        + b"}",
+    )
     yield "trailing comma", header.rstrip(b" ")[:-1] + b",}"
     metadata_only = compact({"__metadata__": parsed["__metadata__"]})
     yield "no tensors", metadata_only
     yield "no tensors, no data", metadata_only, b""
     yield "no tensors, a comma, no data", metadata_only[:-1] + b",}", b""
-    yield "space after the metadata", metadata_only[:-1] + b", " + header[header.index(b'"},"') + 3:]
+    yield "space after the metadata", metadata_only[:-1] + b", " + header[header.index(b'"},"') + 3 :]
 
 
 def test_vouched_headers_read_as_safetensors_reads_them(decode_dump, tmp_path):
@@ -121,7 +155,9 @@ def test_vouched_headers_read_as_safetensors_reads_them(decode_dump, tmp_path):
     for trial in range(1200):  # random bytes, half of them in the tensor entries
         at = rng.randrange(8, meta_end) if trial % 2 else rng.randrange(meta_end, len(header))
         damaged = bytearray(header)
-        damaged[at:at + 1] = rng.choice([b"", b"0", b"9", b'"', b"\\", b"}", b",", b"]", b" ", b"\xff", b"e", b"\x01"])
+        damaged[at : at + 1] = rng.choice(
+            [b"", b"0", b"9", b'"', b"\\", b"}", b",", b"]", b" ", b"\xff", b"e", b"\x01"]
+        )
         variants.append((f"byte {at}", bytes(damaged)))
     vouched = refused = 0
     path = str(tmp_path / "pass.safetensors")
@@ -141,7 +177,9 @@ def test_vouched_headers_read_as_safetensors_reads_them(decode_dump, tmp_path):
             assert got.meta_text == meta_text and got.names == set(tensors), label
             for name, data in tensors.items():
                 dtype, shape, begin, end = got.layout.get(name)
-                assert data is None or file_bytes[begin:end] == data, f"{label}: {name} placed elsewhere than safetensors reads it"
+                assert data is None or file_bytes[begin:end] == data, (
+                    f"{label}: {name} placed elsewhere than safetensors reads it"
+                )
     assert vouched > 100 and refused > 100  # the damage exercised both sides
     forget()
 
@@ -176,10 +214,12 @@ def meta_edits(meta_text: str):
     at = meta_text.index('"calls":[')
     yield meta_text
     yield meta_text.replace('"calls":[', '"calls": [', 1)
-    yield meta_text[:at] + '"calls":[' + meta_text[at + 9:].replace("},{", "} ,{", 1)
+    yield meta_text[:at] + '"calls":[' + meta_text[at + 9 :].replace("},{", "} ,{", 1)
     yield meta_text[:-1] + ',"calls":[]}'  # a second top-level "calls": the last one counts
     yield meta_text[:-1] + ',"calls":' + json.dumps(calls[:1], separators=(",", ":")) + "}"
-    yield '{"calls":' + json.dumps(calls, separators=(",", ":")) + "," + meta_text[1:].replace('"calls":[', '"old":[', 1)
+    yield (
+        '{"calls":' + json.dumps(calls, separators=(",", ":")) + "," + meta_text[1:].replace('"calls":[', '"old":[', 1)
+    )
     yield meta_text.replace('"calls":[', '"c\\u0061lls":[', 1)  # the same key, spelt with an escape
     yield meta_text.replace('"calls":[', '"nested":{"calls":[', 1).replace("]", "]}", 1)
     yield meta_text[:-1] + ',"nested":{"calls":' + compact(calls) + "}}"
@@ -198,8 +238,11 @@ def meta_edits(meta_text: str):
     rng = random.Random(11)
     for _ in range(600):
         at = rng.randrange(len(meta_text))
-        yield meta_text[:at] + rng.choice(["", '"', ",", "]", "}", "[", "0", "1.0", " ", "\\", "NaN", '"calls":['])\
-            + meta_text[at + rng.choice([0, 1]):]
+        yield (
+            meta_text[:at]
+            + rng.choice(["", '"', ",", "]", "}", "[", "0", "1.0", " ", "\\", "NaN", '"calls":['])
+            + meta_text[at + rng.choice([0, 1]) :]
+        )
 
 
 def whole_parse(text: str):
@@ -209,7 +252,11 @@ def whole_parse(text: str):
         json.dumps(meta, ensure_ascii=False).encode("utf-8")
     except (ValueError, RecursionError):
         return "refused"
-    if not isinstance(meta, dict) or any(k not in meta for k in ("tokens", "calls", "token_shape")) or meta_problem(meta):
+    if (
+        not isinstance(meta, dict)
+        or any(k not in meta for k in ("tokens", "calls", "token_shape"))
+        or meta_problem(meta)
+    ):
         return "refused"
     return meta
 
@@ -224,8 +271,10 @@ def cached_parse(text: str):
 def test_metadata_reads_as_json_loads_reads_it(decode_dump):
     """With nothing remembered and with the calls of an earlier step remembered, every text
     reads as json.loads reads it (same values, types and key order) or is refused by both."""
-    raw = [json.loads(split_header(open(pass_path(decode_dump, p), "rb").read())[0])["__metadata__"][PASS_META_KEY]
-           for p in (1, 2)]
+    raw = [
+        json.loads(split_header(open(pass_path(decode_dump, p), "rb").read())[0])["__metadata__"][PASS_META_KEY]
+        for p in (1, 2)
+    ]
     checked = 0
     for text in meta_edits(raw[1]):
         expected = whole_parse(text)

@@ -9,9 +9,19 @@ from dumpdiff.analyzer.verdict.peers import MIN_PEER_JUMP, PEER_FACTOR, op_class
 
 
 def test_peers_differ_only_in_numeric_path_parts_and_module_class():
-    names = np.array(["model.layers.0.mlp#0", "model.layers.12.mlp#0", "model.layers.3.mlp.experts.7.down_proj#0",
-                      "model.layers.4.mlp.experts.0.down_proj#0", "lm_head#0", "<root>#0", "model.layers.1.mlp#0",
-                      "model.layers.2.mlp#1"], dtype=object)
+    names = np.array(
+        [
+            "model.layers.0.mlp#0",
+            "model.layers.12.mlp#0",
+            "model.layers.3.mlp.experts.7.down_proj#0",
+            "model.layers.4.mlp.experts.0.down_proj#0",
+            "lm_head#0",
+            "<root>#0",
+            "model.layers.1.mlp#0",
+            "model.layers.2.mlp#1",
+        ],
+        dtype=object,
+    )
     kinds = ["LlamaMLP", "LlamaMLP", "Linear", "Linear", "Linear", "Llama", "MoeBlock", "LlamaMLP"]
     classes = op_classes(names, kinds)
     assert classes[0] == classes[1] and classes[2] == classes[3]

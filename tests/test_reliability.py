@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from dump_surgery import one_line_error, read_manifest
 from dumpdiff import dumper
 from dumpdiff.analyzer.dump.load import PassFile, open_dump
-from dump_surgery import one_line_error, read_manifest
 from dumpdiff.dumper import format as fmt
 from dumpdiff.dumper.config import ConfigError
 from helpers import ROOT, dumpdiff, load_model, make_tiny_llama, prompt_ids
@@ -74,10 +74,23 @@ def child_script(tmp_path_factory):
 
 
 def start_child(child_script, model_dir, root, exp, prompt_len=24, new=60, **extra_env):
-    env = dict(os.environ, DUMPER_ENABLE="1", DUMPER_DIR=str(root), DUMPER_EXP_NAME=exp, DUMPER_MIN_FREE_BYTES="0",
-               PYTHONDONTWRITEBYTECODE="1", **extra_env)
-    return subprocess.Popen([sys.executable, child_script, str(model_dir), str(prompt_len), str(new)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    env = dict(
+        os.environ,
+        DUMPER_ENABLE="1",
+        DUMPER_DIR=str(root),
+        DUMPER_EXP_NAME=exp,
+        DUMPER_MIN_FREE_BYTES="0",
+        PYTHONDONTWRITEBYTECODE="1",
+        **extra_env,
+    )
+    return subprocess.Popen(
+        [sys.executable, child_script, str(model_dir), str(prompt_len), str(new)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def finish(proc, timeout=300):
@@ -169,7 +182,7 @@ def test_kill_9_mid_write_leaves_whole_passes_and_the_analyzer_says_what_is_miss
     entries = read_manifest(tmp_path / "dec")
     n = len(entries)
     assert n >= 2 and assert_whole(tmp_path / "dec") == n  # every pass in the manifest loads
-    assert leftover[0] in (f".pass-{n:06d}.safetensors.tmp", ) or leftover[0].startswith(".tmp")  # pass n, mid-write
+    assert leftover[0] in (f".pass-{n:06d}.safetensors.tmp",) or leftover[0].startswith(".tmp")  # pass n, mid-write
 
     code, out, err = dumpdiff("index", tmp_path / "dec", "--no-progress")
     assert code == 0, err
@@ -180,12 +193,15 @@ def test_kill_9_mid_write_leaves_whole_passes_and_the_analyzer_says_what_is_miss
 
     # the reference: one prefill of prompt + everything the run would have generated
     full = expected_ids(model_dir)
-    handle = dumper.install(load_model(model_dir), dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="ref",
-                                                                       min_free_bytes=0))
+    handle = dumper.install(
+        load_model(model_dir), dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name="ref", min_free_bytes=0)
+    )
     with torch.no_grad():
         handle.model(full)
     handle.remove()
-    code, out, err = dumpdiff("first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress", "--format", "json")
+    code, out, err = dumpdiff(
+        "first-divergence", tmp_path / "ref", tmp_path / "dec", "--no-progress", "--format", "json"
+    )
     assert code in (0, 1), err
     result = json.loads(out)
     align = result["ranks"]["0"]["alignment"]
@@ -206,7 +222,7 @@ def test_a_new_writer_after_a_kill_cleans_up_and_continues(model_dir, child_scri
     result, err = finish(start_child(child_script, model_dir, tmp_path, "dec", prompt_len=8, new=3))
     assert "cut a torn last line" in err and result["stopped"] is None
     entries = assert_manifest_consistent(rank_dir)  # no .tmp, no orphan, whole lines only
-    assert entries[:len(before)] == before and len(entries) == len(before) + 3
+    assert entries[: len(before)] == before and len(entries) == len(before) + 3
     assert assert_whole(tmp_path / "dec") == len(entries)
     code, out, err = dumpdiff("index", tmp_path / "dec", "--no-progress")
     # nothing torn, nothing orphaned, the last writer closed; the two runs' passes are said to be two runs'
@@ -223,8 +239,9 @@ def test_a_script_that_never_calls_remove_loses_nothing(model_dir, child_script,
 
 def test_os_exit_is_a_crash_and_is_reported(model_dir, child_script, tmp_path):
     """os._exit skips every exit handler, like a kill: the analyzer must say passes may be missing."""
-    proc = start_child(child_script, model_dir, tmp_path, "x", prompt_len=200, new=12, CHILD_FORWARDS="1",
-                       CHILD_HARD_EXIT="1")
+    proc = start_child(
+        child_script, model_dir, tmp_path, "x", prompt_len=200, new=12, CHILD_FORWARDS="1", CHILD_HARD_EXIT="1"
+    )
     proc.communicate(timeout=300)
     n = len(read_manifest(tmp_path / "x"))
     assert assert_whole(tmp_path / "x") == n  # every committed pass whole (the queued ones are lost)
@@ -247,8 +264,9 @@ def dump_generate(model, root, new, caplog, **config):
 
 def assert_stopped_cleanly(model, root, out, logits, state, caplog, reason):
     with torch.no_grad():
-        clean = model.generate(prompt_ids(24), max_new_tokens=out.shape[1] - 24, min_new_tokens=out.shape[1] - 24,
-                               do_sample=False)
+        clean = model.generate(
+            prompt_ids(24), max_new_tokens=out.shape[1] - 24, min_new_tokens=out.shape[1] - 24, do_sample=False
+        )
         assert torch.equal(out, clean) and torch.equal(logits, model(clean).logits)  # the model kept running, right
     assert reason in state["stopped"]
     stops = [r for r in caplog.records if "DUMPING STOPPED" in r.getMessage()]
@@ -276,12 +294,18 @@ def small_disk(tmp_path):
     mount = tmp_path / "disk"
     mount.mkdir()
     tried = []
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         tried.append(f"tmpfs: {proc.stderr.strip()}")
         image = tmp_path / "disk.img"
-        proc = subprocess.run(f"truncate -s 2M {image} && mkfs.ext4 -q -F {image} && mount -o loop {image} {mount}",
-                              shell=True, capture_output=True, text=True)
+        proc = subprocess.run(
+            f"truncate -s 2M {image} && mkfs.ext4 -q -F {image} && mount -o loop {image} {mount}",
+            shell=True,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             tried.append(f"loop device: {proc.stderr.strip()}")
             pytest.skip("cannot mount a small file system to fill (" + "; ".join(tried) + ")")
@@ -311,6 +335,7 @@ def test_index_on_a_full_disk_is_used_from_memory(model_dir, small_disk, tmp_pat
     index in memory and answers. Run a few times: writing the index files from several threads
     once crashed pyarrow (SIGSEGV) on a full disk, one run in three."""
     from helpers import dump_pair
+
     _, dec, _ = dump_pair(load_model(model_dir), tmp_path / "d", prompt_ids(8), new_tokens=3, min_free_bytes=0)
     shutil.copytree(dec, small_disk / "dec", ignore=shutil.ignore_patterns("index"))
     with open(small_disk / "fill", "wb") as handle:  # the rest of the disk
@@ -328,8 +353,18 @@ def test_index_on_a_full_disk_is_used_from_memory(model_dir, small_disk, tmp_pat
 def test_manifest_append_cut_short_is_undone(model_dir, child_script, tmp_path):
     """The kernel refuses to grow the manifest past RLIMIT_FSIZE mid-line (a short write, then
     an error), as a full disk does: the line is truncated away and its pass file removed."""
-    result, err = finish(start_child(child_script, model_dir, tmp_path, "m", prompt_len=12, new=60,
-                                     DUMPER_NON_INTRUSIVE_MODE="core", CHILD_FSIZE="4000"))
+    result, err = finish(
+        start_child(
+            child_script,
+            model_dir,
+            tmp_path,
+            "m",
+            prompt_len=12,
+            new=60,
+            DUMPER_NON_INTRUSIVE_MODE="core",
+            CHILD_FSIZE="4000",
+        )
+    )
     assert "File too large" in result["stopped"] and err.count("DUMPING STOPPED") == 1
     assert result["ids"] == expected_ids(model_dir, 12, 60)[0].tolist()  # the model kept running, right
     entries = assert_manifest_consistent(tmp_path / "m" / "rank0")
@@ -360,7 +395,10 @@ def test_nothing_unpickles():
                         kwargs = {k.arg: ast.unparse(k.value) for k in node.keywords}
                         if func.endswith("torch.load") and kwargs.get("weights_only") != "True":
                             found.append(where)
-                        if func.endswith(("read_pickle", "pickle.load", "pickle.loads")) or kwargs.get("allow_pickle") == "True":
+                        if (
+                            func.endswith(("read_pickle", "pickle.load", "pickle.loads"))
+                            or kwargs.get("allow_pickle") == "True"
+                        ):
                             found.append(where)
     assert found == []
 
@@ -449,17 +487,31 @@ def test_two_analyzers_on_the_same_dumps_at_once(model_dir, child_script, tmp_pa
     # --rebuild-index makes every run rewrite both indexes while the others read them; the runs
     # given the dumps the other way round take the two index locks too (in one order: no deadlock)
     runs = [("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress", "--format", "json")] * 2
-    runs += [("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress", "--format", "json", "--rebuild-index")] * 3
-    runs += [("first-divergence", tmp_path / "b", tmp_path / "a", "--no-progress", "--format", "json", "--rebuild-index")] * 2
+    runs += [
+        ("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress", "--format", "json", "--rebuild-index")
+    ] * 3
+    runs += [
+        ("first-divergence", tmp_path / "b", tmp_path / "a", "--no-progress", "--format", "json", "--rebuild-index")
+    ] * 2
     with ThreadPoolExecutor(len(runs)) as pool:
         results = list(pool.map(lambda args: dumpdiff(*args, process=True), runs))
     assert all(code == 0 and err == "" for code, _, err in results), [r[2] for r in results]
     for way in ("ab", "ba"):
-        reports = {json.dumps(json.loads(out), sort_keys=True) for args, (_, out, _) in zip(runs, results)
-                   if str(args[1]).endswith(way[0])}
+        reports = {
+            json.dumps(json.loads(out), sort_keys=True)
+            for args, (_, out, _) in zip(runs, results)
+            if str(args[1]).endswith(way[0])
+        }
         assert len(reports) == 1  # every run saw the same whole index
-    assert sorted(os.listdir(tmp_path / "a" / "index")) == [".lock", "calls.parquet", "rows.parquet", "seqs.parquet",
-                                                            "stamp.json", "tensors.parquet", "tokens.parquet"]
+    assert sorted(os.listdir(tmp_path / "a" / "index")) == [
+        ".lock",
+        "calls.parquet",
+        "rows.parquet",
+        "seqs.parquet",
+        "stamp.json",
+        "tensors.parquet",
+        "tokens.parquet",
+    ]
 
 
 def test_one_dump_named_two_ways_and_two_commands_in_other_orders_never_deadlock(model_dir, tmp_path):
@@ -468,17 +520,29 @@ def test_one_dump_named_two_ways_and_two_commands_in_other_orders_never_deadlock
     other spellings and orders take the locks in the same order (a third process holding one
     lock for a moment makes them wait on each other)."""
     from helpers import dump_pair
+
     ref, dec, _ = dump_pair(load_model(model_dir), tmp_path / "d", prompt_ids(8), new_tokens=3, min_free_bytes=0)
     os.symlink(dec, tmp_path / "link")
     relative = lambda path: os.path.relpath(path, ROOT)  # noqa: E731 - dumpdiff runs in ROOT
     code, out, err = dumpdiff("index", dec, relative(dec), tmp_path / "link", "--no-progress", timeout=60, process=True)
     assert code == 0 and out.count("tensor rows") == 3, err
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2)",
-                               os.path.join(dec, "index", ".lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(2)",
+            os.path.join(dec, "index", ".lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
-    runs = [("index", dec, relative(ref), "--no-progress", "--rebuild"), ("index", relative(dec), ref, "--no-progress", "--rebuild"),
-            ("index", ref, tmp_path / "link", "--no-progress", "--rebuild")]
+    runs = [
+        ("index", dec, relative(ref), "--no-progress", "--rebuild"),
+        ("index", relative(dec), ref, "--no-progress", "--rebuild"),
+        ("index", ref, tmp_path / "link", "--no-progress", "--rebuild"),
+    ]
     with ThreadPoolExecutor(len(runs)) as pool:
         results = list(pool.map(lambda args: dumpdiff(*args, timeout=60, process=True), runs))
     holder.wait()
@@ -488,12 +552,16 @@ def test_one_dump_named_two_ways_and_two_commands_in_other_orders_never_deadlock
 def test_a_redump_into_the_same_folder_never_reuses_a_stale_index(tmp_path):
     """DUMPER_CLEANUP_PREVIOUS rewrites pass files with the same ids and sizes; the index must notice."""
     prompt = prompt_ids(12)
+
     def dump(model_path, exp):
-        handle = dumper.install(load_model(model_path), dumper.DumperConfig(
-            dir=str(tmp_path), enable=True, exp_name=exp, cleanup_previous=True, min_free_bytes=0))
+        handle = dumper.install(
+            load_model(model_path),
+            dumper.DumperConfig(dir=str(tmp_path), enable=True, exp_name=exp, cleanup_previous=True, min_free_bytes=0),
+        )
         with torch.no_grad():
             handle.model(prompt)
         handle.remove()
+
     same, other = make_tiny_llama(tmp_path / "m0", seed=0), make_tiny_llama(tmp_path / "m1", seed=1)
     dump(same, "a")
     dump(same, "b")
@@ -502,5 +570,7 @@ def test_a_redump_into_the_same_folder_never_reuses_a_stale_index(tmp_path):
     sizes = [e["bytes"] for e in read_manifest(tmp_path / "b")]
     dump(other, "b")  # other weights, same shapes
     assert [e["bytes"] for e in read_manifest(tmp_path / "b")] == sizes
-    one_line_error(dumpdiff("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress"),
-                   "alignment proof failed: embedding output (model.embed_tokens) differs")
+    one_line_error(
+        dumpdiff("first-divergence", tmp_path / "a", tmp_path / "b", "--no-progress"),
+        "alignment proof failed: embedding output (model.embed_tokens) differs",
+    )

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 from dumpdiff.analyzer.report.html import to_html
 from dumpdiff.analyzer.report.markdown import to_markdown
+from helpers import dump_pair, dumpdiff, load_model, make_tiny_llama, prompt_ids
 
 
 def decode_bug(module, args, output):
@@ -102,11 +102,23 @@ def test_markdown_and_html_show_the_noise_aware_verdict(reports):
     assert f"- **Rule:** {text(rc.noise_rule(noise))}" in md and f"<dd>{esc(rc.noise_rule(noise))}</dd>" in page
     assert f"derived from {noise['rule']['samples']} call errors of this run" in rc.noise_rule(noise)
     for c in noise["culprits"]:
-        cells = [f"`{c['call']}`", f"`{c['cls']}`", f"{c['rows']} ({c['rows']} decode)", text(fmt_num(c["in_err"])),
-                 text(fmt_num(c["out_err"])), f"≥ {text(fmt_num(c['amplification']))}x"]
+        cells = [
+            f"`{c['call']}`",
+            f"`{c['cls']}`",
+            f"{c['rows']} ({c['rows']} decode)",
+            text(fmt_num(c["in_err"])),
+            text(fmt_num(c["out_err"])),
+            f"≥ {text(fmt_num(c['amplification']))}x",
+        ]
         assert "| " + " | ".join(cells) + " |" in md
-        html_cells = [f"<code>{c['call']}</code>", f"<code>{c['cls']}</code>", f"{c['rows']} ({c['rows']} decode)",
-                      esc(fmt_num(c["in_err"])), esc(fmt_num(c["out_err"])), f"&ge; {esc(fmt_num(c['amplification']))}x"]
+        html_cells = [
+            f"<code>{c['call']}</code>",
+            f"<code>{c['cls']}</code>",
+            f"{c['rows']} ({c['rows']} decode)",
+            esc(fmt_num(c["in_err"])),
+            esc(fmt_num(c["out_err"])),
+            f"&ge; {esc(fmt_num(c['amplification']))}x",
+        ]
         assert "<td>" + "</td><td>".join(html_cells) + "</td>" in page
         for row in c["sample_rows"]:
             assert f"`{row['seq']}@{row['pos']}`" in md and f"<code>{row['seq']}@{row['pos']}</code>" in page
@@ -145,36 +157,112 @@ def test_html_is_self_contained(reports):
 def crafted_result(module: str) -> dict:
     """A minimal result dict as analyzer/verdict/diverge.py builds it, with hostile strings in every name."""
     call = f"{module}#0"
-    side = {"path": "/dumps/<img src=x onerror=alert(1)>", "label": "<u>ref</u>", "engine": "hf", "model": "m",
-            "dtype": "float32", "device": "cpu", "tp_size": 1, "versions": {"torch": "<i>2</i>"},
-            "flags": {"<flag>": "&amp;"}, "passes": 1, "ranks": [0], "incomplete": None}
-    culprit = {"call": call, "module": module, "cls": "<Cls>", "rows": [{"seq": "<seq>", "pos": 3, "kind": "decode"}],
-               "n_rows": 1, "note": f"arises in {module}", "victims": 2, "max_abs": 0.5, "max_ulp": 7, "rel": 0.1,
-               "elements_differ": 3, "elements": 4, "dtype": "float32", "ref_absmax": 1.0,
-               "tensor": f"{call}.out.0",
-               "shapes": {s: {"pass": 0, "M": 1, "tensors": {"out.0": "[1, 4]"}} for s in ("a", "b")}}
-    verdict = {"rows_compared": 2, "rows_differing": 1, "culprit": culprit, "per_row": [],
-               "groups": [{"call": call, "module": module, "cls": "<Cls>", "rows": 1}],
-               "not_comparable": [{"call": call, "why": "<why>"}],
-               "nonfinite": [{"tensor": f"{call}.out.0", "rows": 1, "nonfinite_a": 1, "nonfinite_b": 0}],
-               "summary": f"The first bit flips at {call}.",
-               "calls_timeline": [{"call": call, "cls": "<Cls>", "order": 1, "rows": 2, "rows_in_differ": 0,
-                                   "rows_out_differ": 1, "rows_origin": 1}], "calls_timeline_total": 1,
-               "noise": {"rule": {"atol": 1e-5, "rtol": None, "floor_from_repeat": True}, "rows_examined": 1,
-                         "rows_total": 2, "per_row": [],
-                         "culprits": [{"call": call, "module": module, "cls": "<Cls>", "rows": 1, "kinds": {"<kind>": 1},
-                                       "in_err": 1e-7, "out_err": 0.5, "amplification": 5e6,
-                                       "sample_rows": [{"seq": "<seq>", "pos": 3, "kind": "decode"}]}],
-                         "top_jumps": [{"call": call, "in_err": 1e-7, "out_err": 0.5, "amplification": 5e6}]},
-               "routing_flips": [{"layer": 0, "call": call, "module": module, "cls": "<Cls>", "k": 2,
-                                  "k_from": "router output", "num_experts": 4, "rows_compared": 2, "rows_differing": 1,
-                                  "rows_flipped": 1, "kinds": {"decode": 1},
-                                  "examples": [{"seq": "<seq>", "pos": 3, "kind": "<kind>", "experts_a": [0, 1],
-                                                "experts_b": [0, 2]}]}],
-               "alignment": {"proof": [f"embedding output ({module}) ok"], "rows_b": 2, "unaligned_b": 0,
-                             "unkeyed_b": 0, "embedding": module}}
-    return {"a": side, "b": dict(side, label="<u>test</u>"), "ranks": {"0": verdict}, "warnings": [f"<w>{module}"],
-            "diverged_ranks": [0], "divergence": True, "culprit": culprit}
+    side = {
+        "path": "/dumps/<img src=x onerror=alert(1)>",
+        "label": "<u>ref</u>",
+        "engine": "hf",
+        "model": "m",
+        "dtype": "float32",
+        "device": "cpu",
+        "tp_size": 1,
+        "versions": {"torch": "<i>2</i>"},
+        "flags": {"<flag>": "&amp;"},
+        "passes": 1,
+        "ranks": [0],
+        "incomplete": None,
+    }
+    culprit = {
+        "call": call,
+        "module": module,
+        "cls": "<Cls>",
+        "rows": [{"seq": "<seq>", "pos": 3, "kind": "decode"}],
+        "n_rows": 1,
+        "note": f"arises in {module}",
+        "victims": 2,
+        "max_abs": 0.5,
+        "max_ulp": 7,
+        "rel": 0.1,
+        "elements_differ": 3,
+        "elements": 4,
+        "dtype": "float32",
+        "ref_absmax": 1.0,
+        "tensor": f"{call}.out.0",
+        "shapes": {s: {"pass": 0, "M": 1, "tensors": {"out.0": "[1, 4]"}} for s in ("a", "b")},
+    }
+    verdict = {
+        "rows_compared": 2,
+        "rows_differing": 1,
+        "culprit": culprit,
+        "per_row": [],
+        "groups": [{"call": call, "module": module, "cls": "<Cls>", "rows": 1}],
+        "not_comparable": [{"call": call, "why": "<why>"}],
+        "nonfinite": [{"tensor": f"{call}.out.0", "rows": 1, "nonfinite_a": 1, "nonfinite_b": 0}],
+        "summary": f"The first bit flips at {call}.",
+        "calls_timeline": [
+            {
+                "call": call,
+                "cls": "<Cls>",
+                "order": 1,
+                "rows": 2,
+                "rows_in_differ": 0,
+                "rows_out_differ": 1,
+                "rows_origin": 1,
+            }
+        ],
+        "calls_timeline_total": 1,
+        "noise": {
+            "rule": {"atol": 1e-5, "rtol": None, "floor_from_repeat": True},
+            "rows_examined": 1,
+            "rows_total": 2,
+            "per_row": [],
+            "culprits": [
+                {
+                    "call": call,
+                    "module": module,
+                    "cls": "<Cls>",
+                    "rows": 1,
+                    "kinds": {"<kind>": 1},
+                    "in_err": 1e-7,
+                    "out_err": 0.5,
+                    "amplification": 5e6,
+                    "sample_rows": [{"seq": "<seq>", "pos": 3, "kind": "decode"}],
+                }
+            ],
+            "top_jumps": [{"call": call, "in_err": 1e-7, "out_err": 0.5, "amplification": 5e6}],
+        },
+        "routing_flips": [
+            {
+                "layer": 0,
+                "call": call,
+                "module": module,
+                "cls": "<Cls>",
+                "k": 2,
+                "k_from": "router output",
+                "num_experts": 4,
+                "rows_compared": 2,
+                "rows_differing": 1,
+                "rows_flipped": 1,
+                "kinds": {"decode": 1},
+                "examples": [{"seq": "<seq>", "pos": 3, "kind": "<kind>", "experts_a": [0, 1], "experts_b": [0, 2]}],
+            }
+        ],
+        "alignment": {
+            "proof": [f"embedding output ({module}) ok"],
+            "rows_b": 2,
+            "unaligned_b": 0,
+            "unkeyed_b": 0,
+            "embedding": module,
+        },
+    }
+    return {
+        "a": side,
+        "b": dict(side, label="<u>test</u>"),
+        "ranks": {"0": verdict},
+        "warnings": [f"<w>{module}"],
+        "diverged_ranks": [0],
+        "divergence": True,
+        "culprit": culprit,
+    }
 
 
 def test_html_escapes_hostile_names():
@@ -219,9 +307,18 @@ def test_html_stays_small_on_a_huge_dump():
 
     result = crafted_result("model.layers.0.mlp")
     verdict = result["ranks"]["0"]
-    verdict["calls_timeline"] = [{"call": f"model.layers.{i // 60}.experts.{i % 60}#0", "cls": "Expert", "order": i,
-                                  "rows": 4096, "rows_in_differ": i % 7, "rows_out_differ": i % 9,
-                                  "rows_origin": i % 2} for i in range(5000)]
+    verdict["calls_timeline"] = [
+        {
+            "call": f"model.layers.{i // 60}.experts.{i % 60}#0",
+            "cls": "Expert",
+            "order": i,
+            "rows": 4096,
+            "rows_in_differ": i % 7,
+            "rows_out_differ": i % 9,
+            "rows_origin": i % 2,
+        }
+        for i in range(5000)
+    ]
     verdict["calls_timeline_total"] = 20000
     verdict["groups"] = [{"call": f"m.{i}#0", "module": f"m.{i}", "cls": "X", "rows": i} for i in range(1000)]
     page = to_html(result)
@@ -233,6 +330,7 @@ def test_html_stays_small_on_a_huge_dump():
 
 
 # ---- a real browser ----
+
 
 def find_chromium():
     """Chromium from Debian's package; installed on demand when we are root (CI machines are)."""
@@ -246,7 +344,9 @@ def find_chromium():
     install = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True, text=True)
     if install.returncode != 0:  # stale package lists on a fresh machine: refresh once and retry
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
-        install = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True, text=True)
+        install = subprocess.run(
+            ["apt-get", "install", "-y", "-q", "chromium"], env=env, capture_output=True, text=True
+        )
     if install.returncode != 0:
         pytest.skip(f"could not install chromium: {install.stderr.strip()[-300:]}")
     return shutil.which("chromium")
@@ -254,9 +354,18 @@ def find_chromium():
 
 def chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
     # No network of any kind: the page must render from the file alone.
-    base = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={profile}"]
+    base = [
+        binary,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+    ]
     return subprocess.run(base + list(args), capture_output=True, text=True, timeout=180)
 
 
@@ -267,6 +376,7 @@ def png_pixels(path: Path):
 
     try:
         from PIL import Image
+
         with Image.open(path) as image:
             return image.width, image.height, np.asarray(image.convert("RGB"))
     except ImportError:
@@ -275,11 +385,11 @@ def png_pixels(path: Path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, header = 8, b"", None
     while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
         if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", data[pos + 8:pos + 8 + length])
+            header = struct.unpack(">IIBBBBB", data[pos + 8 : pos + 8 + length])
         elif kind == b"IDAT":
-            idat += data[pos + 8:pos + 8 + length]
+            idat += data[pos + 8 : pos + 8 + length]
         pos += 12 + length
     width, height, depth, color_type, _, _, interlace = header
     assert depth == 8 and color_type in (2, 6) and interlace == 0, f"unexpected PNG format {header}"
@@ -315,8 +425,7 @@ def test_html_renders_in_headless_chromium(reports, tmp_path):
     culprit = json.loads(reports["json"])["culprit"]
 
     shot = tmp_path / "report.png"
-    proc = chromium(binary, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1200,1600",
-                    page.as_uri())
+    proc = chromium(binary, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri())
     assert shot.exists(), f"no screenshot: {proc.stderr[-800:]}"
     width, height, pixels = png_pixels(shot)
     assert (width, height) == (1200, 1600)
@@ -343,9 +452,19 @@ def test_the_summary_says_when_its_row_count_is_of_a_sample(examined, total):
     """The noise-aware verdict reads at most 512 rows; the summary's count of rows with a real
     error is of those, and says so when they are a sample."""
     from dumpdiff.analyzer.verdict.diverge import summarize
-    culprit = {"call": "model.layers.0.self_attn.attn#0", "cls": "RadixAttention", "rows": 38,
-               "kinds": {"decode": 34, "extend": 4}, "out_err": 0.2, "in_err": 0.0, "amplification": 1e4}
-    text = summarize({"culprit": None, "noise": {"culprits": [culprit], "rows_examined": examined, "rows_total": total}})
+
+    culprit = {
+        "call": "model.layers.0.self_attn.attn#0",
+        "cls": "RadixAttention",
+        "rows": 38,
+        "kinds": {"decode": 34, "extend": 4},
+        "out_err": 0.2,
+        "in_err": 0.0,
+        "amplification": 1e4,
+    }
+    text = summarize(
+        {"culprit": None, "noise": {"culprits": [culprit], "rows_examined": examined, "rows_total": total}}
+    )
     sampled = f"on 38 rows of the {examined} sampled (of {total}) (34 decode, 4 extend)"
     assert (sampled in text) == (examined < total) and "on 38 rows" in text
 
@@ -374,11 +493,16 @@ def test_text_report_escapes_control_characters_and_keeps_a_newline_name_whole(t
 def test_o_writes_only_regular_files(dumps, tmp_path, target):
     """-o replaced the target by rename: a named pipe or a device became a plain file."""
     from dump_surgery import one_line_error
-    path = {"fifo": tmp_path / "pipe", "folder": tmp_path, "empty": "", "missing folder": tmp_path / "no" / "r.md"}[target]
+
+    path = {"fifo": tmp_path / "pipe", "folder": tmp_path, "empty": "", "missing folder": tmp_path / "no" / "r.md"}[
+        target
+    ]
     if target == "fifo":
         os.mkfifo(path)
-    one_line_error(dumpdiff("first-divergence", *dumps, "--no-progress", "-o", path),
-                   "no folder" if target == "missing folder" else "not a regular file to write")
+    one_line_error(
+        dumpdiff("first-divergence", *dumps, "--no-progress", "-o", path),
+        "no folder" if target == "missing folder" else "not a regular file to write",
+    )
     if target == "fifo":
         assert not os.path.isfile(path)
 
@@ -386,8 +510,17 @@ def test_o_writes_only_regular_files(dumps, tmp_path, target):
 def test_reproduce_command_carries_the_options_that_change_the_verdict(dumps):
     """Pasting the report's command gave another verdict: it dropped --atol, --strict-only and
     the like; nor did it keep --fail-on, which decides a CI gate's exit status."""
-    code, md, err = dumpdiff("first-divergence", *dumps, "--format", "md", "--no-progress", "--strict-only",
-                             "--trust-alignment", "--atol", "0.001")
+    code, md, err = dumpdiff(
+        "first-divergence",
+        *dumps,
+        "--format",
+        "md",
+        "--no-progress",
+        "--strict-only",
+        "--trust-alignment",
+        "--atol",
+        "0.001",
+    )
     assert code == 1, err
     assert f"dumpdiff first-divergence {dumps[0]} {dumps[1]} --trust-alignment --atol 0.001 --strict-only" in md
     code, md, err = dumpdiff("first-divergence", *dumps, "--format", "md", "--no-progress", "--fail-on", "state-bug")
@@ -401,6 +534,7 @@ def test_long_request_ids_are_shortened_in_reports_and_kept_whole_in_json(tmp_pa
     and say so; JSON keeps the names whole. Real dumps of a padded batch, renamed in every pass."""
     from dump_surgery import edit_pass_meta
     from helpers import dump_padded_batch
+
     model = load_model(make_tiny_llama(tmp_path / "tiny-llama"))
     model.model.layers[1].mlp.down_proj.register_forward_hook(decode_bug)
     _, ref, dec = dump_padded_batch(model, tmp_path / "dumps")
@@ -411,6 +545,7 @@ def test_long_request_ids_are_shortened_in_reports_and_kept_whole_in_json(tmp_pa
         meta["tokens"]["seq"] = [rid(s) for s in meta["tokens"]["seq"]]
         for entry in meta.get("seqs", []):
             entry["seq"] = rid(entry["seq"])
+
     for dump in (ref, dec):
         for name in sorted(os.listdir(os.path.join(dump, "rank0"))):
             if name.endswith(".safetensors"):

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
-from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
 from test_core_loop import plant_batch_variant
 
 from dumpdiff.analyzer.report import repro
+from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
 
 # Runs a script with a meta-path finder that refuses dumpdiff's packages (and transformers, for the
 # standalone kinds), from a folder outside the repository, in isolated mode (no PYTHONPATH, no cwd).
@@ -38,8 +38,14 @@ runpy.run_path(script, run_name="__main__")
 
 def run_script(script, blocked=("dumpdiff", "transformers", "helpers", "tiny_models"), *args):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
-    proc = subprocess.run([sys.executable, "-I", "-c", BLOCKED_RUNNER, str(script), ",".join(blocked), *args],
-                          capture_output=True, text=True, cwd=os.path.dirname(str(script)), env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", BLOCKED_RUNNER, str(script), ",".join(blocked), *args],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(str(script)),
+        env=env,
+        timeout=300,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -88,7 +94,7 @@ def test_natural_float32_culprit_reproduces_standalone(llama_dir, natural, tmp_p
     assert "verdict: MISMATCH" in stdout
 
     data = (out / "inputs_a.safetensors").read_bytes()  # a copy cut short: trouble (2), not a mismatch (1)
-    (out / "inputs_a.safetensors").write_bytes(data[:len(data) // 2])
+    (out / "inputs_a.safetensors").write_bytes(data[: len(data) // 2])
     code, stdout, err = run_script(out / "repro.py")
     assert code == 2 and "repro: error: inputs_a.safetensors cannot be read" in err and "Traceback" not in err, err
 
@@ -117,8 +123,18 @@ def test_bfloat16_dump_of_a_float32_checkpoint_replays_by_its_formula(llama_dir,
     model = load_model(llama_dir, torch.bfloat16)
     plant_batch_variant(model, layer=2)
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(20), new_tokens=4)
-    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r", "--model", llama_dir,
-                              "--call", "model.layers.1.mlp.down_proj#0", "--no-progress")
+    code, out, err = dumpdiff(
+        "repro",
+        ref,
+        dec,
+        "--out",
+        tmp_path / "r",
+        "--model",
+        llama_dir,
+        "--call",
+        "model.layers.1.mlp.down_proj#0",
+        "--no-progress",
+    )
     assert code == 0, err
     assert "[Linear], replayed as linear" in out and "checked bit for bit against Linear" in out, out
     code, out, err = run_script(tmp_path / "r" / "repro.py")
@@ -131,8 +147,18 @@ def test_a_call_that_carries_noise_is_replayed_on_its_cached_rows(llama_dir, tmp
     model = load_model(llama_dir, torch.float32)
     model.model.layers[2].mlp.register_forward_hook(lambda m, a, out: out * 1.01 if out.shape[1] == 1 else None)
     ref, dec, _ = dump_pair(model, tmp_path / "dumps", prompt_ids(24), new_tokens=8)  # prompt rows 16.. differ too
-    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r", "--model", llama_dir,
-                              "--call", "model.layers.2.mlp#0", "--no-progress")
+    code, out, err = dumpdiff(
+        "repro",
+        ref,
+        dec,
+        "--out",
+        tmp_path / "r",
+        "--model",
+        llama_dir,
+        "--call",
+        "model.layers.2.mlp#0",
+        "--no-progress",
+    )
     assert code == 0, err
     assert "B dec pass 1 (decode, M=1)" in out, out
     # a victim: its inputs already differ, so its different outputs test nothing (was "verdict: MATCH")
@@ -159,8 +185,18 @@ def test_unknown_class_is_rebuilt_through_the_model(llama_dir, tmp_path):
 
 def test_attention_with_a_cache_is_refused(llama_dir, natural, tmp_path):
     ref, dec = natural
-    code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r", "--model", llama_dir,
-                              "--call", "model.layers.1.self_attn#0", "--no-progress")
+    code, out, err = dumpdiff(
+        "repro",
+        ref,
+        dec,
+        "--out",
+        tmp_path / "r",
+        "--model",
+        llama_dir,
+        "--call",
+        "model.layers.1.self_attn#0",
+        "--no-progress",
+    )
     assert code == 2 and "in.past_key_values (DynamicCache)" in err and "--call" in err
     code, out, err = dumpdiff("repro", ref, dec, "--out", tmp_path / "r", "--call", "nope#0", "--no-progress")
     assert code == 2 and "no call 'nope#0'" in err
@@ -198,9 +234,15 @@ def leaf_cases():
     layer_norm.weight.data.normal_()
     x = torch.randn(1, 16, 64)
     ids = torch.randint(0, 100, (1, 16))
-    return [("linear", torch.nn.Linear(64, 32), x), ("rmsnorm_hf", norm, x), ("layernorm", layer_norm, x),
-            ("embedding", torch.nn.Embedding(100, 64), ids), ("activation", SiLUActivation(), x),
-            ("activation", NewGELUActivation(), x), ("activation", torch.nn.GELU(approximate="tanh"), x)]
+    return [
+        ("linear", torch.nn.Linear(64, 32), x),
+        ("rmsnorm_hf", norm, x),
+        ("layernorm", layer_norm, x),
+        ("embedding", torch.nn.Embedding(100, 64), ids),
+        ("activation", SiLUActivation(), x),
+        ("activation", NewGELUActivation(), x),
+        ("activation", torch.nn.GELU(approximate="tanh"), x),
+    ]
 
 
 def captured_for(module, cls, inputs_a, inputs_b, row, dims_a, dims_b, values_a=None, values_b=None):
@@ -210,15 +252,34 @@ def captured_for(module, cls, inputs_a, inputs_b, row, dims_a, dims_b, values_a=
         out_a, out_b = module(**inputs_a, **(values_a or {})), module(**inputs_b, **(values_b or {}))
 
     def side(inputs, dims, r, m, values):
-        return {"label": "x", "pass": 0, "mode": "prefill", "M": m, "row_names": [f"s@{row}"], "token_rows": [r],
-                "token_dims": {s: dims.get(s) for s in inputs},
-                "rows": {s: ([r] if dims.get(s) is not None else None) for s in inputs},
-                "shapes": {s: list(t.shape) for s, t in inputs.items()}, "out_dims": dims["out"], "out_rows": [r],
-                "values": values or {}}
+        return {
+            "label": "x",
+            "pass": 0,
+            "mode": "prefill",
+            "M": m,
+            "row_names": [f"s@{row}"],
+            "token_rows": [r],
+            "token_dims": {s: dims.get(s) for s in inputs},
+            "rows": {s: ([r] if dims.get(s) is not None else None) for s in inputs},
+            "shapes": {s: list(t.shape) for s, t in inputs.items()},
+            "out_dims": dims["out"],
+            "out_rows": [r],
+            "values": values or {},
+        }
 
-    meta = {"call": "m#0", "module": "m", "cls": cls, "rank": 0, "out_slot": "0", "notes": [], "device": "cpu",
-            "dtype": None, "dump_versions": "", "dumps": {"a": "a", "b": "b"},
-            "sides": {"a": side(inputs_a, dims_a, row, 16, values_a), "b": side(inputs_b, dims_b, 0, 1, values_b)}}
+    meta = {
+        "call": "m#0",
+        "module": "m",
+        "cls": cls,
+        "rank": 0,
+        "out_slot": "0",
+        "notes": [],
+        "device": "cpu",
+        "dtype": None,
+        "dump_versions": "",
+        "dumps": {"a": "a", "b": "b"},
+        "sides": {"a": side(inputs_a, dims_a, row, 16, values_a), "b": side(inputs_b, dims_b, 0, 1, values_b)},
+    }
     return {"meta": meta, "inputs": {"a": inputs_a, "b": inputs_b}, "outputs": {"a": out_a, "b": out_b}, "skipped": {}}
 
 
@@ -234,7 +295,10 @@ def test_leaf_formulas_replay_the_module_bit_for_bit(case, tmp_path):
     assert result["meta"]["kind"] == kind and any("checked bit for bit" in n for n in result["meta"]["notes"])
     code, out, err = run_script(tmp_path / "repro.py")
     assert code in (0, 1), out + err
-    assert "replay of A reproduces the dumped output: yes" in out and "replay of B reproduces the dumped output: yes" in out
+    assert (
+        "replay of A reproduces the dumped output: yes" in out
+        and "replay of B reproduces the dumped output: yes" in out
+    )
     assert "inputs of these rows in A and B: bit-identical" in out and "vs each alone (M=1)" in out
 
 
@@ -244,16 +308,25 @@ def test_sdpa_replays_prefill_and_decode_without_a_model(tmp_path):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
     inputs_a = {"query": q, "key": k, "value": v}
-    inputs_b = {"query": q[:, :, 9:10].contiguous(), "key": k[:, :, :10].contiguous(), "value": v[:, :, :10].contiguous()}
+    inputs_b = {
+        "query": q[:, :, 9:10].contiguous(),
+        "key": k[:, :, :10].contiguous(),
+        "value": v[:, :, :10].contiguous(),
+    }
     dims = {"query": [0, 2], "out": [0, 2]}
-    captured = captured_for(Sdpa(), "Sdpa", inputs_a, inputs_b, 9, dims, dims, {"is_causal": True}, {"is_causal": False})
+    captured = captured_for(
+        Sdpa(), "Sdpa", inputs_a, inputs_b, 9, dims, dims, {"is_causal": True}, {"is_causal": False}
+    )
     captured["meta"]["sides"]["b"]["token_dims"].update(key=None, value=None)
     result = repro.write_bundle(str(tmp_path), captured, None)
     assert result["meta"]["kind"] == "sdpa" and not result["meta"]["rowwise"]
     assert any("unchecked" in n for n in result["meta"]["notes"])
     code, out, err = run_script(tmp_path / "repro.py")
     assert code in (0, 1), out + err
-    assert "replay of A reproduces the dumped output: yes" in out and "replay of B reproduces the dumped output: yes" in out
+    assert (
+        "replay of A reproduces the dumped output: yes" in out
+        and "replay of B reproduces the dumped output: yes" in out
+    )
     # B's 10 keys are A's first 10, all that query row 9 sees: the same inputs (a difference is the kernel's)
     assert "inputs of these rows in A and B: bit-identical" in out
     assert "vs each alone" not in out  # attention is not row-wise: no alone replay
@@ -262,8 +335,17 @@ def test_sdpa_replays_prefill_and_decode_without_a_model(tmp_path):
     # a cached key that differs (a state bug): nothing the replay can test, and not "the same outputs"
     stale_key = inputs_b["key"].clone()
     stale_key[:, :, 3] += 1
-    captured = captured_for(Sdpa(), "Sdpa", inputs_a, {**inputs_b, "key": stale_key}, 9, dims, dims,
-                            {"is_causal": True}, {"is_causal": False})
+    captured = captured_for(
+        Sdpa(),
+        "Sdpa",
+        inputs_a,
+        {**inputs_b, "key": stale_key},
+        9,
+        dims,
+        dims,
+        {"is_causal": True},
+        {"is_causal": False},
+    )
     captured["meta"]["sides"]["b"]["token_dims"].update(key=None, value=None)
     repro.write_bundle(str(tmp_path / "stale"), captured, None)
     code, out, err = run_script(tmp_path / "stale" / "repro.py")
@@ -276,6 +358,7 @@ def test_replay_can_place_weights_where_a_memory_mapped_checkpoint_left_them(dty
     round by alignment: the script retries the weights at each offset its element size allows,
     each one a bit-exact copy at exactly that offset."""
     from dumpdiff.analyzer.report.repro_script import runtime
+
     env = runtime()
     weight = torch.randn(33, 7).to(dtype)
     offsets = env["weight_offsets"]({"weight": weight, "bias": torch.randn(33)})

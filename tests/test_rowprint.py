@@ -27,7 +27,7 @@ def reference_print(raw: bytes, size: int, dtype_name: str) -> int:
     width = len(raw) // size
     total = 0
     for j in range(width):
-        bits = int.from_bytes(raw[j * size:(j + 1) * size], "little", signed=True) & M64
+        bits = int.from_bytes(raw[j * size : (j + 1) * size], "little", signed=True) & M64
         z = ((bits + (j + 1) * 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9) & M64
         total = (total + ((z ^ (z >> 32)) * 0x94D049BB133111EB)) & M64
     seed = (width * 0x9E3779B97F4A7C15 + zlib.crc32(dtype_name.encode())) & M64
@@ -45,8 +45,17 @@ def _rows(dtype, n=6, width=37, seed=0):
     return torch.randint(max(info.min, -1000), min(info.max, 1000), (n, width), generator=g).to(dtype)
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
-          torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -58,7 +67,9 @@ def test_fingerprint_is_the_reference_computation_of_the_bytes(dtype):
     name = str(dtype).replace("torch.", "")
     raw = rows.contiguous().view(torch.uint8).numpy().tobytes()
     per_row = len(raw) // rows.shape[0]
-    want = [reference_print(raw[i * per_row:(i + 1) * per_row], rows.element_size(), name) for i in range(rows.shape[0])]
+    want = [
+        reference_print(raw[i * per_row : (i + 1) * per_row], rows.element_size(), name) for i in range(rows.shape[0])
+    ]
     assert got == want
 
 
@@ -120,15 +131,21 @@ def test_no_collision_among_a_million_single_bit_and_swap_changes():
     k = torch.arange(2047)
     swaps[k, k], swaps[k, k + 1] = row[0, k + 1], row[0, k]
     differs = swaps[k, k] != swaps[k, k + 1]
-    prints = torch.cat([rowprint.fingerprints(variants.view(torch.bfloat16)),
-                        rowprint.fingerprints(swaps[differs].view(torch.bfloat16)),
-                        rowprint.fingerprints(row.view(torch.bfloat16))])
+    prints = torch.cat(
+        [
+            rowprint.fingerprints(variants.view(torch.bfloat16)),
+            rowprint.fingerprints(swaps[differs].view(torch.bfloat16)),
+            rowprint.fingerprints(row.view(torch.bfloat16)),
+        ]
+    )
     assert len(torch.unique(prints)) == len(prints)
 
 
 def test_magnitudes_are_the_largest_finite_value_and_count_nan_and_inf():
-    rows = torch.tensor([[1.5, -7.25, float("inf"), 2.0], [float("nan"), -0.5, float("-inf"), 0.25],
-                         [0.0, 0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    rows = torch.tensor(
+        [[1.5, -7.25, float("inf"), 2.0], [float("nan"), -0.5, float("-inf"), 0.25], [0.0, 0.0, 0.0, 0.0]],
+        dtype=torch.bfloat16,
+    )
     stats = rowprint.row_stats(rows)
     assert stats[1].view(torch.float64).tolist() == [7.25, 0.5, 0.0]
     assert stats[2].tolist() == [1, 2, 0]
@@ -160,9 +177,14 @@ def test_a_pass_prints_each_tensor_as_alone_and_as_it_was_when_staged(stage_byte
     or when the staged bytes exceed the budget): each tensor's rows still get their own prints,
     and a kernel that rewrites a tensor in place after its hook cannot change them."""
     from dumpdiff.dumper.passprints import PassPrints
-    tensors = [_rows(torch.bfloat16, n=3, width=64), _rows(torch.float32, n=5, width=7, seed=1),
-               _rows(torch.bfloat16, n=2, width=64, seed=2), _rows(torch.int64, n=4, width=1, seed=3),
-               _rows(torch.float32, n=0, width=7)]
+
+    tensors = [
+        _rows(torch.bfloat16, n=3, width=64),
+        _rows(torch.float32, n=5, width=7, seed=1),
+        _rows(torch.bfloat16, n=2, width=64, seed=2),
+        _rows(torch.int64, n=4, width=1, seed=3),
+        _rows(torch.float32, n=0, width=7),
+    ]
     expected = [rowprint.row_stats(t) for t in tensors]
     prints = PassPrints(stage_bytes)
     metas = [{} for _ in tensors]
@@ -174,4 +196,4 @@ def test_a_pass_prints_each_tensor_as_alone_and_as_it_was_when_staged(stage_byte
     assert table.shape[1] == sum(t.shape[0] for t in tensors)
     for meta, want in zip(metas, expected):
         first, count = meta["print"]
-        assert torch.equal(table[:, first:first + count], want)
+        assert torch.equal(table[:, first : first + count], want)

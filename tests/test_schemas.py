@@ -12,10 +12,10 @@ import struct
 import pytest
 import torch
 
-from helpers import ROOT, check_schema, dump_padded_batch, first_divergence_json, load_model, make_tiny_llama
 from dumpdiff.analyzer.kl.result import kl_schema
 from dumpdiff.analyzer.verdict.result import report_schema
 from dumpdiff.dumper import format as fmt
+from helpers import ROOT, check_schema, dump_padded_batch, first_divergence_json, load_model, make_tiny_llama
 
 
 def _published(name: str) -> dict:
@@ -59,10 +59,11 @@ def test_a_real_dump_follows_the_dump_schemas(dumps):
 
 def test_the_index_tables_and_the_report_follow_their_schemas(dumps):
     import pyarrow.parquet as pq
+
     first_divergence_json(dumps / "ref", dumps / "dec")  # builds both indexes; the report is checked inside
     tables = {}
     for path in glob.glob(str(dumps / "dec" / "index" / "*.parquet")):
-        tables[os.path.basename(path)[:-len(".parquet")]] = pq.read_table(path).to_pylist()
+        tables[os.path.basename(path)[: -len(".parquet")]] = pq.read_table(path).to_pylist()
     assert sorted(tables) == sorted(_published("index")["properties"])
     check_schema(tables, "index")
 
@@ -81,6 +82,7 @@ def test_a_key_the_model_does_not_declare_fails_validation(dumps):
 def test_an_in_process_kl_result_follows_its_schema(tmp_path):
     from dumpdiff.analyzer.kl.inprocess import check_model
     from dumpdiff.analyzer.kl.render import to_json
+
     make_tiny_llama(tmp_path / "model", num_hidden_layers=2)
     result = check_model(load_model(tmp_path / "model"), [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]], max_new_tokens=3)
     check_schema(json.loads(to_json(result)), "kl")

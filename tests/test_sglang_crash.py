@@ -19,8 +19,10 @@ sglang = sglang_fixture(scope="module")
 
 def test_server_killed_mid_dump_leaves_whole_passes(sglang, tmp_path):
     dumps = tmp_path / "dumps"
-    server = sglang(make_tiny_llama(tmp_path / "model"), env={
-        "DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps)})
+    server = sglang(
+        make_tiny_llama(tmp_path / "model"),
+        env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(dumps)},
+    )
     dumpdiff("ctl", "configure", "enable=true", "exp_name=dec", f"--url={server.url}")
     request = threading.Thread(target=lambda: _ignore(server.generate, prompt_ids(16)[0].tolist(), 400), daemon=True)
     request.start()

@@ -14,11 +14,11 @@ import json
 import os
 
 import pytest
+from test_dumper_units import read_pass
 
 from helpers import dumpdiff, first_divergence_json, make_tiny_llama, prompt_ids
-from tiny_models import make_tiny_qwen3
 from sglang_server import sglang_fixture
-from test_dumper_units import read_pass
+from tiny_models import make_tiny_qwen3
 
 pytestmark = pytest.mark.sglang
 sglang = sglang_fixture(scope="module")
@@ -30,8 +30,13 @@ def model_dir(tmp_path_factory):
 
 
 def workflow_env(dump_dir, port="reuse", **extra):
-    return {"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": port, "DUMPER_NON_INTRUSIVE_MODE": "all",
-            "DUMPER_DIR": str(dump_dir), **extra}
+    return {
+        "DUMPER_ENABLE": "0",
+        "DUMPER_SERVER_PORT": port,
+        "DUMPER_NON_INTRUSIVE_MODE": "all",
+        "DUMPER_DIR": str(dump_dir),
+        **extra,
+    }
 
 
 def ctl(server, *settings, method="configure"):
@@ -78,8 +83,14 @@ def test_workflow_clean_engine_batched_and_chunked(sglang, model_dir, tmp_path):
         assert verdict["noise"]["culprits"] == []  # natural float32 noise is not a state bug
     # the prompt tokens' logprobs score token i+1 at row i: kept, never compared row by row
     metas = [read_pass(str(path))[0] for path in sorted((dumps / "dec" / "rank0").glob("pass-*.safetensors"))]
-    scores = [t for meta in metas for c in meta["calls"] if c["cls"] == "LogitsProcessor"
-              for n, t in c["tensors"].items() if ".out.input_token_logprobs" in n]
+    scores = [
+        t
+        for meta in metas
+        for c in meta["calls"]
+        if c["cls"] == "LogitsProcessor"
+        for n, t in c["tensors"].items()
+        if ".out.input_token_logprobs" in n
+    ]
     assert scores and all(t["token_dims"] is None and "token i+1" in t["why"] for t in scores)
     state = ctl(server, method="get_state")
     assert state[0]["config"]["enable"] is False and state[0]["passes_written"] > 0

@@ -21,6 +21,7 @@ def parse(tmp_path_factory):
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     sys.path.insert(0, str(RIG))  # the sgl_kernel stand-in, as the server gets it
     from sglang.srt.server_args import prepare_server_args
+
     model = make_tiny_llama(tmp_path_factory.mktemp("m") / "model")
     return lambda *flags: prepare_server_args(["--model-path", str(model), "--device", "cpu", *flags])
 
@@ -31,12 +32,15 @@ def test_cuda_with_default_graphs_refuses_with_the_flags_to_add(parse):
     assert "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled" in problem
 
 
-@pytest.mark.parametrize("flags,still_on", [
-    (["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"], None),
-    (["--disable-cuda-graph"], None),
-    (["--cuda-graph-backend-decode", "disabled"], "prefill"),
-    (["--disable-prefill-cuda-graph"], "decode"),
-])
+@pytest.mark.parametrize(
+    "flags,still_on",
+    [
+        (["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"], None),
+        (["--disable-cuda-graph"], None),
+        (["--cuda-graph-backend-decode", "disabled"], "prefill"),
+        (["--disable-prefill-cuda-graph"], "decode"),
+    ],
+)
 def test_guard_follows_the_flags(parse, flags, still_on):
     problem = cuda_graph_problem(parse(*flags), "cuda")
     assert (problem is None) if still_on is None else (f"on for {still_on} " in problem)

@@ -28,8 +28,13 @@ def model_dir(tmp_path_factory):
 
 def test_import_builtin_dumper_and_align_prefill_with_decode(sglang, model_dir, tmp_path):
     dumps = tmp_path / "dumps"
-    env = {"SGLANG_PLUGINS": "none", "DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse",
-           "DUMPER_NON_INTRUSIVE_MODE": "all", "DUMPER_DIR": str(dumps)}
+    env = {
+        "SGLANG_PLUGINS": "none",
+        "DUMPER_ENABLE": "0",
+        "DUMPER_SERVER_PORT": "reuse",
+        "DUMPER_NON_INTRUSIVE_MODE": "all",
+        "DUMPER_DIR": str(dumps),
+    }
     server = sglang(model_dir, env=env)
     assert "dumpdiff: dumper installed" not in server.log_text()  # our plugin was kept out
     prompt = prompt_ids(9, seed=1)[0].tolist()
@@ -52,8 +57,9 @@ def test_import_builtin_dumper_and_align_prefill_with_decode(sglang, model_dir, 
     code, out, err = dumpdiff("import-sglang", dumps / "dec", tmp_path / "conv" / "dec")
     assert code == 2 and err.startswith("dumpdiff: error:") and "already exists" in err
 
-    code, out, err = dumpdiff("first-divergence", tmp_path / "conv" / "ref", tmp_path / "conv" / "dec",
-                              "--format", "json", "--no-progress")
+    code, out, err = dumpdiff(
+        "first-divergence", tmp_path / "conv" / "ref", tmp_path / "conv" / "dec", "--format", "json", "--no-progress"
+    )
     assert code in (0, 1), err
     verdict = json.loads(out)["ranks"]["0"]
     align = verdict["alignment"]
@@ -62,8 +68,9 @@ def test_import_builtin_dumper_and_align_prefill_with_decode(sglang, model_dir, 
     assert align["unaligned_b"] == 0 and align["unkeyed_b"] == 0
     assert "bit-identical" in align["proof"][1] and align["embedding"] == "model.embed_tokens"
     assert {r["kind"] for r in verdict["per_row"]} <= {"prefill", "decode"}
-    code, out, err = dumpdiff("first-divergence", tmp_path / "conv" / "ref", tmp_path / "conv" / "dec",
-                              "--format", "md", "--no-progress")
+    code, out, err = dumpdiff(
+        "first-divergence", tmp_path / "conv" / "ref", tmp_path / "conv" / "dec", "--format", "md", "--no-progress"
+    )
     assert code in (0, 1) and "alignment" in out.lower(), err
 
 
@@ -72,8 +79,12 @@ def test_weights_only_refusal_is_skipped_and_counted(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     tag = "step=0___rank=0___dump_index={}___name={}.pt"
-    core = {"input_ids": torch.tensor([5, 6, 7]), "positions": torch.tensor([0, 1, 2]),
-            "seq_lens": torch.tensor([3]), "rids": ["req-a"]}
+    core = {
+        "input_ids": torch.tensor([5, 6, 7]),
+        "positions": torch.tensor([0, 1, 2]),
+        "seq_lens": torch.tensor([3]),
+        "rids": ["req-a"],
+    }
     for i, (name, value) in enumerate(core.items(), 1):
         torch.save({"value": value, "meta": {}}, src / tag.format(i, name))
     torch.save({"value": torch.tensor([5, 6, 7]), "meta": {}}, src / tag.format(5, "non_intrusive__embed.inputs.0"))
@@ -81,7 +92,10 @@ def test_weights_only_refusal_is_skipped_and_counted(tmp_path):
     torch.save({"value": _Evil(), "meta": {}}, src / tag.format(7, "non_intrusive__embed.output.1"))
     os.mkfifo(src / tag.format(8, "non_intrusive__embed.output.2"))  # torch.load on it waited forever
     # tensors the format does not hold: skipped as the dumper skips them (import or index failed on them)
-    torch.save({"value": torch.ones(3, 4, dtype=torch.complex64), "meta": {}}, src / tag.format(9, "non_intrusive__embed.output.3"))
+    torch.save(
+        {"value": torch.ones(3, 4, dtype=torch.complex64), "meta": {}},
+        src / tag.format(9, "non_intrusive__embed.output.3"),
+    )
     torch.save({"value": torch.eye(3).to_sparse(), "meta": {}}, src / tag.format(10, "non_intrusive__embed.output.4"))
     # a name that is not UTF-8 cannot name a safetensors tensor: the import said "internal error"
     latin1 = os.fsencode(src) + b"/" + tag.format(11, "non_intrusive__emb\xe9d.output").encode("latin-1")

@@ -22,9 +22,15 @@ PROMPTS = [[1, 17, 300, 42, 999, 5, 600], [1, 640, 77, 8]]
 
 def hf_greedy(model, prompt):
     """Token ids and their logprobs (log_softmax of the raw logits) from HF generate."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    ids = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    ids = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
     return ids, logprobs
 
@@ -45,8 +51,9 @@ def test_sglang_greedy_matches_hf(sglang, tmp_path):
         assert result["output_ids"] == hf_ids, f"prompt {prompt}: sglang {result['output_ids']} vs HF {hf_ids}"
         assert [tok for _, tok, _ in sg_logprobs] == hf_ids
         # float32 on both sides: the same ops in another order, a few ulps apart at most.
-        torch.testing.assert_close(torch.tensor([lp for lp, _, _ in sg_logprobs]),
-                                   torch.tensor(hf_logprobs), rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor([lp for lp, _, _ in sg_logprobs]), torch.tensor(hf_logprobs), rtol=0, atol=1e-4
+        )
 
     # Teardown kills the whole process group (scheduler and detokenizer included).
     pgid = server.proc.pid
@@ -62,9 +69,12 @@ def test_a_port_taken_before_the_server_binds_it_is_retried_on_another(tmp_path)
     server then stays up without HTTP. The rig sees the bind failure in the log, stops that
     server and starts again on another port, instead of waiting out its start-up timeout."""
     import socket
+
     if not sglang_installed():
         pytest.skip("sglang not installed: run scripts/install-sglang-cpu.sh (make test does)")
-    server = SglangServer(make_tiny_llama(tmp_path / "tiny-llama"), log_path=tmp_path / "server.log", startup_timeout=120)
+    server = SglangServer(
+        make_tiny_llama(tmp_path / "tiny-llama"), log_path=tmp_path / "server.log", startup_timeout=120
+    )
     taken = server.port
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", taken))

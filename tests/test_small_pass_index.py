@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from dumpdiff.analyzer.index import build as indexbuild
-from dumpdiff.analyzer.index import smallpass
 from dumpdiff.analyzer.dump.dtypes import BY_NAME
 from dumpdiff.analyzer.dump.load import PassFile, open_dump
+from dumpdiff.analyzer.index import build as indexbuild
+from dumpdiff.analyzer.index import smallpass
 from dumpdiff.analyzer.index.rowplan import RowPlan
 from dumpdiff.analyzer.index.rows import reader_of
 from helpers import dump_pair, load_model, make_tiny_llama, prompt_ids
@@ -32,9 +32,22 @@ def tables_both_ways(ref):
 
 def as_text(tables) -> str:
     """Index tables (columns of numpy arrays, encoded text, lists) as comparable text."""
-    return json.dumps({t: {c: (v.tolist() if isinstance(v, np.ndarray) else
-                               [v.codes.tolist(), v.vocabulary.tolist()] if hasattr(v, "codes") else v)
-                           for c, v in cols.items()} for t, cols in tables.items()}, default=str)
+    return json.dumps(
+        {
+            t: {
+                c: (
+                    v.tolist()
+                    if isinstance(v, np.ndarray)
+                    else [v.codes.tolist(), v.vocabulary.tolist()]
+                    if hasattr(v, "codes")
+                    else v
+                )
+                for c, v in cols.items()
+            }
+            for t, cols in tables.items()
+        },
+        default=str,
+    )
 
 
 def built_json(tables) -> str:
@@ -53,6 +66,7 @@ def padded_batch_dump(model, root, **config):
     """Three left-padded prompts, generated together: padding rows, and attention masks whose
     shape grows every step (every decode step's structure differs from the one before)."""
     from dumpdiff import dumper
+
     prompts = [prompt_ids(n, seed=n)[0].tolist() for n in (5, 9, 13)]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
@@ -86,12 +100,15 @@ def test_the_index_says_where_each_row_lies_in_its_file(llama, tmp_path, config)
     steps (growing masks, padding rows, selected and last rows); -1 only where token dims do
     not lead."""
     from dumpdiff.analyzer.index.store import load_indexes
+
     dec = padded_batch_dump(llama, tmp_path, **config)
     index = load_indexes([open_dump(str(dec))], progress=False)[0].rank(0)
     rows, tensors = index.frame("rows"), index.frame("tensors")
     rows = rows.merge(tensors[["pass", "tensor", "token_dims", "selected"]], on=["pass", "tensor"])
-    leading = [dims in (None, "null") or sel or json.loads(dims) == list(range(len(json.loads(dims))))
-               for dims, sel in zip(rows["token_dims"], rows["selected"])]
+    leading = [
+        dims in (None, "null") or sel or json.loads(dims) == list(range(len(json.loads(dims))))
+        for dims, sel in zip(rows["token_dims"], rows["selected"])
+    ]
     assert ((rows["offset"] >= 0) == np.array(leading)).all()
     assert np.array(leading).mean() > 0.9
     reader, paths = reader_of(index), {p.pass_id: p.path for p in open_dump(str(dec)).ranks[0].passes}
@@ -99,7 +116,7 @@ def test_the_index_says_where_each_row_lies_in_its_file(llama, tmp_path, config)
     for pass_id, tensor, srow, offset in zip(rows["pass"], rows["tensor"], rows["srow"], rows["offset"]):
         if offset >= 0:
             expected = reader.stored_bits(int(pass_id), tensor, [int(srow)])[0].reshape(-1).view(np.uint8)
-            assert np.array_equal(files[pass_id][offset:offset + len(expected)], expected), (pass_id, tensor, srow)
+            assert np.array_equal(files[pass_id][offset : offset + len(expected)], expected), (pass_id, tensor, srow)
 
 
 def count_structures(monkeypatch) -> list:
@@ -110,6 +127,7 @@ def count_structures(monkeypatch) -> list:
     def counting_init(self, *args):
         built.append(1)
         real_init(self, *args)
+
     monkeypatch.setattr(smallpass.Structure, "__init__", counting_init)
     monkeypatch.setattr(smallpass, "_known", type(smallpass._known)(maxlen=smallpass.REMEMBERED))
     return built
@@ -138,10 +156,12 @@ def test_row_plans_find_the_bytes_of_kept_rows():
     meta = {"tokens": {}, "last_rows": [2, 5]}
     valid = np.array([True, False, True, True, True, False])  # token rows 1 and 5 are padding
     f32 = BY_NAME["float32"]
-    cases = [({"shape": [2, 3, 4], "token_dims": [0, 1], "rows": "all"}, True),
-             ({"shape": [2, 5, 3, 7], "token_dims": [0, 2], "rows": "all"}, False),
-             ({"shape": [2, 1, 4], "token_dims": [0, 1], "rows": "last"}, True),
-             ({"shape": [4, 4], "token_dims": None, "rows": None}, True)]
+    cases = [
+        ({"shape": [2, 3, 4], "token_dims": [0, 1], "rows": "all"}, True),
+        ({"shape": [2, 5, 3, 7], "token_dims": [0, 2], "rows": "all"}, False),
+        ({"shape": [2, 1, 4], "token_dims": [0, 1], "rows": "last"}, True),
+        ({"shape": [4, 4], "token_dims": None, "rows": None}, True),
+    ]
     for tmeta, contiguous in cases:
         shape = tuple(tmeta["shape"])
         plan = RowPlan(tmeta, meta, 6, valid, shape)
@@ -153,7 +173,7 @@ def test_row_plans_find_the_bytes_of_kept_rows():
         if contiguous:
             got = np.concatenate([file[a:b] for a, b in plan.byte_runs(begin, f32)])
             width = len(expected) // len(plan.srow)
-            by_offset = np.concatenate([file[o:o + width] for o in plan.row_offsets(begin, f32).tolist()])
+            by_offset = np.concatenate([file[o : o + width] for o in plan.row_offsets(begin, f32).tolist()])
             assert np.array_equal(by_offset, expected), tmeta
         else:
             got = file[plan.byte_index(begin, f32)]
@@ -170,6 +190,7 @@ def test_a_damaged_step_among_identical_ones_is_refused(llama, tmp_path, damage)
     one line, exit 2."""
     from dump_surgery import edit_pass_meta, one_line_error, pass_path
     from helpers import dumpdiff
+
     _, dec, _ = dump_pair(llama, tmp_path, prompt_ids(10), new_tokens=8)
 
     def edit(meta):
@@ -181,6 +202,7 @@ def test_a_damaged_step_among_identical_ones_is_refused(llama, tmp_path, damage)
             meta["calls"][1]["pre"] = True if meta["calls"][1]["pre"] == 1 else "x"
         else:
             tensors[name]["token_dims"] = ["0"]
+
     edit_pass_meta(pass_path(dec, 5), edit)
     one_line_error(dumpdiff("index", dec, "--rebuild", "--no-progress"), "pass-000005", "is malformed")
 
@@ -189,6 +211,7 @@ def test_a_step_keeps_its_own_scalar_values_and_tensor_order(llama, tmp_path):
     """A call taken as already checked must match as written: a scalar argument of another type
     (replayed by a repro) or another tensor order keeps the pass's own call."""
     from dump_surgery import edit_pass_meta, pass_path
+
     _, dec, _ = dump_pair(llama, tmp_path, prompt_ids(10), new_tokens=8)
     passes = open_dump(dec).ranks[0].passes
 
@@ -199,6 +222,7 @@ def test_a_step_keeps_its_own_scalar_values_and_tensor_order(llama, tmp_path):
             root["values"][key] = float(root["values"][key])
         meta["calls"][2]["tensors"] = dict(reversed(list(meta["calls"][2]["tensors"].items())))
         return key
+
     keys = []
     edit_pass_meta(pass_path(dec, 5), lambda meta: keys.append(edit(meta)))
     PassFile(passes[4])  # the undamaged step before: its calls are checked and remembered
@@ -249,6 +273,7 @@ def test_large_passes_hashed_in_pieces_by_worker_processes_give_the_same_tables(
     by worker processes, as per-row hashing holds the GIL: the tables are those one process
     builds, pass by pass and tensor by tensor."""
     from dumpdiff.analyzer.index import settings as index
+
     dec = padded_batch_dump(llama, tmp_path)
     alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)  # every pass is large here
@@ -266,8 +291,9 @@ def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypa
     """A worker process killed mid-build (the kernel's out-of-memory killer) is a DumpError that
     says so and how to rerun (the command line prints it as one line, exit 2), not an internal
     error."""
-    from dumpdiff.analyzer.index import settings as index
     from dumpdiff.analyzer.errors import DumpError
+    from dumpdiff.analyzer.index import settings as index
+
     dec = padded_batch_dump(llama, tmp_path)
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)
     monkeypatch.setattr(indexbuild, "PIECE_BYTES", 4096)
@@ -281,6 +307,7 @@ def test_a_worker_process_that_dies_is_one_clear_error(llama, tmp_path, monkeypa
         for proc in pool.processes:
             proc.kill()  # as the out-of-memory killer would, with every piece submitted
         return pool, futures, pieces
+
     monkeypatch.setattr(indexbuild, "_start_in_processes", start_then_kill)
     with pytest.raises(DumpError, match="worker process indexing the dumps died.*DUMPDIFF_INDEX_PROCESSES=0"):
         indexbuild.build_many([open_dump(str(dec))], progress=False)
@@ -295,6 +322,7 @@ def test_worker_processes_that_cannot_start_leave_the_build_to_threads(llama, tm
 
     from dumpdiff.analyzer.index import settings as index
     from dumpdiff.analyzer.index import workers
+
     dec = padded_batch_dump(llama, tmp_path)
     alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     monkeypatch.setattr(indexbuild, "INLINE_PASS_BYTES", 1)
@@ -308,7 +336,9 @@ def test_worker_processes_that_cannot_start_leave_the_build_to_threads(llama, tm
 
 
 @pytest.mark.parametrize("config", [{}, {"positions": "3:"}, {"last_rows": 2}], ids=["all", "positions", "last_rows"])
-def test_tensors_streamed_a_block_of_rows_at_a_time_give_the_tables_of_whole_reads(llama, tmp_path, monkeypatch, config):
+def test_tensors_streamed_a_block_of_rows_at_a_time_give_the_tables_of_whole_reads(
+    llama, tmp_path, monkeypatch, config
+):
     """A tensor whose rows lie in order in the file is streamed a block of rows at a time through
     one small buffer (memory bounded, the buffer stays in cache): its rows, padding rows left out,
     get the figures the whole-tensor read gives."""
@@ -319,7 +349,9 @@ def test_tensors_streamed_a_block_of_rows_at_a_time_give_the_tables_of_whole_rea
         alone = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     in_blocks = []
     real = indexbuild._rows_in_blocks
-    monkeypatch.setattr(indexbuild, "_rows_in_blocks", lambda pf, name, *a, **k: in_blocks.append(name) or real(pf, name, *a, **k))
+    monkeypatch.setattr(
+        indexbuild, "_rows_in_blocks", lambda pf, name, *a, **k: in_blocks.append(name) or real(pf, name, *a, **k)
+    )
     monkeypatch.setattr(indexbuild, "ROW_BLOCK_BYTES", 700)  # a few rows a block, a short last block
     blocks = indexbuild.build_many([open_dump(str(dec))], progress=False)[0]
     assert len(in_blocks) > 100 and any("lm_head" in name for name in in_blocks)

@@ -23,8 +23,12 @@ LENGTHS = (33, 53, 96)  # left-padded to 96: slot 80 holds a real token in every
 
 
 def python_source() -> torch.Tensor:
-    paths = sysconfig.get_paths()  # the standard library's sources, then the installed packages' (an image may strip one)
-    files = sorted(glob.glob(os.path.join(paths["stdlib"], "*.py"))) + sorted(glob.glob(os.path.join(paths["purelib"], "*", "*.py")))
+    paths = (
+        sysconfig.get_paths()
+    )  # the standard library's sources, then the installed packages' (an image may strip one)
+    files = sorted(glob.glob(os.path.join(paths["stdlib"], "*.py"))) + sorted(
+        glob.glob(os.path.join(paths["purelib"], "*", "*.py"))
+    )
     text = b"".join(open(path, "rb").read() for path in files)[:4_000_000]
     assert len(text) > 1_000_000, "too little Python source on this machine to train on"
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() + BYTE_OFFSET
@@ -34,10 +38,21 @@ def python_source() -> torch.Tensor:
 def trained(tmp_path_factory):
     """(model folder, prompts): 3 layers, hidden 128, 600 AdamW steps of 32 x 64 bytes."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     data = python_source()
-    config = AutoConfig.for_model("llama", vocab_size=256 + BYTE_OFFSET, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                  hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                  intermediate_size=512, max_position_embeddings=256)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=256 + BYTE_OFFSET,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
@@ -47,7 +62,7 @@ def trained(tmp_path_factory):
         for group in optimizer.param_groups:  # warm-up, then cosine down to a tenth
             group["lr"] = 3e-3 * min(1, (step + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
         starts = torch.randint(0, len(data) - 64, (32,), generator=pick)
-        batch = torch.stack([data[s:s + 64] for s in starts])
+        batch = torch.stack([data[s : s + 64] for s in starts])
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
@@ -55,7 +70,7 @@ def trained(tmp_path_factory):
     assert loss.item() < 2.2, loss.item()  # it learned something: uniform bytes would be 5.6
     model.eval()
     model.config._attn_implementation = "eager"  # attention weights, to check it is peaky
-    windows = torch.stack([data[s:s + 128] for s in torch.randint(0, len(data) - 128, (8,), generator=pick)])
+    windows = torch.stack([data[s : s + 128] for s in torch.randint(0, len(data) - 128, (8,), generator=pick)])
     with torch.no_grad():
         attentions = model(input_ids=windows, output_attentions=True).attentions
     top = torch.stack([a[..., 16:, :].max(-1).values for a in attentions])
@@ -66,7 +81,7 @@ def trained(tmp_path_factory):
     model.generation_config.pad_token_id = 0
     model.save_pretrained(folder)
     starts = torch.randint(0, len(data) - 100, (len(LENGTHS),), generator=pick)
-    prompts = [data[s:s + n].tolist() for s, n in zip(starts.tolist(), LENGTHS)]
+    prompts = [data[s : s + n].tolist() for s, n in zip(starts.tolist(), LENGTHS)]
     return folder, prompts
 
 
@@ -106,6 +121,7 @@ def test_a_stale_cache_slot_in_a_trained_model_is_named(trained, tmp_path, plant
             noise = torch.randn(layer.keys[:, :, 80, :].shape, generator=torch.Generator().manual_seed(0))
             layer.keys[:, :, 80, :] *= 1 + 1e-2 * noise
         cache._damaged = True
+
     model.register_forward_pre_hook(damage, with_kwargs=True)
     _, ref, dec = dump_padded_batch(model, tmp_path, prompts=prompts, new_tokens=16)
     code, result = first_divergence_json(ref, dec)

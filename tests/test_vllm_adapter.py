@@ -20,9 +20,12 @@ from dumpdiff.dumper.passinfo import UndescribedPass, WarmupPass
 def runner_for(requests):
     """A runner state for requests given as (rid, prompt ids, output ids, computed, scheduled)."""
     starts = np.cumsum([0] + [r[4] for r in requests])
-    batch = SimpleNamespace(num_reqs=len(requests), req_ids=[r[0] for r in requests],
-                            num_computed_tokens_cpu=np.array([r[3] for r in requests]),
-                            num_prompt_tokens=np.array([len(r[1]) for r in requests]))
+    batch = SimpleNamespace(
+        num_reqs=len(requests),
+        req_ids=[r[0] for r in requests],
+        num_computed_tokens_cpu=np.array([r[3] for r in requests]),
+        num_prompt_tokens=np.array([len(r[1]) for r in requests]),
+    )
     states = {r[0]: SimpleNamespace(prompt_token_ids=r[1], output_token_ids=r[2]) for r in requests}
     return SimpleNamespace(input_batch=batch, query_start_loc=SimpleNamespace(np=starts), requests=states)
 
@@ -31,17 +34,20 @@ def forward_args(requests):
     ids, pos = [], []
     for _, prompt, output, computed, scheduled in requests:
         seq = prompt + output
-        ids += seq[computed:computed + scheduled]
+        ids += seq[computed : computed + scheduled]
         pos += list(range(computed, computed + scheduled))
     return torch.tensor(ids), torch.tensor(pos)
 
 
-@pytest.mark.parametrize("computed,prompts,lengths,mode", [
-    ([0, 0], [5, 7], [5, 7], "prefill"),
-    ([32, 0], [40, 7], [8, 7], "extend"),  # a prefix-cache hit beside a fresh prompt
-    ([5, 7], [5, 7], [1, 1], "decode"),
-    ([6, 0], [5, 12], [1, 12], "mixed"),  # one decodes while another prefills
-])
+@pytest.mark.parametrize(
+    "computed,prompts,lengths,mode",
+    [
+        ([0, 0], [5, 7], [5, 7], "prefill"),
+        ([32, 0], [40, 7], [8, 7], "extend"),  # a prefix-cache hit beside a fresh prompt
+        ([5, 7], [5, 7], [1, 1], "decode"),
+        ([6, 0], [5, 12], [1, 12], "mixed"),  # one decodes while another prefills
+    ],
+)
 def test_pass_modes(computed, prompts, lengths, mode):
     assert pass_mode(computed, prompts, lengths) == mode
 
@@ -77,8 +83,11 @@ def test_an_undescribed_pass_runs_undumped_with_one_warning(tmp_path, caplog):
     model = Model()
     request = ("r", [1, 2, 3], [], 0, 3)
     ids, pos = forward_args([request])
-    handle = dumper.install(model, dumper.DumperConfig(enable=True, dir=str(tmp_path), exp_name="x"),
-                            adapter=VllmAdapter(runner_for([request])))
+    handle = dumper.install(
+        model,
+        dumper.DumperConfig(enable=True, dir=str(tmp_path), exp_name="x"),
+        adapter=VllmAdapter(runner_for([request])),
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="dumper"):
             for _ in range(2):
@@ -102,7 +111,9 @@ class Graphs(enum.Enum):
 def test_compile_guard_names_the_flag():
     compiled = SimpleNamespace(compilation_config=SimpleNamespace(mode=Mode.VLLM_COMPILE, cudagraph_mode=Graphs.NONE))
     assert "restart vLLM with --enforce-eager" in compile_problem(compiled)
-    graphs = SimpleNamespace(compilation_config=SimpleNamespace(mode=Mode.NONE, cudagraph_mode=Graphs.FULL_AND_PIECEWISE))
+    graphs = SimpleNamespace(
+        compilation_config=SimpleNamespace(mode=Mode.NONE, cudagraph_mode=Graphs.FULL_AND_PIECEWISE)
+    )
     assert "CUDA graphs (FULL_AND_PIECEWISE)" in compile_problem(graphs)
     eager = SimpleNamespace(compilation_config=SimpleNamespace(mode=Mode.NONE, cudagraph_mode=Graphs.NONE))
     assert compile_problem(eager) is None and compile_problem(None) is None

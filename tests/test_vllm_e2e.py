@@ -14,9 +14,10 @@ import json
 import os
 
 import pytest
+from test_sglang_e2e import ctl
+from test_sglang_e2e import workflow_env as sglang_workflow_env
 
 from helpers import first_divergence_json, prompt_ids
-from test_sglang_e2e import ctl, workflow_env as sglang_workflow_env
 from tiny_models import make_tiny_llama
 from vllm_server import vllm_fixture
 
@@ -76,7 +77,9 @@ def test_workflow_clean_engine_batched_and_chunked(vllm, model_dir, tmp_path):
     assert code == (1 if verdict["rows_differing"] else 0)
     assert verdict.get("noise", {}).get("culprits", []) == []  # natural float32 noise is not a state bug
     assert rows_of_mode(dumps / "dec", "prefill") and rows_of_mode(dumps / "dec", "decode")
-    assert rows_of_mode(dumps / "dec", "extend") + rows_of_mode(dumps / "dec", "mixed")  # the 40-token prompt's 2nd chunk
+    assert rows_of_mode(dumps / "dec", "extend") + rows_of_mode(
+        dumps / "dec", "mixed"
+    )  # the 40-token prompt's 2nd chunk
     state = ctl(server, method="get_state")
     assert state[0]["config"]["enable"] is False and state[0]["passes_written"] > 0 and state[0]["engine"] == "vllm"
 

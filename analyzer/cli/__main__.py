@@ -1,4 +1,5 @@
 """`python -m dumpdiff.analyzer.cli ...` runs the `dumpdiff` command."""
+
 from .main import entry
 
 entry()

@@ -23,6 +23,7 @@ FAIL_ON = ("divergence", FAIL_ON_STATE_BUG)  # what first-divergence exits 1 for
 
 def guarded(func):
     """Turn every failure into one line and exit code 2: no traceback, no partial result."""
+
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
@@ -41,12 +42,13 @@ def guarded(func):
             if os.environ.get("DUMPDIFF_DEBUG"):
                 raise
             if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
-                fail("this needs torch, which is not installed here (a dump with MoE routers, a fingerprint dump "
-                     "against a full one); install it (pip install torch: the CPU build is enough)")
+                fail(
+                    "this needs torch, which is not installed here (a dump with MoE routers, a fingerprint dump "
+                    "against a full one); install it (pip install torch: the CPU build is enough)"
+                )
             fail(f"internal error {type(exc).__name__}: {exc} (rerun with DUMPDIFF_DEBUG=1 and report it)")
+
     return wrapper
-
-
 
 
 def fail(message: str) -> None:
@@ -74,8 +76,10 @@ def output_format(fmt: str, output: str = None) -> str:
     named = EXTENSION_FORMATS.get(extension)
     if named not in choices:  # writing another format than the name says would mislead whoever opens it
         known = ", ".join(e for e, f in EXTENSION_FORMATS.items() if f in choices)
-        raise DumpError(f"-o {output}: the extension {extension} names no format of this command; use one of "
-                        f"{known}, or give --format")
+        raise DumpError(
+            f"-o {output}: the extension {extension} names no format of this command; use one of "
+            f"{known}, or give --format"
+        )
     return named
 
 
@@ -110,6 +114,7 @@ def emit(text: str, output: str = None, headline: str = None) -> None:
     except OSError as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise DumpError(f"-o {shown}: cannot write it ({exc.strerror or exc}); check the folder exists and is "
-                        "writable") from None
+        raise DumpError(
+            f"-o {shown}: cannot write it ({exc.strerror or exc}); check the folder exists and is writable"
+        ) from None
     click.echo(f"dumpdiff: wrote {shown}" + (f" ({headline})" if headline else ""), err=True)

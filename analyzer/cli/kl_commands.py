@@ -12,7 +12,9 @@ import sys
 import click
 
 from ..http import DEFAULT_URL
-from .common import emit as _emit, fail, guarded, output_format as _output_format
+from .common import emit as _emit
+from .common import fail, guarded
+from .common import output_format as _output_format
 
 KL_FORMATS = ("text", "md", "json")
 
@@ -23,6 +25,7 @@ def _progress(quiet: bool):
 
 def _helpers(text: str):
     from ..kl.score import HELPERS
+
     names = [h.strip() for h in text.split(",") if h.strip()]
     bad = [h for h in names if h not in HELPERS]
     if bad or not names:
@@ -33,34 +36,93 @@ def _helpers(text: str):
 def prompt_options(func):
     """The options every command that runs the helpers shares."""
     options = [
-        click.option("--url", default=DEFAULT_URL, show_default=True, envvar="DUMPDIFF_KL_URL",
-                     help="The sglang or vLLM server, detected from its API (env DUMPDIFF_KL_URL)."),
-        click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False, path_type=str),
-                     help="JSONL: per line a list of token ids, or a text (needs the server's tokenizer). "
-                          "Default: seeded synthetic token ids."),
-        click.option("--max-samples", default=32, show_default=True, type=click.IntRange(1),
-                     help="Prompts to use (as sglang's KL tests)."),
-        click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(1),
-                     help="Tokens generated per prompt (ignore_eos: exactly this many)."),
-        click.option("--prompt-len", default=256, show_default=True, type=click.IntRange(2),
-                     help="Synthetic prompts: mean length (each 0.5x..1.5x)."),
-        click.option("--seed", default=0, show_default=True, type=int,
-                     help="Seed of the synthetic prompts, and sampling_seed where the server honours it."),
-        click.option("--vocab-size", default=None, type=click.IntRange(4),
-                     help="The model's vocabulary size: synthetic prompts take ids below it, and --prompts ids at or "
-                          "above it are refused before anything is sent (default: the model's config.json when "
-                          "readable; else synthetic ids below 1000 and no check)."),
-        click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0),
-                     help="Sampling temperature of every request (0: greedy)."),
-        click.option("--helpers", "helpers", default="match,prefill_cache_hit,decode_cache_hit", show_default=True,
-                     callback=lambda _c, _p, v: _helpers(v), help="Comma-separated helpers to run."),
-        click.option("--min-hit-rate", default=0.5, show_default=True, type=click.FloatRange(0, 1),
-                     help="A cache-hit helper needs cache hits on more than this fraction of prompts."),
-        click.option("--turn-token", default=None, type=click.IntRange(0),
-                     help="decode_cache_hit: the token appended to turn 1 (default: the tokenizer's ',' "
-                          "when the server has one, else each prompt's last token)."),
-        click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(1),
-                     help="Seconds to wait for one /generate reply."),
+        click.option(
+            "--url",
+            default=DEFAULT_URL,
+            show_default=True,
+            envvar="DUMPDIFF_KL_URL",
+            help="The sglang or vLLM server, detected from its API (env DUMPDIFF_KL_URL).",
+        ),
+        click.option(
+            "--prompts",
+            "prompts_file",
+            default=None,
+            type=click.Path(dir_okay=False, path_type=str),
+            help="JSONL: per line a list of token ids, or a text (needs the server's tokenizer). "
+            "Default: seeded synthetic token ids.",
+        ),
+        click.option(
+            "--max-samples",
+            default=32,
+            show_default=True,
+            type=click.IntRange(1),
+            help="Prompts to use (as sglang's KL tests).",
+        ),
+        click.option(
+            "--max-new-tokens",
+            default=512,
+            show_default=True,
+            type=click.IntRange(1),
+            help="Tokens generated per prompt (ignore_eos: exactly this many).",
+        ),
+        click.option(
+            "--prompt-len",
+            default=256,
+            show_default=True,
+            type=click.IntRange(2),
+            help="Synthetic prompts: mean length (each 0.5x..1.5x).",
+        ),
+        click.option(
+            "--seed",
+            default=0,
+            show_default=True,
+            type=int,
+            help="Seed of the synthetic prompts, and sampling_seed where the server honours it.",
+        ),
+        click.option(
+            "--vocab-size",
+            default=None,
+            type=click.IntRange(4),
+            help="The model's vocabulary size: synthetic prompts take ids below it, and --prompts ids at or "
+            "above it are refused before anything is sent (default: the model's config.json when "
+            "readable; else synthetic ids below 1000 and no check).",
+        ),
+        click.option(
+            "--temperature",
+            default=0.0,
+            show_default=True,
+            type=click.FloatRange(0),
+            help="Sampling temperature of every request (0: greedy).",
+        ),
+        click.option(
+            "--helpers",
+            "helpers",
+            default="match,prefill_cache_hit,decode_cache_hit",
+            show_default=True,
+            callback=lambda _c, _p, v: _helpers(v),
+            help="Comma-separated helpers to run.",
+        ),
+        click.option(
+            "--min-hit-rate",
+            default=0.5,
+            show_default=True,
+            type=click.FloatRange(0, 1),
+            help="A cache-hit helper needs cache hits on more than this fraction of prompts.",
+        ),
+        click.option(
+            "--turn-token",
+            default=None,
+            type=click.IntRange(0),
+            help="decode_cache_hit: the token appended to turn 1 (default: the tokenizer's ',' "
+            "when the server has one, else each prompt's last token).",
+        ),
+        click.option(
+            "--timeout",
+            default=600.0,
+            show_default=True,
+            type=click.FloatRange(1),
+            help="Seconds to wait for one /generate reply.",
+        ),
         click.option("-q", "--quiet", is_flag=True, help="No progress on stderr."),
     ]
     for option in reversed(options):
@@ -69,23 +131,53 @@ def prompt_options(func):
 
 
 def _check_kwargs(kw: dict) -> dict:
-    keys = ("prompts_file", "max_samples", "max_new_tokens", "prompt_len", "seed", "vocab_size", "temperature",
-            "helpers", "min_hit_rate", "turn_token", "timeout")
+    keys = (
+        "prompts_file",
+        "max_samples",
+        "max_new_tokens",
+        "prompt_len",
+        "seed",
+        "vocab_size",
+        "temperature",
+        "helpers",
+        "min_hit_rate",
+        "turn_token",
+        "timeout",
+    )
     return {k: kw[k] for k in keys}
 
 
-@click.group("kl", invoke_without_command=True, context_settings={"max_content_width": 100},
-             short_help="KL check of a live server; `kl calibrate` sets thresholds.")
+@click.group(
+    "kl",
+    invoke_without_command=True,
+    context_settings={"max_content_width": 100},
+    short_help="KL check of a live server; `kl calibrate` sets thresholds.",
+)
 @prompt_options
-@click.option("--threshold", default=None, type=click.FloatRange(0),
-              help="avg_kl_div above this is dirty (overrides the thresholds file).")
-@click.option("--thresholds", "thresholds_file", default=None, type=click.Path(dir_okay=False, path_type=str),
-              help="Thresholds per (model, tp) [default: ./dumpdiff-kl-thresholds.json].")
-@click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
-              help="Output format.")
-@click.option("-o", "--output", default=None, metavar="FILE",
-              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt; another one is an "
-                   "error) picks the format unless --format is given.")
+@click.option(
+    "--threshold",
+    default=None,
+    type=click.FloatRange(0),
+    help="avg_kl_div above this is dirty (overrides the thresholds file).",
+)
+@click.option(
+    "--thresholds",
+    "thresholds_file",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=str),
+    help="Thresholds per (model, tp) [default: ./dumpdiff-kl-thresholds.json].",
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True, help="Output format."
+)
+@click.option(
+    "-o",
+    "--output",
+    default=None,
+    metavar="FILE",
+    help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt; another one is an "
+    "error) picks the format unless --format is given.",
+)
 @click.pass_context
 @guarded
 def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw) -> None:
@@ -143,12 +235,14 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
-    from ..kl.score import exit_status
     from ..kl.helpers import check_server
     from ..kl.render import render
+    from ..kl.score import exit_status
+
     fmt = _output_format(fmt, output)
-    result = check_server(kw.pop("url"), threshold=threshold, thresholds_file=thresholds_file,
-                          log=_progress(quiet), **_check_kwargs(kw))
+    result = check_server(
+        kw.pop("url"), threshold=threshold, thresholds_file=thresholds_file, log=_progress(quiet), **_check_kwargs(kw)
+    )
     _emit(render(result, fmt), output, headline=f"verdict {result['verdict']['kind']}")
     code = exit_status(result["verdict"])
     if code == 2:
@@ -156,21 +250,46 @@ def kl_group(ctx, fmt, output, threshold, thresholds_file, quiet, **kw) -> None:
     sys.exit(code)
 
 
-@kl_group.command("calibrate", context_settings={"max_content_width": 100},
-                  short_help="Propose and write the KL threshold for the server's model.")
+@kl_group.command(
+    "calibrate",
+    context_settings={"max_content_width": 100},
+    short_help="Propose and write the KL threshold for the server's model.",
+)
 @prompt_options
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1),
-              help="Runs of all helpers; synthetic prompts change seed each run (seed, seed+1, ...).")
-@click.option("--margin", default=10.0, show_default=True, type=click.FloatRange(1),
-              help="Proposed threshold = margin x the largest avg_kl_div observed.")
-@click.option("--floor", default=1e-9, show_default=True, type=click.FloatRange(0),
-              help="The proposal when every token was bit-identical (stray-ulp floor).")
-@click.option("--thresholds", "thresholds_file", default="dumpdiff-kl-thresholds.json", show_default=True,
-              type=click.Path(dir_okay=False, path_type=str), help="The file to write or update.")
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Runs of all helpers; synthetic prompts change seed each run (seed, seed+1, ...).",
+)
+@click.option(
+    "--margin",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(1),
+    help="Proposed threshold = margin x the largest avg_kl_div observed.",
+)
+@click.option(
+    "--floor",
+    default=1e-9,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="The proposal when every token was bit-identical (stray-ulp floor).",
+)
+@click.option(
+    "--thresholds",
+    "thresholds_file",
+    default="dumpdiff-kl-thresholds.json",
+    show_default=True,
+    type=click.Path(dir_okay=False, path_type=str),
+    help="The file to write or update.",
+)
 @click.option("--dry-run", is_flag=True, help="Propose only; do not write the file.")
 @click.option("--force", is_flag=True, help="Write even when a cache-hit helper looks like a state bug.")
-@click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
-              help="Output format.")
+@click.option(
+    "--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True, help="Output format."
+)
 @guarded
 def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, quiet, **kw) -> None:
     """Propose (and write) the KL threshold for the server's model and tp.
@@ -193,10 +312,12 @@ def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, 
     \b
     Example: dumpdiff kl calibrate --url http://127.0.0.1:30000 --repeats 3 --dry-run
     """
-    from ..kl.score import CACHE_HELPERS, STATE_ON_TOP_FACTOR
-    from ..kl.helpers import check_server, read_local
-    from ..kl.thresholds import load as load_thresholds, propose, update
     from ..errors import DumpError
+    from ..kl.helpers import check_server, read_local
+    from ..kl.score import CACHE_HELPERS, STATE_ON_TOP_FACTOR
+    from ..kl.thresholds import load as load_thresholds
+    from ..kl.thresholds import propose, update
+
     url = kw.pop("url")
     log = _progress(quiet)
     options = _check_kwargs(kw)
@@ -209,8 +330,9 @@ def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, 
         run = check_server(url, threshold=float("inf"), log=log, **options)
         lacking = [n for n, h in run["helpers"].items() if h["status"] in ("no_cache_hit", "empty")]
         if lacking:
-            raise DumpError(f"run {r + 1}: {', '.join(lacking)} got no cache hits; cannot calibrate a path that was "
-                            "not exercised")
+            raise DumpError(
+                f"run {r + 1}: {', '.join(lacking)} got no cache hits; cannot calibrate a path that was not exercised"
+            )
         runs.append(run)
     proposal = propose(runs, margin=margin, floor=floor)
     target = runs[0]["target"]
@@ -221,16 +343,43 @@ def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, 
     suspicious = [n for n in CACHE_HELPERS if "match" in seen and seen.get(n, 0.0) > STATE_ON_TOP_FACTOR * base]
     written = None
     if not dry_run and (force or not suspicious):
-        written = update(thresholds_file, target, proposal, {
-            "repeats": repeats, "margin": margin, "floor": floor, "prompts": runs[0]["prompts"]["source"],
-            "max_samples": kw["max_samples"], "max_new_tokens": kw["max_new_tokens"]})
-    result = {"kind": "dumpdiff-kl-calibration", "target": target, "proposal": proposal, "suspicious": suspicious,
-              "file": thresholds_file, "written_key": written,
-              "runs": [{n: {"avg_kl_div": h["avg_kl_div"], "max_kl": h["max_kl"], "bit_identical": h["bit_identical"],
-                            "tokens": h["tokens"]} for n, h in run["helpers"].items()} for run in runs],
-              "timings": [sum(run["timings"].values()) for run in runs]}
+        written = update(
+            thresholds_file,
+            target,
+            proposal,
+            {
+                "repeats": repeats,
+                "margin": margin,
+                "floor": floor,
+                "prompts": runs[0]["prompts"]["source"],
+                "max_samples": kw["max_samples"],
+                "max_new_tokens": kw["max_new_tokens"],
+            },
+        )
+    result = {
+        "kind": "dumpdiff-kl-calibration",
+        "target": target,
+        "proposal": proposal,
+        "suspicious": suspicious,
+        "file": thresholds_file,
+        "written_key": written,
+        "runs": [
+            {
+                n: {
+                    "avg_kl_div": h["avg_kl_div"],
+                    "max_kl": h["max_kl"],
+                    "bit_identical": h["bit_identical"],
+                    "tokens": h["tokens"],
+                }
+                for n, h in run["helpers"].items()
+            }
+            for run in runs
+        ],
+        "timings": [sum(run["timings"].values()) for run in runs],
+    }
     if fmt == "json":
         from ..kl.render import to_json
+
         click.echo(to_json(result), nl=False)
     else:
         click.echo(_calibration_text(result, fmt == "md"), nl=False)
@@ -239,18 +388,23 @@ def calibrate_cmd(repeats, margin, floor, thresholds_file, dry_run, force, fmt, 
 
 def _calibration_text(result: dict, md: bool) -> str:
     from ..kl.render import g
+
     p, t = result["proposal"], result["target"]
     bullet = "- " if md else "  "
-    lines = [("## " if md else "") + f"dumpdiff kl calibrate: proposed kl_div = {g(p['kl_div'])}",
-             f"{bullet}model {t['model']}  tp={t['tp']}  {t.get('dtype')}  ({t.get('engine')} {t.get('version') or ''})",
-             f"{bullet}rule: {p['rule']}",
-             f"{bullet}runs: {len(result['runs'])}; tokens {p['tokens']}, bit-identical {p['bit_identical']}",
-             f"{bullet}largest avg_kl_div seen: " + ", ".join(f"{n} {g(v)}" for n, v in p["observed_avg_kl_div"].items()),
-             f"{bullet}largest per-token k3 seen: " + ", ".join(f"{n} {g(v)}" for n, v in p["observed_max_kl"].items())]
+    lines = [
+        ("## " if md else "") + f"dumpdiff kl calibrate: proposed kl_div = {g(p['kl_div'])}",
+        f"{bullet}model {t['model']}  tp={t['tp']}  {t.get('dtype')}  ({t.get('engine')} {t.get('version') or ''})",
+        f"{bullet}rule: {p['rule']}",
+        f"{bullet}runs: {len(result['runs'])}; tokens {p['tokens']}, bit-identical {p['bit_identical']}",
+        f"{bullet}largest avg_kl_div seen: " + ", ".join(f"{n} {g(v)}" for n, v in p["observed_avg_kl_div"].items()),
+        f"{bullet}largest per-token k3 seen: " + ", ".join(f"{n} {g(v)}" for n, v in p["observed_max_kl"].items()),
+    ]
     if result["suspicious"]:
-        lines.append(f"{bullet}WARNING: {', '.join(result['suspicious'])} over 100x dirtier than match's worst token: "
-                     "a state bug? "
-                     + ("written anyway (--force)" if result["written_key"] else "not written (--force to write)"))
+        lines.append(
+            f"{bullet}WARNING: {', '.join(result['suspicious'])} over 100x dirtier than match's worst token: "
+            "a state bug? "
+            + ("written anyway (--force)" if result["written_key"] else "not written (--force to write)")
+        )
     if result["written_key"]:
         lines.append(f"{bullet}wrote {result['file']}: entry {result['written_key']!r}")
     elif not result["suspicious"]:
@@ -258,32 +412,70 @@ def _calibration_text(result: dict, md: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-@click.command("localize", context_settings={"max_content_width": 100},
-               short_help="Dump a dirty KL helper's worst prompt; name the culprit.")
+@click.command(
+    "localize",
+    context_settings={"max_content_width": 100},
+    short_help="Dump a dirty KL helper's worst prompt; name the culprit.",
+)
 @prompt_options
-@click.option("--helper", type=click.Choice(["match", "prefill_cache_hit", "decode_cache_hit"]), default=None,
-              help="Replay this helper (default: the one the verdict points at).")
-@click.option("--kl-result", default=None, type=click.Path(exists=True, dir_okay=False, path_type=str),
-              help="Take helper and worst prompt from the JSON `dumpdiff kl --format json -o FILE` wrote, instead of "
-                   "a fresh check.")
+@click.option(
+    "--helper",
+    type=click.Choice(["match", "prefill_cache_hit", "decode_cache_hit"]),
+    default=None,
+    help="Replay this helper (default: the one the verdict points at).",
+)
+@click.option(
+    "--kl-result",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=str),
+    help="Take helper and worst prompt from the JSON `dumpdiff kl --format json -o FILE` wrote, instead of "
+    "a fresh check.",
+)
 @click.option("--prompt-ids", default=None, help="Replay these token ids (JSON list) instead of a worst prompt.")
 @click.option("--threshold", default=None, type=click.FloatRange(0), help="As for `dumpdiff kl`.")
-@click.option("--thresholds", "thresholds_file", default=None, type=click.Path(dir_okay=False, path_type=str),
-              help="As for `dumpdiff kl`.")
+@click.option(
+    "--thresholds",
+    "thresholds_file",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=str),
+    help="As for `dumpdiff kl`.",
+)
 @click.option("--exp-prefix", default=None, help="Dump names <prefix>-dec and <prefix>-ref [default: kl-<time>-<pid>].")
-@click.option("--dumper-url", default=None,
-              help="The dumper's own control endpoint, for a numeric DUMPER_SERVER_PORT (vLLM: "
-                   "http://127.0.0.1:PORT) [default: --url].")
+@click.option(
+    "--dumper-url",
+    default=None,
+    help="The dumper's own control endpoint, for a numeric DUMPER_SERVER_PORT (vLLM: "
+    "http://127.0.0.1:PORT) [default: --url].",
+)
 @click.option("--strict-only", is_flag=True, help="Only the bit-level verdict of first-divergence.")
-@click.option("--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True,
-              help="Output format.")
-@click.option("-o", "--output", default=None, metavar="FILE",
-              help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt; another one is an "
-                   "error) picks the format unless --format is given.")
+@click.option(
+    "--format", "fmt", type=click.Choice(KL_FORMATS), default="text", show_default=True, help="Output format."
+)
+@click.option(
+    "-o",
+    "--output",
+    default=None,
+    metavar="FILE",
+    help="Write the result to FILE (- for stdout); its extension (.md, .json, .txt; another one is an "
+    "error) picks the format unless --format is given.",
+)
 @click.pass_context
 @guarded
-def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file, exp_prefix, dumper_url, strict_only,
-                 fmt, output, quiet, **kw) -> None:
+def localize_cmd(
+    ctx,
+    helper,
+    kl_result,
+    prompt_ids,
+    threshold,
+    thresholds_file,
+    exp_prefix,
+    dumper_url,
+    strict_only,
+    fmt,
+    output,
+    quiet,
+    **kw,
+) -> None:
     """Replay the worst prompt of a dirty KL helper with dumping on and name the culprit op.
 
     The server must run dumpdiff's dumper with its HTTP control, idle until asked:
@@ -313,6 +505,7 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     """
     from ..kl.localize import localize, to_markdown, to_text
     from ..kl.render import to_json
+
     fmt = _output_format(fmt, output)
     url = kw.pop("url")
     options = _check_kwargs(kw)
@@ -329,10 +522,21 @@ def localize_cmd(ctx, helper, kl_result, prompt_ids, threshold, thresholds_file,
     # With --kl-result, replay as many tokens as that check generated unless told otherwise.
     given = ctx.get_parameter_source("max_new_tokens") != click.core.ParameterSource.DEFAULT
     new_tokens = kw["max_new_tokens"] if given or not loaded else None
-    result = localize(url, helper=helper, kl_result=loaded, prompt=prompt, turn_token=kw["turn_token"],
-                      exp_prefix=exp_prefix, max_new_tokens=new_tokens, temperature=kw["temperature"],
-                      seed=kw["seed"], check_options=check_options, noise_aware=not strict_only,
-                      dumper_url=dumper_url, log=_progress(quiet))
+    result = localize(
+        url,
+        helper=helper,
+        kl_result=loaded,
+        prompt=prompt,
+        turn_token=kw["turn_token"],
+        exp_prefix=exp_prefix,
+        max_new_tokens=new_tokens,
+        temperature=kw["temperature"],
+        seed=kw["seed"],
+        check_options=check_options,
+        noise_aware=not strict_only,
+        dumper_url=dumper_url,
+        log=_progress(quiet),
+    )
     text = {"json": lambda r: to_json(r, "dumpdiff-localize"), "md": to_markdown}.get(fmt, to_text)(result)
     _emit(text, output, headline="divergence" if result.get("divergence") else "no divergence")
     sys.exit(1 if result.get("divergence") else 0)
@@ -343,6 +547,7 @@ def read_kl_result(path: str) -> dict:
     it (the verdict, the helpers' worst prompts, the settings), so that a wrong file is one line
     naming it, not a JSON decoder's error or a missing key deep in the replay."""
     from ..errors import DumpError
+
     expected = "give the file `dumpdiff kl --format json -o FILE` wrote"
     try:
         with open(path, encoding="utf-8") as handle:
@@ -351,7 +556,9 @@ def read_kl_result(path: str) -> dict:
         raise DumpError(f"--kl-result {path}: not one JSON document ({exc}); {expected}") from None
     if not isinstance(loaded, dict) or loaded.get("kind") != "dumpdiff-kl":
         kind = loaded.get("kind") or loaded.get("format") if isinstance(loaded, dict) else None
-        raise DumpError(f"--kl-result {path}: not the JSON of a KL check{f' (it is {kind})' if kind else ''}; {expected}")
+        raise DumpError(
+            f"--kl-result {path}: not the JSON of a KL check{f' (it is {kind})' if kind else ''}; {expected}"
+        )
     if not all(isinstance(loaded.get(k), dict) for k in ("verdict", "helpers", "settings")):
         raise DumpError(f"--kl-result {path}: a KL check result without its verdict, helpers or settings; {expected}")
     return loaded

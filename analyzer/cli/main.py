@@ -17,8 +17,8 @@ import click
 
 from ..errors import DumpError, require_torch
 from ..http import DEFAULT_URL
-from .common import (EXIT_DIFFERENT, EXIT_SAME, FAIL_ON, FAIL_ON_STATE_BUG, FORMATS, emit, fail,
-                     guarded, output_format)
+from .common import EXIT_DIFFERENT, EXIT_SAME, FAIL_ON, FAIL_ON_STATE_BUG, FORMATS, emit, fail, guarded, output_format
+
 
 def _verbose(ctx, param, verbose: bool) -> None:
     """-v/--verbose, before or after the command's name: the analyzer's progress details (INFO of
@@ -33,8 +33,15 @@ def _verbose(ctx, param, verbose: bool) -> None:
 
 # The group's options that every command takes too: `dumpdiff first-divergence -v A B` was "No
 # such option". Each is a click.Option whose callback does the work (no value reaches a function).
-SHARED_OPTIONS = (click.Option(["-v", "--verbose"], is_flag=True, expose_value=False, callback=_verbose,
-                               help="Log progress details to stderr (before or after the command)."),)
+SHARED_OPTIONS = (
+    click.Option(
+        ["-v", "--verbose"],
+        is_flag=True,
+        expose_value=False,
+        callback=_verbose,
+        help="Log progress details to stderr (before or after the command).",
+    ),
+)
 
 
 class SharedOptionsGroup(click.Group):
@@ -52,8 +59,12 @@ def _share_options(cmd: click.Command) -> None:
         _share_options(sub)
 
 
-@click.group(cls=SharedOptionsGroup, params=list(SHARED_OPTIONS), invoke_without_command=True,
-             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=SharedOptionsGroup,
+    params=list(SHARED_OPTIONS),
+    invoke_without_command=True,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(package_name="dumpdiff", message="%(prog)s %(version)s")
 @click.pass_context
 def main(ctx) -> None:
@@ -85,13 +96,16 @@ def main(ctx) -> None:
 
 def render(result: dict, fmt: str) -> str:
     from ..report import text as report
+
     if fmt == "json":
         return report.to_json(result) + "\n"
     if fmt == "md":
         from ..report.markdown import to_markdown
+
         return to_markdown(result)
     if fmt == "html":
         from ..report.html import to_html
+
         return to_html(result)
     return report.to_text(result)
 
@@ -101,25 +115,64 @@ def render(result: dict, fmt: str) -> str:
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("test", type=click.Path(path_type=str))
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format.")
-@click.option("-o", "--output", default=None, metavar="FILE",
-              help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
-                   "(.md, .json, .html, .txt; another one is an error) picks the format unless --format is given.")
+@click.option(
+    "-o",
+    "--output",
+    default=None,
+    metavar="FILE",
+    help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
+    "(.md, .json, .html, .txt; another one is an error) picks the format unless --format is given.",
+)
 @click.option("--rank", type=int, default=None, help="Compare only this rank (default: every rank).")
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
 @click.option("--rebuild-index", is_flag=True, help="Rebuild the parquet indexes even when they are fresh.")
-@click.option("--atol", type=click.FloatRange(min=0), default=None, help="Noise-aware rule: absolute tolerance instead of the derived threshold.")
-@click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Noise-aware rule: relative tolerance instead of the derived threshold.")
-@click.option("--noise", "noise_repeat", default=None, metavar="REFERENCE2",
-              help="A second dump of the reference run: its differences are the noise floor.")
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Noise-aware rule: absolute tolerance instead of the derived threshold.",
+)
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Noise-aware rule: relative tolerance instead of the derived threshold.",
+)
+@click.option(
+    "--noise",
+    "noise_repeat",
+    default=None,
+    metavar="REFERENCE2",
+    help="A second dump of the reference run: its differences are the noise floor.",
+)
 @click.option("--strict-only", is_flag=True, help="Only the bit-level verdict; read no tensor bytes but the culprit's.")
-@click.option("--fail-on", type=click.Choice(FAIL_ON), default="divergence", show_default=True,
-              help="What exits 1: any row that differs, or only a state bug the noise-aware verdict names "
-                   "(a CI gate that float noise passes; not with --strict-only).")
+@click.option(
+    "--fail-on",
+    type=click.Choice(FAIL_ON),
+    default="divergence",
+    show_default=True,
+    help="What exits 1: any row that differs, or only a state bug the noise-aware verdict names "
+    "(a CI gate that float noise passes; not with --strict-only).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
 @guarded
-def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, allow_mismatch, rebuild_index, atol, rtol,
-                         noise_repeat, strict_only, fail_on, no_progress) -> None:
+def first_divergence_cmd(
+    reference,
+    test,
+    fmt,
+    output,
+    rank,
+    trust_alignment,
+    allow_mismatch,
+    rebuild_index,
+    atol,
+    rtol,
+    noise_repeat,
+    strict_only,
+    fail_on,
+    no_progress,
+) -> None:
     """Name the first operator whose inputs match and whose output does not.
 
     REFERENCE is usually the dump of one prefill of prompt+output; TEST the dump of the prefill
@@ -158,23 +211,41 @@ def first_divergence_cmd(reference, test, fmt, output, rank, trust_alignment, al
     CI:      dumpdiff first-divergence ref/ dec/ --fail-on state-bug --format json -o verdict.json
     """
     if strict_only and fail_on == FAIL_ON_STATE_BUG:
-        raise DumpError("--fail-on state-bug needs the noise-aware verdict, which --strict-only leaves out; drop one "
-                        "of them")
+        raise DumpError(
+            "--fail-on state-bug needs the noise-aware verdict, which --strict-only leaves out; drop one of them"
+        )
     fmt = output_format(fmt, output)
     _check_noise_repeat(noise_repeat, reference, test)
-    from ..index.files import saved_index_files
     from ..dump.readahead import will_need
+    from ..index.files import saved_index_files
+
     will_need(saved_index_files([reference, test]))  # fetched from storage while numpy and pyarrow import
     from ..verdict.diverge import first_divergence
-    result = first_divergence(reference, test, trust_alignment=trust_alignment, allow_mismatch=allow_mismatch,
-                              progress=not no_progress, rebuild_index=rebuild_index, rank=rank, atol=atol, rtol=rtol,
-                              noise_repeat=noise_repeat, noise_aware=not strict_only)
+
+    result = first_divergence(
+        reference,
+        test,
+        trust_alignment=trust_alignment,
+        allow_mismatch=allow_mismatch,
+        progress=not no_progress,
+        rebuild_index=rebuild_index,
+        rank=rank,
+        atol=atol,
+        rtol=rtol,
+        noise_repeat=noise_repeat,
+        noise_aware=not strict_only,
+    )
     # the options that change the verdict or the exit status, so the report's Reproduce command gives the same
-    result["options"] = [*(["--rank", str(rank)] if rank is not None else []),
-                         *(["--trust-alignment"] if trust_alignment else []), *(["--allow-mismatch"] if allow_mismatch else []),
-                         *(["--atol", repr(atol)] if atol is not None else []), *(["--rtol", repr(rtol)] if rtol is not None else []),
-                         *(["--noise", noise_repeat] if noise_repeat else []), *(["--strict-only"] if strict_only else []),
-                         *(["--fail-on", fail_on] if fail_on != FAIL_ON[0] else [])]
+    result["options"] = [
+        *(["--rank", str(rank)] if rank is not None else []),
+        *(["--trust-alignment"] if trust_alignment else []),
+        *(["--allow-mismatch"] if allow_mismatch else []),
+        *(["--atol", repr(atol)] if atol is not None else []),
+        *(["--rtol", repr(rtol)] if rtol is not None else []),
+        *(["--noise", noise_repeat] if noise_repeat else []),
+        *(["--strict-only"] if strict_only else []),
+        *(["--fail-on", fail_on] if fail_on != FAIL_ON[0] else []),
+    ]
     emit(render(result, fmt), output, headline=headline(result))
     sys.exit(exit_status(result, fail_on))
 
@@ -184,6 +255,7 @@ def exit_status(result: dict, fail_on: str) -> int:
     left unjudged, which may hide one: a gate must not pass what it did not look at)."""
     if fail_on == FAIL_ON_STATE_BUG:
         from ..verdict.kinds import NOT_JUDGED, STATE_BUG
+
         return EXIT_DIFFERENT if result["kind"] in (STATE_BUG, NOT_JUDGED) else EXIT_SAME
     return EXIT_DIFFERENT if result["divergence"] else EXIT_SAME
 
@@ -202,8 +274,10 @@ def _check_noise_repeat(noise_repeat, reference: str, test: str) -> None:
         except OSError:  # a path that is not there: said by the comparison itself
             continue
         if same:
-            raise DumpError(f"--noise {noise_repeat} is {role} itself; give a second, independent dump of the "
-                            "reference run (the same prompt+output prefilled again), or leave --noise out")
+            raise DumpError(
+                f"--noise {noise_repeat} is {role} itself; give a second, independent dump of the "
+                "reference run (the same prompt+output prefilled again), or leave --noise out"
+            )
 
 
 def headline(result: dict) -> str:
@@ -213,6 +287,7 @@ def headline(result: dict) -> str:
     strict = result.get("culprit") or {}
     from ..report.common import noise_culprit
     from ..verdict.phrases import noise_place_parts
+
     real = noise_culprit(result)
     words = "divergence" + (f", first at {strict['call']}" if strict.get("call") else "")
     return words + (", error introduced " + "".join(piece for piece, _ in noise_place_parts(real)) if real else "")
@@ -224,13 +299,17 @@ def _report_command() -> click.Command:
     for param in params:
         if param.name == "fmt":
             param.default = "md"
-    return click.Command("report", params=params, callback=first_divergence_cmd.callback,
-                         short_help="The first-divergence report for a ticket (md by default).",
-                         help="""Write the first-divergence report for a bug ticket.
+    return click.Command(
+        "report",
+        params=params,
+        callback=first_divergence_cmd.callback,
+        short_help="The first-divergence report for a ticket (md by default).",
+        help="""Write the first-divergence report for a bug ticket.
 
     The same analysis and exit status as `dumpdiff first-divergence`, in markdown by default
     (`--format html` for a self-contained page with plots, `json` for everything the report
-    claims). Example: dumpdiff report ref/ dec/ --format html -o culprit.html""")
+    claims). Example: dumpdiff report ref/ dec/ --format html -o culprit.html""",
+    )
 
 
 main.add_command(_report_command())
@@ -260,20 +339,30 @@ def index_cmd(dumps, rebuild, no_progress) -> None:
     Exit status: 0 indexed, 2 trouble (a damaged dump: one line on stderr).
     Example: dumpdiff index /tmp/dumper/ref /tmp/dumper/dec
     """
-    from ..index.store import load_indexes
     from ..dump.load import open_dump, show
+    from ..index.store import load_indexes
     from ..wording import plural
+
     opened = [open_dump(dump) for dump in dumps]
     for index in load_indexes(opened, rebuild=rebuild, progress=not no_progress):
-        counts = [plural(len(index.cols(table)), what) for table, what in
-                  (("tokens", "token row"), ("calls", "call"), ("tensors", "tensor"), ("rows", "tensor row"))]
+        counts = [
+            plural(len(index.cols(table)), what)
+            for table, what in (
+                ("tokens", "token row"),
+                ("calls", "call"),
+                ("tensors", "tensor"),
+                ("rows", "tensor row"),
+            )
+        ]
         click.echo(f"{show(index.where)}: {', '.join(counts)}")
 
 
 @main.command("focus", short_help="Print the DUMPER_* settings of a run that dumps tensors around the culprit.")
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("test", type=click.Path(path_type=str))
-@click.option("--env-file", default=None, metavar="FILE", help="Also write the settings to FILE (sourceable by a shell).")
+@click.option(
+    "--env-file", default=None, metavar="FILE", help="Also write the settings to FILE (sourceable by a shell)."
+)
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--no-progress", is_flag=True, help="No progress bars on stderr.")
 @guarded
@@ -288,13 +377,20 @@ def focus_cmd(reference, test, env_file, trust_alignment, no_progress):
     Exit status: 0 settings printed, 1 no divergence (nothing to focus on), 2 trouble.
     Example: dumpdiff focus /tmp/dumper/ref /tmp/dumper/dec --env-file focus.env
     """
+    from ..report.focus import focus_settings
+    from ..report.focus import render as render_focus
     from ..verdict.diverge import first_divergence
-    from ..report.focus import focus_settings, render as render_focus
-    result = first_divergence(reference, test, trust_alignment=trust_alignment, progress=not no_progress,
-                              noise_aware=False)
+
+    result = first_divergence(
+        reference, test, trust_alignment=trust_alignment, progress=not no_progress, noise_aware=False
+    )
     if not result["culprit"]:
-        click.echo("no divergence: nothing to focus on" if not result["divergence"] else
-                   "rows differ but no call is named (see first-divergence): nothing to focus on", err=True)
+        click.echo(
+            "no divergence: nothing to focus on"
+            if not result["divergence"]
+            else "rows differ but no call is named (see first-divergence): nothing to focus on",
+            err=True,
+        )
         sys.exit(1)
     text = render_focus(focus_settings(result), result)
     if env_file:
@@ -319,8 +415,12 @@ def _parse_setting(text: str):
 @main.command("ctl", short_help="Configure, reset or query a running dumper over HTTP.")
 @click.argument("method", type=click.Choice(["configure", "reset", "get_state"]))
 @click.argument("settings", nargs=-1)
-@click.option("--url", default=DEFAULT_URL, show_default=True,
-              help="The server (DUMPER_SERVER_PORT=reuse) or the dumper's own endpoint (numeric DUMPER_SERVER_PORT).")
+@click.option(
+    "--url",
+    default=DEFAULT_URL,
+    show_default=True,
+    help="The server (DUMPER_SERVER_PORT=reuse) or the dumper's own endpoint (numeric DUMPER_SERVER_PORT).",
+)
 @guarded
 def ctl_cmd(method, settings, url) -> None:
     """Control a running dumper: the same calls as `curl -X POST URL/dumper/METHOD -d JSON`.
@@ -335,6 +435,7 @@ def ctl_cmd(method, settings, url) -> None:
     one entry per rank. Exit status: 0 done, 2 trouble (server unreachable, a setting refused).
     """
     from ..http import post_json
+
     body = dict(_parse_setting(s) for s in settings)
     reply = post_json(url.rstrip("/") + f"/dumper/{method}", body, timeout=120)
     click.echo(json.dumps(reply, indent=2, default=str))
@@ -343,11 +444,23 @@ def ctl_cmd(method, settings, url) -> None:
 @main.command("repro", short_help="Write the culprit call's inputs and a script replaying it.")
 @click.argument("reference", type=click.Path(path_type=str))
 @click.argument("test", type=click.Path(path_type=str))
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=str),
-              help="Folder for the inputs, the weights and repro.py (created if missing).")
-@click.option("--model", "model_path", default=None, type=click.Path(path_type=str),
-              help="HF model dir (AutoModelForCausalLM) the dump was made from: the culprit's parameters come from it.")
-@click.option("--call", default=None, help="Replay this call (module#index, or a module path) instead of the strict culprit.")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(path_type=str),
+    help="Folder for the inputs, the weights and repro.py (created if missing).",
+)
+@click.option(
+    "--model",
+    "model_path",
+    default=None,
+    type=click.Path(path_type=str),
+    help="HF model dir (AutoModelForCausalLM) the dump was made from: the culprit's parameters come from it.",
+)
+@click.option(
+    "--call", default=None, help="Replay this call (module#index, or a module path) instead of the strict culprit."
+)
 @click.option("--rank", type=int, default=None, help="Look at this rank only (default: the first rank that diverges).")
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")
@@ -377,12 +490,23 @@ def repro_cmd(reference, test, out_dir, model_path, call, rank, trust_alignment,
     """
     require_torch("repro")
     from ..report.repro import describe, make_repro
-    result = make_repro(reference, test, out_dir, model=model_path, call=call, rank=rank,
-                        trust_alignment=trust_alignment, allow_mismatch=allow_mismatch, progress=not no_progress)
+
+    result = make_repro(
+        reference,
+        test,
+        out_dir,
+        model=model_path,
+        call=call,
+        rank=rank,
+        trust_alignment=trust_alignment,
+        allow_mismatch=allow_mismatch,
+        progress=not no_progress,
+    )
     click.echo(describe(result), nl=False)
 
 
 from .kl_commands import add_kl_commands  # noqa: E402  (dumpdiff kl, kl calibrate, localize)
+
 add_kl_commands(main)
 
 
@@ -404,6 +528,7 @@ def import_sglang_cmd(src, dst) -> None:
     """
     require_torch("import-sglang")
     from ..dump.sglang_import import import_sglang
+
     result = import_sglang(src, dst)
     click.echo(result.describe(), nl=False)
 
@@ -414,6 +539,7 @@ def entry() -> None:
     someone else's code leaves their process's allocator as it is."""
     from ..index import memtune
     from ..index.settings import index_processes
+
     memtune.allow()
     try:
         try:

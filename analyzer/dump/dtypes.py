@@ -34,13 +34,20 @@ class DType:
 
 
 _ALL = [
-    DType("float64", "F64", 8, "float", np.float64), DType("float32", "F32", 4, "float", np.float32),
-    DType("float16", "F16", 2, "float", np.float16), DType("bfloat16", "BF16", 2, "float"),
-    DType("float8_e4m3fn", "F8_E4M3", 1, "float"), DType("float8_e5m2", "F8_E5M2", 1, "float"),
-    DType("int64", "I64", 8, "int", np.int64), DType("int32", "I32", 4, "int", np.int32),
-    DType("int16", "I16", 2, "int", np.int16), DType("int8", "I8", 1, "int", np.int8),
-    DType("uint64", "U64", 8, "int", np.uint64), DType("uint32", "U32", 4, "int", np.uint32),
-    DType("uint16", "U16", 2, "int", np.uint16), DType("uint8", "U8", 1, "int", np.uint8),
+    DType("float64", "F64", 8, "float", np.float64),
+    DType("float32", "F32", 4, "float", np.float32),
+    DType("float16", "F16", 2, "float", np.float16),
+    DType("bfloat16", "BF16", 2, "float"),
+    DType("float8_e4m3fn", "F8_E4M3", 1, "float"),
+    DType("float8_e5m2", "F8_E5M2", 1, "float"),
+    DType("int64", "I64", 8, "int", np.int64),
+    DType("int32", "I32", 4, "int", np.int32),
+    DType("int16", "I16", 2, "int", np.int16),
+    DType("int8", "I8", 1, "int", np.int8),
+    DType("uint64", "U64", 8, "int", np.uint64),
+    DType("uint32", "U32", 4, "int", np.uint32),
+    DType("uint16", "U16", 2, "int", np.uint16),
+    DType("uint8", "U8", 1, "int", np.uint8),
     DType("bool", "BOOL", 1, "bool", np.bool_),
 ]
 BY_CODE = {d.code: d for d in _ALL}
@@ -53,13 +60,25 @@ def of_torch(dtype) -> DType:
 
 
 # Largest finite magnitude, as bits without the sign bit: |x| <= max  <=>  (bits & mask) <= this.
-_MAX_FINITE_BITS = {"float64": 0x7FEFFFFFFFFFFFFF, "float32": 0x7F7FFFFF, "float16": 0x7BFF, "bfloat16": 0x7F7F,
-                    "float8_e4m3fn": 0x7E, "float8_e5m2": 0x7B}
+_MAX_FINITE_BITS = {
+    "float64": 0x7FEFFFFFFFFFFFFF,
+    "float32": 0x7F7FFFFF,
+    "float16": 0x7BFF,
+    "bfloat16": 0x7F7F,
+    "float8_e4m3fn": 0x7E,
+    "float8_e5m2": 0x7B,
+}
 
 
 # (exponent bits, mantissa bits) of each float type: its epsilon and smallest normal number.
-_FLOAT_FIELDS = {"float64": (11, 52), "float32": (8, 23), "float16": (5, 10), "bfloat16": (8, 7),
-                 "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}
+_FLOAT_FIELDS = {
+    "float64": (11, 52),
+    "float32": (8, 23),
+    "float16": (5, 10),
+    "bfloat16": (8, 7),
+    "float8_e4m3fn": (4, 3),
+    "float8_e5m2": (5, 2),
+}
 
 
 def eps(dtype: DType) -> float:
@@ -82,7 +101,7 @@ def _e4m3_table() -> np.ndarray:
     """float8_e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinity, S.1111.111 is NaN."""
     b = np.arange(256)
     exp, man = (b >> 3) & 0xF, b & 7
-    mag = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7))
+    mag = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * 2.0 ** (exp - 7))
     mag[(b & 0x7F) == 0x7F] = np.nan
     return np.where(b & 0x80, -mag, mag)
 
@@ -112,4 +131,3 @@ def to_float64(bits: np.ndarray, dtype: DType) -> np.ndarray:
     if dtype.name == "float8_e4m3fn":
         return _e4m3_table()[bits]
     raise ValueError(f"no float values for {dtype.name}")
-

@@ -52,10 +52,13 @@ def read_header(path: str, whole: bool = False, buffer_for=None) -> Tuple[Option
     try:
         with open(path, "rb", buffering=0 if buffer_for else -1) as handle:
             if whole:
-                data = _read_into(handle, buffer_for) if buffer_for is not None else \
-                    np.frombuffer(handle.read(), dtype=np.uint8)
+                data = (
+                    _read_into(handle, buffer_for)
+                    if buffer_for is not None
+                    else np.frombuffer(handle.read(), dtype=np.uint8)
+                )
                 size = int.from_bytes(data[:8].tobytes(), "little")
-                head, file_size = data[8:8 + min(size, MAX_HEADER_BYTES + 1)].tobytes(), len(data)
+                head, file_size = data[8 : 8 + min(size, MAX_HEADER_BYTES + 1)].tobytes(), len(data)
             else:
                 size = int.from_bytes(handle.read(8), "little")
                 head = handle.read(size) if size <= MAX_HEADER_BYTES else b""
@@ -137,8 +140,13 @@ def _checked_entries(text: str, data_size: int) -> Optional[dict]:
             return None
         code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         dtype = BY_CODE.get(code) if type(code) is str else None
-        if (dtype is None or not ints_within(shape, 0, 2**64) or not ints_within(offsets, 0, 2**64) or len(offsets) != 2
-                or offsets[1] - offsets[0] != _byte_size(shape, dtype.size)):
+        if (
+            dtype is None
+            or not ints_within(shape, 0, 2**64)
+            or not ints_within(offsets, 0, 2**64)
+            or len(offsets) != 2
+            or offsets[1] - offsets[0] != _byte_size(shape, dtype.size)
+        ):
             return None
         spans.append(offsets)
     spans.sort()

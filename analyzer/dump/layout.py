@@ -10,8 +10,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .dtypes import BY_CODE
 from ..errors import DumpError, show
+from .dtypes import BY_CODE
 
 MAX_HEADER_BYTES = 1 << 30
 
@@ -83,7 +83,7 @@ def layout_of_bytes(data: np.ndarray) -> Optional[FileLayout]:
     size = int.from_bytes(data[:8].tobytes(), "little")
     if 8 + size > len(data):
         return None
-    return _parsed(data[8:8 + size].tobytes(), 8 + size, len(data))
+    return _parsed(data[8 : 8 + size].tobytes(), 8 + size, len(data))
 
 
 def _parsed(header_bytes: bytes, data_start: int, file_size: int) -> Optional[FileLayout]:

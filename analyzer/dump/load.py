@@ -17,11 +17,11 @@ from safetensors import SafetensorError, safe_open
 
 from dumpdiff.dumper import format as fmt
 
-from .dtypes import BY_CODE, DType
 from ..errors import DumpError, show
-from .metacheck import is_int, is_str
-from .meta import parse_meta
+from .dtypes import BY_CODE, DType
 from .header import read_header
+from .meta import parse_meta
+from .metacheck import is_int, is_str
 
 LOCK_FILE = ".lock"  # dumper/writer.py's lock file; its text says whether the writer closed the dump
 
@@ -65,21 +65,31 @@ class Dump:
     def warnings(self) -> List[str]:
         notes = []
         if self.incomplete:
-            notes.append(f"{self.label}: dump marked INCOMPLETE ({self.incomplete}); passes after that were not written")
+            notes.append(
+                f"{self.label}: dump marked INCOMPLETE ({self.incomplete}); passes after that were not written"
+            )
         for rank in self.ranks.values():
             if rank.torn_lines:
-                notes.append(f"{self.label} rank{rank.rank}: {rank.torn_lines} torn manifest line(s) ignored (writer was killed)")
+                notes.append(
+                    f"{self.label} rank{rank.rank}: {rank.torn_lines} torn manifest line(s) ignored (writer was killed)"
+                )
             if rank.unclosed:
                 last = rank.passes[-1].pass_id if rank.passes else None
-                notes.append(f"{self.label} rank{rank.rank}: the writer ({rank.unclosed}) never closed the dump "
-                             f"(killed, crashed or still running); passes after pass {last} may be missing")
+                notes.append(
+                    f"{self.label} rank{rank.rank}: the writer ({rank.unclosed}) never closed the dump "
+                    f"(killed, crashed or still running); passes after pass {last} may be missing"
+                )
             if len(rank.sessions) > 1:
-                notes.append(f"{self.label} rank{rank.rank}: passes from {len(rank.sessions)} writer sessions "
-                             f"({'; '.join(rank.sessions[:3])}): a rerun was appended to this experiment, and "
-                             "the dump holds both runs; dump each run into a fresh experiment (cleanup_previous)")
+                notes.append(
+                    f"{self.label} rank{rank.rank}: passes from {len(rank.sessions)} writer sessions "
+                    f"({'; '.join(rank.sessions[:3])}): a rerun was appended to this experiment, and "
+                    "the dump holds both runs; dump each run into a fresh experiment (cleanup_previous)"
+                )
             if rank.orphans:
-                notes.append(f"{self.label} rank{rank.rank}: {len(rank.orphans)} uncommitted pass file(s) ignored "
-                             f"(a writer killed mid-write, or one still writing): {', '.join(rank.orphans[:3])}")
+                notes.append(
+                    f"{self.label} rank{rank.rank}: {len(rank.orphans)} uncommitted pass file(s) ignored "
+                    f"(a writer killed mid-write, or one still writing): {', '.join(rank.orphans[:3])}"
+                )
         return notes
 
 
@@ -116,8 +126,10 @@ def _not_a_dump_message(path: str) -> str:
         return f"{show(path)}: empty directory, not a dump; give the experiment folder <DUMPER_DIR>/<exp_name>"
     inner = [e for e in entries if os.path.exists(os.path.join(path, e, fmt.RUN_FILE))]
     if inner:
-        return (f"{show(path)}: this is a DUMPER_DIR holding experiments ({', '.join(sorted(inner)[:5])}); "
-                f"give one of them, e.g. {show(os.path.join(path, sorted(inner)[0]))}")
+        return (
+            f"{show(path)}: this is a DUMPER_DIR holding experiments ({', '.join(sorted(inner)[:5])}); "
+            f"give one of them, e.g. {show(os.path.join(path, sorted(inner)[0]))}"
+        )
     if any(e.endswith(".pt") for e in entries):
         return f"{show(path)}: holds .pt files but no run.json; for sglang's built-in dumper output use 'dumpdiff import-sglang'"
     if fmt.INCOMPLETE_FILE in entries:  # stopped before its first pass was written (the run file comes with it)
@@ -134,13 +146,17 @@ def _read_run(run_path: str) -> dict:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise DumpError(f"{show(run_path)}: not valid JSON ({exc}); the dump is damaged, dump again") from None
     if not isinstance(run, dict) or run.get("format") != fmt.FORMAT_NAME:
-        raise DumpError(f"{show(run_path)}: not a dumpdiff run file; give the experiment folder <DUMPER_DIR>/<exp_name>")
+        raise DumpError(
+            f"{show(run_path)}: not a dumpdiff run file; give the experiment folder <DUMPER_DIR>/<exp_name>"
+        )
     version = run.get("version")
     if not isinstance(version, int) or version < 1:
         raise DumpError(f"{show(run_path)}: format version {version!r} is not valid; the dump is damaged")
     if version > fmt.FORMAT_VERSION:
-        raise DumpError(f"{show(run_path)}: written in dump format {version}, newer than this dumpdiff reads "
-                        f"({fmt.FORMAT_VERSION}); upgrade dumpdiff (pip install -U dumpdiff)")
+        raise DumpError(
+            f"{show(run_path)}: written in dump format {version}, newer than this dumpdiff reads "
+            f"({fmt.FORMAT_VERSION}); upgrade dumpdiff (pip install -U dumpdiff)"
+        )
     return run
 
 
@@ -165,15 +181,23 @@ def _read_rank(rank: int, rank_dir: str) -> RankDump:
                 if number >= len(lines) - 1:  # only the last line can be torn by a crash
                     torn += 1
                     continue
-                raise DumpError(f"{show(manifest)}: line {number} is not a manifest entry; the dump is damaged, dump again") from None
+                raise DumpError(
+                    f"{show(manifest)}: line {number} is not a manifest entry; the dump is damaged, dump again"
+                ) from None
             if os.path.basename(name) != name or not name.endswith(".safetensors"):
-                raise DumpError(f"{show(manifest)}: line {number} names {name!r}, not a pass file in this folder; the dump is damaged")
+                raise DumpError(
+                    f"{show(manifest)}: line {number} names {name!r}, not a pass file in this folder; the dump is damaged"
+                )
             path = os.path.join(rank_dir, name)
             if not os.path.exists(path):
-                raise DumpError(f"{show(manifest)}: names {name} but that file is missing; copy the whole dump folder again")
+                raise DumpError(
+                    f"{show(manifest)}: names {name} but that file is missing; copy the whole dump folder again"
+                )
             size = os.path.getsize(path)
             if size != nbytes:
-                raise DumpError(f"{show(path)}: truncated or changed ({size} bytes, manifest says {nbytes}); copy the dump again")
+                raise DumpError(
+                    f"{show(path)}: truncated or changed ({size} bytes, manifest says {nbytes}); copy the dump again"
+                )
             committed.add(name)
             passes.append(PassRef(rank, pass_id, path, nbytes, entry.get("mode")))
             session = entry.get("session")
@@ -230,7 +254,9 @@ class PassFile:
             raw = self._safetensors().metadata() or {}
             raw = raw.get(fmt.PASS_META_KEY)
             if raw is None:
-                raise DumpError(f"{show(ref.path)}: no dumpdiff metadata in the safetensors header; not a dumpdiff pass file")
+                raise DumpError(
+                    f"{show(ref.path)}: no dumpdiff metadata in the safetensors header; not a dumpdiff pass file"
+                )
             self.names = set(self._file.keys())
         self.meta = parse_meta(raw, ref.path)
 
@@ -250,7 +276,9 @@ class PassFile:
                 self._torch_file = _safe_open(self.ref.path, "pt")
             return self._torch_file.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise DumpError(f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged") from None
+            raise DumpError(
+                f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged"
+            ) from None
 
     def bits(self, name: str) -> Tuple[np.ndarray, DType]:
         """The tensor's elements as unsigned-int bits in numpy, and its element type (no torch
@@ -262,10 +290,15 @@ class PassFile:
             if dtype is not None and dtype.native is not None:
                 return np.ascontiguousarray(opened.get_tensor(name)).view(dtype.bits), dtype
         except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
-            raise DumpError(f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged") from None
+            raise DumpError(
+                f"{show(self.ref.path)}: cannot read tensor {name!r} ({exc}); the file is damaged"
+            ) from None
         from .torchbits import from_torch  # bfloat16, float8: numpy has no such type
+
         return from_torch(self.tensor(name))
 
     def _check(self, name: str) -> None:
         if name not in self.names:
-            raise DumpError(f"{show(self.ref.path)}: tensor {name!r} listed in metadata is not in the file; the file is damaged")
+            raise DumpError(
+                f"{show(self.ref.path)}: tensor {name!r} listed in metadata is not in the file; the file is damaged"
+            )

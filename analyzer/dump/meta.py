@@ -57,8 +57,7 @@ def _parsed_whole(raw: str, path: str):
     except (ValueError, RecursionError):
         readable = False
     if not readable:
-        raise DumpError(f"{show(path)}: pass metadata is not valid JSON or holds invalid text; "
-                        "the file is damaged")
+        raise DumpError(f"{show(path)}: pass metadata is not valid JSON or holds invalid text; the file is damaged")
     return meta
 
 
@@ -99,7 +98,7 @@ def _with_recalled_calls(raw: str) -> Optional[dict]:
     if not _encodable(probe, meta):
         return None
     global _last_array
-    _last_array = (raw[start + len(CALLS_AT):end], tuple(calls), texts)  # a tuple: no pass edits another's
+    _last_array = (raw[start + len(CALLS_AT) : end], tuple(calls), texts)  # a tuple: no pass edits another's
     return meta
 
 
@@ -124,7 +123,7 @@ def _walk_calls(raw: str, i: int) -> Tuple[Optional[list], List[str], int]:
         calls.append(call)
         texts.append(text)
         i += len(text)
-        mark = raw[i:i + 1]
+        mark = raw[i : i + 1]
         i += 1
         if mark == "]":
             return calls, texts, i

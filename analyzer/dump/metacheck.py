@@ -8,7 +8,7 @@ from typing import Optional
 
 
 def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
 
 def is_str(v) -> bool:
@@ -38,18 +38,28 @@ def _tensor_meta_ok(t) -> bool:
     if type(t) is not dict or not ints_within(t.get("shape"), 0, 2**63):
         return False
     dims = t.get("token_dims")
-    return (type(t.get("dtype")) is str and t.get("rows") in (None, "all", "last")
-            and (dims is None or (ints_within(dims, 0, len(t["shape"])) and len(set(dims)) == len(dims)))
-            and _optional(t.get("alias"), is_str) and _optional(t.get("why"), is_str)
-            and type(t.get("selected", False)) is bool)
+    return (
+        type(t.get("dtype")) is str
+        and t.get("rows") in (None, "all", "last")
+        and (dims is None or (ints_within(dims, 0, len(t["shape"])) and len(set(dims)) == len(dims)))
+        and _optional(t.get("alias"), is_str)
+        and _optional(t.get("why"), is_str)
+        and type(t.get("selected", False)) is bool
+    )
 
 
 def call_ok(c) -> bool:
     """One entry of the metadata's calls list is well-formed."""
-    return (isinstance(c, dict) and all(is_str(c.get(k)) for k in ("call", "module", "cls")) and is_int(c.get("pre"))
-            and _optional(c.get("post"), is_int) and isinstance(c.get("tensors"), dict)
-            and all(is_str(k) and _tensor_meta_ok(v) for k, v in c["tensors"].items())
-            and isinstance(c.get("values", {}), dict) and isinstance(c.get("skipped", {}), dict))
+    return (
+        isinstance(c, dict)
+        and all(is_str(c.get(k)) for k in ("call", "module", "cls"))
+        and is_int(c.get("pre"))
+        and _optional(c.get("post"), is_int)
+        and isinstance(c.get("tensors"), dict)
+        and all(is_str(k) and _tensor_meta_ok(v) for k, v in c["tensors"].items())
+        and isinstance(c.get("values", {}), dict)
+        and isinstance(c.get("skipped", {}), dict)
+    )
 
 
 def meta_problem(meta: dict, calls_checked: bool = False) -> Optional[str]:
@@ -67,12 +77,20 @@ def meta_problem(meta: dict, calls_checked: bool = False) -> Optional[str]:
     in_pass = lambda r: is_int(r) and 0 <= r < len(tokens["ids"])  # noqa: E731
     checks = {
         "token_shape": _list_of(meta.get("token_shape"), is_int),
-        "mode": _optional(meta.get("mode"), is_str), "step": _optional(meta.get("step"), is_int),
+        "mode": _optional(meta.get("mode"), is_str),
+        "step": _optional(meta.get("step"), is_int),
         "kept_rows": _optional(meta.get("kept_rows"), lambda v: _list_of(v, in_pass)),
         "last_rows": _optional(meta.get("last_rows"), lambda v: _list_of(v, in_pass)),
-        "seqs": _list_of(meta.get("seqs", []), lambda q: isinstance(q, dict) and is_str(q.get("seq"))
-                         and _list_of(q.get("rows"), is_int) and len(q["rows"]) == 2
-                         and ("prefix_ids" not in q or _list_of(q["prefix_ids"], is_int))),
+        "seqs": _list_of(
+            meta.get("seqs", []),
+            lambda q: (
+                isinstance(q, dict)
+                and is_str(q.get("seq"))
+                and _list_of(q.get("rows"), is_int)
+                and len(q["rows"]) == 2
+                and ("prefix_ids" not in q or _list_of(q["prefix_ids"], is_int))
+            ),
+        ),
         "calls": isinstance(meta.get("calls"), list),
     }
     bad = next((key for key, ok in checks.items() if not ok), None)

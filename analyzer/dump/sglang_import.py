@@ -52,8 +52,10 @@ class ImportResult:
     other: int = 0  # .pt files whose name is not a tensor of a hooked module nor a core field
 
     def describe(self) -> str:
-        lines = [f"imported {self.files} .pt files into {show(self.dst)}: "
-                 + ", ".join(f"rank{r} {n} pass(es)" for r, n in sorted(self.ranks.items()))]
+        lines = [
+            f"imported {self.files} .pt files into {show(self.dst)}: "
+            + ", ".join(f"rank{r} {n} pass(es)" for r, n in sorted(self.ranks.items()))
+        ]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
 
@@ -79,7 +81,7 @@ def split_name(name: str) -> Optional[Tuple[str, str, str]]:
     """(module path, "in"|"out", slot) of a non-intrusive tensor name, or None."""
     if not name.startswith(PREFIX):
         return None
-    match = _NAME_RE.match(name[len(PREFIX):])
+    match = _NAME_RE.match(name[len(PREFIX) :])
     if not match:
         return None
     io = "in" if match.group("io") == "inputs" else "out"
@@ -97,8 +99,10 @@ def _load(path: str, result: ImportResult):
     except Exception as exc:  # noqa: BLE001 - weights_only refusal, damaged file: skip and count
         result.refused += 1
         if result.refused <= 3:
-            result.warnings.append(f"{show(os.path.basename(path))}: not loadable with weights_only=True "
-                                   f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); skipped")
+            result.warnings.append(
+                f"{show(os.path.basename(path))}: not loadable with weights_only=True "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); skipped"
+            )
         return None
     if not isinstance(data, dict) or "value" not in data:
         result.refused += 1
@@ -178,8 +182,10 @@ def _convert_pass(entries: List[Tuple[dict, str]], rank: int, step: int, pass_id
             loaded.append((tags["dump_index"], parsed, data["value"]))
     missing = [k for k in ("input_ids", "positions", "seq_lens") if not isinstance(core.get(k), torch.Tensor)]
     if missing:
-        result.warnings.append(f"rank{rank} step {step}: no {'/'.join(missing)} dumped; pass skipped "
-                               "(dump with DUMPER_NON_INTRUSIVE_MODE=core or all)")
+        result.warnings.append(
+            f"rank{rank} step {step}: no {'/'.join(missing)} dumped; pass skipped "
+            "(dump with DUMPER_NON_INTRUSIVE_MODE=core or all)"
+        )
         return None
     try:
         tokens, seqs, last_rows, mode = _tokens(core, rank, step)
@@ -197,20 +203,33 @@ def _convert_pass(entries: List[Tuple[dict, str]], rank: int, step: int, pass_id
         call = current.get(module)
         state = calls.get(call) if call else None
         # a new call of the module: inputs after its outputs, or a slot seen again
-        if state is None or (io == "in" and (state["post"] is not None or f"in.{slot}" in state["_slots"])) \
-                or (io == "out" and f"out.{slot}" in state["_slots"]):
+        if (
+            state is None
+            or (io == "in" and (state["post"] is not None or f"in.{slot}" in state["_slots"]))
+            or (io == "out" and f"out.{slot}" in state["_slots"])
+        ):
             call = fmt.call_name(module, counts[module])
             counts[module] += 1
             current[module] = call
-            state = calls[call] = {"call": call, "module": module, "cls": "?", "pre": 2 * index, "post": None,
-                                   "tensors": {}, "values": {}, "skipped": {}, "_slots": set()}
+            state = calls[call] = {
+                "call": call,
+                "module": module,
+                "cls": "?",
+                "pre": 2 * index,
+                "post": None,
+                "tensors": {},
+                "values": {},
+                "skipped": {},
+                "_slots": set(),
+            }
             order.append(call)
         state["_slots"].add(f"{io}.{slot}")
         if io == "out":
             state["post"] = 2 * index + 1
         tname = fmt.tensor_name(call, io, slot)
-        if isinstance(value, torch.Tensor) and (value.layout != torch.strided
-                                                or str(value.dtype)[6:] not in fmt.STORED_DTYPES):
+        if isinstance(value, torch.Tensor) and (
+            value.layout != torch.strided or str(value.dtype)[6:] not in fmt.STORED_DTYPES
+        ):
             state["skipped"][f"{io}.{slot}"] = f"tensor layout={value.layout} dtype={value.dtype}"  # as our dumper does
         elif isinstance(value, torch.Tensor):
             tensors[tname] = value.detach().contiguous()
@@ -221,9 +240,20 @@ def _convert_pass(entries: List[Tuple[dict, str]], rank: int, step: int, pass_id
             state["skipped"][f"{io}.{slot}"] = type(value).__name__
     for state in calls.values():
         del state["_slots"]
-    meta = {"pass": pass_id, "step": step, "rank": rank, "mode": mode, "tokens": tokens, "seqs": seqs,
-            "last_rows": last_rows, "token_shape": [n_tokens], "calls": [calls[c] for c in order],
-            "kept_rows": None, "dump_mode": "all", "extra": {"source": ENGINE}}
+    meta = {
+        "pass": pass_id,
+        "step": step,
+        "rank": rank,
+        "mode": mode,
+        "tokens": tokens,
+        "seqs": seqs,
+        "last_rows": last_rows,
+        "token_shape": [n_tokens],
+        "calls": [calls[c] for c in order],
+        "kept_rows": None,
+        "dump_mode": "all",
+        "extra": {"source": ENGINE},
+    }
     return meta, tensors
 
 
@@ -233,8 +263,15 @@ def _write_pass(rank_dir: str, meta: dict, tensors: Dict[str, torch.Tensor]) -> 
     save_file(tensors, tmp, metadata={fmt.PASS_META_KEY: json.dumps(meta)})
     final = os.path.join(rank_dir, name)
     os.replace(tmp, final)
-    return {"pass": meta["pass"], "file": name, "bytes": os.path.getsize(final), "tensors": len(tensors),
-            "mode": meta["mode"], "rows": len(meta["tokens"]["ids"]), "step": meta["step"]}
+    return {
+        "pass": meta["pass"],
+        "file": name,
+        "bytes": os.path.getsize(final),
+        "tensors": len(tensors),
+        "mode": meta["mode"],
+        "rows": len(meta["tokens"]["ids"]),
+        "step": meta["step"],
+    }
 
 
 def _utf8(name: str) -> bool:
@@ -264,14 +301,19 @@ def import_sglang(src: str, dst: str, progress=None) -> ImportResult:
             continue
         groups[(tags["rank"], tags["step"])].append((tags, os.path.join(src, entry)))
     if not groups:
-        inner = [e for e in sorted(os.listdir(src)) if os.path.isdir(os.path.join(src, e))
-                 and any(parse_tags(f) for f in os.listdir(os.path.join(src, e)))]
+        inner = [
+            e
+            for e in sorted(os.listdir(src))
+            if os.path.isdir(os.path.join(src, e)) and any(parse_tags(f) for f in os.listdir(os.path.join(src, e)))
+        ]
         hint = f"; it holds experiments: give one, e.g. {show(os.path.join(src, inner[0]))}" if inner else ""
         raise DumpError(f"{show(src)}: no sglang dump files (step=..___rank=..___dump_index=..___name=...pt){hint}")
     if unnamed:
         result.warnings.append(f"{unnamed} .pt file(s) whose name has no step/rank/dump_index tags ignored")
     if undecodable:
-        result.warnings.append(f"{undecodable} .pt file(s) whose name is not valid UTF-8 ignored; rename them to import them")
+        result.warnings.append(
+            f"{undecodable} .pt file(s) whose name is not valid UTF-8 ignored; rename them to import them"
+        )
 
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
@@ -312,10 +354,17 @@ def import_sglang(src: str, dst: str, progress=None) -> ImportResult:
             raise DumpError(f"{show(src)}: no step could be converted ({'; '.join(result.warnings[:3])})")
         if result.refused:
             result.warnings.append(f"{result.refused} file(s) refused by torch.load(weights_only=True) and skipped")
-        run = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "engine": ENGINE,
-               "model": run_info["model"], "dtype": run_info["dtype"], "device": None,
-               "tp_size": run_info["tp_size"], "config": {"non_intrusive_mode": "all", "source": os.path.abspath(src)},
-               "versions": {"torch": torch.__version__}}
+        run = {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "engine": ENGINE,
+            "model": run_info["model"],
+            "dtype": run_info["dtype"],
+            "device": None,
+            "tp_size": run_info["tp_size"],
+            "config": {"non_intrusive_mode": "all", "source": os.path.abspath(src)},
+            "versions": {"torch": torch.__version__},
+        }
         run = {k: v for k, v in run.items() if v is not None}
         with open(os.path.join(work, fmt.RUN_FILE), "w", encoding="utf-8") as handle:
             json.dump(run, handle, indent=1, sort_keys=True)

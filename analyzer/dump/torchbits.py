@@ -27,4 +27,3 @@ def to_torch(bits: np.ndarray, dtype: DType):
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(bits).view(_SIGNED[dtype.size])).view(getattr(torch, dtype.name))
-

@@ -14,8 +14,8 @@ from typing import Dict, List, NamedTuple, Union
 
 import numpy as np
 
-from .columns import merged_vocabulary, recode
 from ..errors import DumpError
+from .columns import merged_vocabulary, recode
 
 
 class Dictionary(NamedTuple):
@@ -26,6 +26,7 @@ class Dictionary(NamedTuple):
 class TextPieces(NamedTuple):
     """A text column of many passes, pass by pass: the passes of one structure share one list,
     turned into an arrow array once."""
+
     pieces: list
 
 
@@ -88,15 +89,22 @@ def table(columns: Dict[str, Column], encode=()):
     """A pyarrow Table; the text columns named in ``encode`` are stored dictionary-encoded when
     they hold no null."""
     import pyarrow as pa
+
     def flat(values):
         return [v for piece in values.pieces for v in piece] if isinstance(values, TextPieces) else values
-    columns = {name: values if name not in encode or not isinstance(values, (list, TextPieces)) or None in flat(values)
-               else encoded(flat(values)) for name, values in columns.items()}
+
+    columns = {
+        name: values
+        if name not in encode or not isinstance(values, (list, TextPieces)) or None in flat(values)
+        else encoded(flat(values))
+        for name, values in columns.items()
+    }
     return pa.Table.from_arrays([_array(values) for values in columns.values()], names=list(columns))
 
 
 def _array(values: Column):
     import pyarrow as pa
+
     if isinstance(values, Dictionary):
         n_words = len(values.vocabulary)
         kind = np.int8 if n_words < 1 << 7 else np.int16 if n_words < 1 << 15 else np.int32
@@ -121,9 +129,12 @@ def _array(values: Column):
 
 def _numbers(values: np.ndarray):
     import pyarrow as pa
+
     values = np.ascontiguousarray(values)
     if values.dtype == bool:
-        return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(np.packbits(values, bitorder="little"))])
+        return pa.Array.from_buffers(
+            pa.bool_(), len(values), [None, pa.py_buffer(np.packbits(values, bitorder="little"))]
+        )
     kind = pa.from_numpy_dtype(values.dtype)
     return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])
 
@@ -131,15 +142,21 @@ def _numbers(values: np.ndarray):
 def _text(values: list, large: bool = True):
     """Strings (None: null) as an arrow string array."""
     import pyarrow as pa
+
     try:
         encoded = [v.encode() if v is not None else b"" for v in values]
     except UnicodeEncodeError as exc:  # a lone surrogate, from a JSON escape in a damaged header
-        raise DumpError(f"a name in the pass metadata is not valid Unicode ({exc.object[:60]!r}); the dump is "
-                        "damaged") from None
+        raise DumpError(
+            f"a name in the pass metadata is not valid Unicode ({exc.object[:60]!r}); the dump is damaged"
+        ) from None
     offsets = np.zeros(len(values) + 1, np.int64 if large else np.int32)
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
     valid = np.fromiter((v is not None for v in values), bool, len(values))
     bitmap = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
     kind = pa.large_string() if large else pa.string()
-    return pa.Array.from_buffers(kind, len(values), [bitmap, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))],
-                                 null_count=int(len(values) - valid.sum()))
+    return pa.Array.from_buffers(
+        kind,
+        len(values),
+        [bitmap, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))],
+        null_count=int(len(values) - valid.sum()),
+    )

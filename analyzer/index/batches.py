@@ -21,11 +21,11 @@ from typing import List, Tuple
 
 import numpy as np
 
-from .columns import distinct
 from ..dump.dtypes import BY_NAME, DType, to_float64
 from ..errors import DumpError, show
-from .table import Index
+from .columns import distinct
 from .rows import WHOLE_FILE_AFTER, WHOLE_FILE_BYTES, read_exactly, reader_of
+from .table import Index
 
 CHUNK_BYTES = 128 << 20
 GROUP_BYTES = 64 << 20  # spans of pass files read at once by _from_spans
@@ -96,8 +96,9 @@ def read_batches(index: Index, tensors: List[str], entries: List[np.ndarray]) ->
     mixed = set()
     last_pass = None
     firsts = order[bounds[:-1]]
-    for start, stop, pass_id, i in zip(bounds[:-1].tolist(), bounds[1:].tolist(), passes[firsts].tolist(),
-                                       batch_of[firsts].tolist()):
+    for start, stop, pass_id, i in zip(
+        bounds[:-1].tolist(), bounds[1:].tolist(), passes[firsts].tolist(), batch_of[firsts].tolist()
+    ):
         if pass_id != last_pass:
             if last_pass in broad:
                 reader.drop_whole(last_pass)
@@ -123,8 +124,16 @@ def read_batches(index: Index, tensors: List[str], entries: List[np.ndarray]) ->
     return list(zip(out, types))
 
 
-def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np.ndarray, passes: np.ndarray,
-                n_batches: int, out: list, types: list) -> np.ndarray:
+def _from_spans(
+    index: Index,
+    entry: np.ndarray,
+    batch_of: np.ndarray,
+    place: np.ndarray,
+    passes: np.ndarray,
+    n_batches: int,
+    out: list,
+    types: list,
+) -> np.ndarray:
     """Fill rows straight from the byte offsets the index holds, reading spans of files: of a
     small pass file that many batches read from (a decode step), the span that holds all of
     them (callers ask for batches in file order, so a chunk's span is a slice of the file); of
@@ -142,12 +151,17 @@ def _from_spans(index: Index, entry: np.ndarray, batch_of: np.ndarray, place: np
     pass_ids, pass_of, batches_in_pass = _passes_and_batches(passes, batch_of, n_batches)
     sizes = np.array([reader.refs[p].nbytes for p in pass_ids.tolist()], dtype=np.int64)
     width_of = widths[batch_of[cells]]
-    if (offsets[cells] > sizes[pass_of[cells]] - width_of).any():  # not offset + width: a damaged index's huge offset wraps
-        raise DumpError(f"the index of {show(index.dump.path)} places rows past the end of their pass files; "
-                        "rebuild it: dumpdiff index --rebuild")
+    if (
+        offsets[cells] > sizes[pass_of[cells]] - width_of
+    ).any():  # not offset + width: a damaged index's huge offset wraps
+        raise DumpError(
+            f"the index of {show(index.dump.path)} places rows past the end of their pass files; "
+            "rebuild it: dumpdiff index --rebuild"
+        )
     broad = (sizes <= WHOLE_FILE_BYTES) & (batches_in_pass >= WHOLE_FILE_AFTER)
-    cells, piece_of, piece_pass, lows, spans, group_of = _pieces(cells, offsets, width_of, pass_of, batch_of, broad,
-                                                                 n_batches)
+    cells, piece_of, piece_pass, lows, spans, group_of = _pieces(
+        cells, offsets, width_of, pass_of, batch_of, broad, n_batches
+    )
     if not len(cells):
         return done
     counts = np.bincount(batch_of, minlength=n_batches)
@@ -202,7 +216,9 @@ def _pieces(cells, offsets, width_of, pass_of, batch_of, broad, n_batches: int):
     batch, kept when dense (rows at least half the span) or broad, and at most MAX_SPAN_BYTES.
     Returns the cells kept, each one's piece, per piece its pass number, first byte, length and
     group (pieces in file order, GROUP_BYTES of spans per group)."""
-    key = pass_of[cells].astype(np.int64) * (n_batches + 1) + np.where(broad[pass_of[cells]], n_batches, batch_of[cells])
+    key = pass_of[cells].astype(np.int64) * (n_batches + 1) + np.where(
+        broad[pass_of[cells]], n_batches, batch_of[cells]
+    )
     pieces, piece_of = np.unique(key, return_inverse=True)
     piece_of = piece_of.reshape(-1)
     lows = np.full(len(pieces), np.iinfo(np.int64).max)
@@ -245,7 +261,7 @@ def _read_spans(reader, pass_ids: np.ndarray, lows: np.ndarray, lengths: np.ndar
                         os.close(fd)
                         fd = None
                     fd, open_pass = os.open(path, os.O_RDONLY), pass_id
-                read_exactly(fd, data[start:start + length], low)
+                read_exactly(fd, data[start : start + length], low)
             except OSError as exc:
                 raise DumpError(f"{show(path)}: cannot read ({exc}); the file is damaged or was changed") from None
             reader.bytes_read += length

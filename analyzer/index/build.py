@@ -18,18 +18,18 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ..dump.layout import usable_layout
+from ..dump.load import Dump, PassFile, show
+from ..dump.readahead import RangeAdvisor, will_need
+from ..errors import DumpError
 from . import arrow as arrowbuild
 from .batches import chunks
 from .files import TABLES
-from .settings import env_count, index_processes
-from ..errors import DumpError
-from ..dump.layout import usable_layout
 from .fingerprint import row_stats
-from ..dump.load import Dump, PassFile, show
 from .passtables import ENCODED, pass_tables, stored_tensors
-from ..dump.readahead import RangeAdvisor, will_need
 from .rowplan import may_hold_token_ids, pass_rows, row_columns
 from .rows import FileEnded, read_exactly
+from .settings import env_count, index_processes
 from .smallpass import small_pass_tables
 from .workers import WorkerPool
 
@@ -85,8 +85,14 @@ def _submit_pieces(pool, ref):
         return None
     order = sorted(stored_names, key=lambda n: layout.get(n)[2])
     sizes = [layout.get(n)[3] - layout.get(n)[2] for n in order]
-    return pf, tensor_metas, [(pool.submit(_index_piece, ref, [order[i] for i in piece]), sum(sizes[i] for i in piece))
-                              for piece in chunks(sizes, PIECE_BYTES)]
+    return (
+        pf,
+        tensor_metas,
+        [
+            (pool.submit(_index_piece, ref, [order[i] for i in piece]), sum(sizes[i] for i in piece))
+            for piece in chunks(sizes, PIECE_BYTES)
+        ],
+    )
 
 
 _opened: Dict[str, PassFile] = {}
@@ -132,7 +138,11 @@ def _with_read_ahead(small_refs: dict):
     """(position, ref, the files to ask the kernel for when its indexing starts), in order."""
     paths = [ref.path for ref in small_refs.values()]
     for k, (i, ref) in enumerate(small_refs.items()):
-        yield i, ref, paths[1:1 + SMALL_READ_AHEAD] if k == 0 else paths[k + SMALL_READ_AHEAD:k + SMALL_READ_AHEAD + 1]
+        yield (
+            i,
+            ref,
+            paths[1 : 1 + SMALL_READ_AHEAD] if k == 0 else paths[k + SMALL_READ_AHEAD : k + SMALL_READ_AHEAD + 1],
+        )
 
 
 def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[dict]:
@@ -150,6 +160,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
             with lock:
                 counted[0] += nbytes
                 bar.update(nbytes)
+
         if i in pieces:  # hashed by worker processes: its pieces' rows are gathered here
             pf, tensor_metas, futures = pieces[i]
 
@@ -159,10 +170,13 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
                     stored_rows.update(future.result())
                     on_bytes(nbytes)
                 return pass_tables(pf.meta["calls"], tensor_metas, stored_rows)
+
             tables = index_pass(pf, on_bytes=advance, tensor_tables=gathered)
         else:
             whole = ref.nbytes < INLINE_PASS_BYTES
-            tables = index_pass(PassFile(ref, whole=whole, buffer_for=_reused_buffer if whole else None), on_bytes=advance)
+            tables = index_pass(
+                PassFile(ref, whole=whole, buffer_for=_reused_buffer if whole else None), on_bytes=advance
+            )
         with lock:
             bar.update(max(ref.nbytes - counted[0], 0))  # the header and metadata
         return tables
@@ -175,8 +189,10 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
     side, small, pieces = _start_in_processes(small_refs, lambda n: _locked(lock, bar.update, n), large_refs)
     if side is None:
         side = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-small")
-        small = {i: side.submit(lambda i, ref, ahead: will_need(ahead) or one(i, ref), i, ref, ahead)
-                 for i, ref, ahead in _with_read_ahead(small_refs)}
+        small = {
+            i: side.submit(lambda i, ref, ahead: will_need(ahead) or one(i, ref), i, ref, ahead)
+            for i, ref, ahead in _with_read_ahead(small_refs)
+        }
     finisher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dumpdiff-index-tables")
 
     def finish(k: int, parts: list) -> dict:
@@ -184,6 +200,7 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
         if on_built is not None:
             on_built(k, tables)
         return tables
+
     try:
         finishing = []
         for k in range(len(dumps)):  # a dump's tables are made (and saved) while the next one streams
@@ -191,8 +208,10 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
             finishing.append(finisher.submit(finish, k, parts))
         built = [future.result() for future in finishing]
     except concurrent.futures.BrokenExecutor as exc:  # a worker process was killed (out of memory?)
-        raise DumpError(f"a worker process indexing the dumps died ({exc}); if the system is short "
-                        "of memory, rerun with DUMPDIFF_INDEX_PROCESSES=0 (one process) or 2") from None
+        raise DumpError(
+            f"a worker process indexing the dumps died ({exc}); if the system is short "
+            "of memory, rerun with DUMPDIFF_INDEX_PROCESSES=0 (one process) or 2"
+        ) from None
     finally:
         for future in [*small.values(), *(f for _, _, done in pieces.values() for f, _ in done)]:
             future.cancel()  # after an error: no pass is indexed for nothing
@@ -205,14 +224,17 @@ def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[
 
 
 def _tables_of(parts: List[dict]) -> dict:
-    return {name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts]), encode=ENCODED.get(name, ()))
-            for name in TABLES}
+    return {
+        name: arrowbuild.table(arrowbuild.concat([part[name] for part in parts]), encode=ENCODED.get(name, ()))
+        for name in TABLES
+    }
 
 
 def _progress(total: int, desc: str, enabled: bool):
     if not (enabled and sys.stderr.isatty()):
         return _NoBar()  # as tqdm would be (disable=None: off when stderr is no terminal), without its 25 ms import
     from tqdm import tqdm
+
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
 
 
@@ -236,16 +258,27 @@ def index_pass(pf: PassFile, on_bytes=None, tensor_tables=None) -> Dict[str, dic
     seqs = meta.get("seqs", [])
     valid = np.asarray(tokens["valid"], dtype=bool)
     tables = {
-        "tokens": {"row": np.arange(n_rows, dtype=np.int32), "seq": list(tokens["seq"]),
-                   "pos": np.asarray(tokens["pos"], dtype=np.int64), "id": np.asarray(tokens["ids"], dtype=np.int64),
-                   "valid": valid, "mode": [meta.get("mode", "unknown")] * n_rows,
-                   "step": _repeat(meta.get("step"), n_rows)},
-        "seqs": {"seq": [q["seq"] for q in seqs], "first": np.array([q["rows"][0] for q in seqs], dtype=np.int64),
-                 "end": np.array([q["rows"][1] for q in seqs], dtype=np.int64),
-                 "prefix_ids": [json.dumps(q["prefix_ids"]) if "prefix_ids" in q else None for q in seqs]},
+        "tokens": {
+            "row": np.arange(n_rows, dtype=np.int32),
+            "seq": list(tokens["seq"]),
+            "pos": np.asarray(tokens["pos"], dtype=np.int64),
+            "id": np.asarray(tokens["ids"], dtype=np.int64),
+            "valid": valid,
+            "mode": [meta.get("mode", "unknown")] * n_rows,
+            "step": _repeat(meta.get("step"), n_rows),
+        },
+        "seqs": {
+            "seq": [q["seq"] for q in seqs],
+            "first": np.array([q["rows"][0] for q in seqs], dtype=np.int64),
+            "end": np.array([q["rows"][1] for q in seqs], dtype=np.int64),
+            "prefix_ids": [json.dumps(q["prefix_ids"]) if "prefix_ids" in q else None for q in seqs],
+        },
     }
-    small = small_pass_tables(pf, n_rows, valid, on_bytes) if ref.nbytes < INLINE_PASS_BYTES and tensor_tables is None \
+    small = (
+        small_pass_tables(pf, n_rows, valid, on_bytes)
+        if ref.nbytes < INLINE_PASS_BYTES and tensor_tables is None
         else None
+    )
     tables.update(small or (tensor_tables or _tensor_by_tensor)(pf, n_rows, valid, on_bytes))
     for table in tables.values():  # every table says whose rows it holds
         n = arrowbuild.length(next(iter(table.values())))
@@ -257,12 +290,14 @@ def _tensor_by_tensor(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=Non
     """The calls, tensors and rows tables of a large pass: every stored tensor is read once and
     hashed by a pool of threads (see _stored_rows)."""
     tensor_metas, stored_names = stored_tensors(pf)
-    return pass_tables(pf.meta["calls"], tensor_metas,
-                       _stored_rows(pf, n_rows, valid, stored_names, on_bytes, tensor_metas))
+    return pass_tables(
+        pf.meta["calls"], tensor_metas, _stored_rows(pf, n_rows, valid, stored_names, on_bytes, tensor_metas)
+    )
 
 
-def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: List[str], on_bytes=None,
-                 tensor_metas=None) -> Dict[str, tuple]:
+def _stored_rows(
+    pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: List[str], on_bytes=None, tensor_metas=None
+) -> Dict[str, tuple]:
     """Stored tensor name -> (row columns, why it has no token rows, whether it holds the token ids),
     for the named tensors of a pass. A tensor whose rows lie in order in the file (nearly all) is
     streamed by one hashing thread a block of rows at a time, the kernel reading ahead; the rest
@@ -273,8 +308,11 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
     layout = usable_layout(pf, stored_names)
     streamed = {}
     if layout is not None:
-        streamed = {name: plan for name, plan in ((n, _plan_in_blocks(pf, plans, n, tensor_metas[n], layout))
-                                                   for n in stored_names) if plan is not None}
+        streamed = {
+            name: plan
+            for name, plan in ((n, _plan_in_blocks(pf, plans, n, tensor_metas[n], layout)) for n in stored_names)
+            if plan is not None
+        }
     whole = [n for n in stored_names if n not in streamed]
     advisor = RangeAdvisor(pf.ref.path, STREAM_AHEAD_BYTES) if streamed else None
 
@@ -299,7 +337,9 @@ def _stored_rows(pf: PassFile, n_rows: int, valid: np.ndarray, stored_names: Lis
                 stored_rows[stored] = work(stored, tensor, dtype, begin, release)
                 del tensor
             return stored_rows
-        pending: "collections.deque" = collections.deque((name, _tensor_pool().submit(stream, name)) for name in in_order)
+        pending: "collections.deque" = collections.deque(
+            (name, _tensor_pool().submit(stream, name)) for name in in_order
+        )
         try:
             for stored, tensor, dtype, begin, release in read_tensors(pf, whole, on_bytes, layout):
                 pending.append((stored, _tensor_pool().submit(work, stored, tensor, dtype, begin, release)))
@@ -363,7 +403,7 @@ def _rows_in_blocks(pf: PassFile, name: str, plan, entry, token_ids, on_bytes=No
                     advisor.reach(begin + first * width, begin + last * width)
                 _read_range(handle, begin + first * width, buffer[:nbytes], pf, name)
                 rows = buffer[:nbytes].view(dtype.bits).reshape((last - first,) + tuple(plan.view_shape[1:]))
-                kept = plan.srow[cuts[block]:cuts[block + 1]] - first
+                kept = plan.srow[cuts[block] : cuts[block + 1]] - first
                 parts.append(row_stats(rows if len(kept) == last - first else rows[kept], dtype))
                 if on_bytes:
                     on_bytes(nbytes)
@@ -483,8 +523,9 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None, layout=None):
                         buffer = _read_buffers.take(nbytes)
                         state["held"] += buffer.nbytes  # what it holds, not the tensor: a reused buffer may be larger
                     _read_range(handle, begin, buffer[:nbytes], pf, name)
-                    tensor = buffer[:nbytes].view(dtype.bits).reshape(shape) if nbytes else \
-                        np.empty(shape, dtype=dtype.bits)
+                    tensor = (
+                        buffer[:nbytes].view(dtype.bits).reshape(shape) if nbytes else np.empty(shape, dtype=dtype.bits)
+                    )
                     results.put((name, tensor, dtype, begin, nbytes, buffer, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             results.put((None, None, None, None, 0, None, exc))
@@ -498,6 +539,7 @@ def read_tensors(pf: PassFile, names: List[str], on_bytes=None, layout=None):
                 if isinstance(error, OSError):
                     raise DumpError(f"{show(pf.ref.path)}: cannot read ({error}); the file is damaged") from None
                 raise error
+
             def release(nbytes=nbytes, buffer=buffer, released=[]) -> None:  # noqa: B006 - one list per tensor
                 # the consumer keeps nothing pointing into it; given back twice, it would be
                 # handed out to two tensors at once

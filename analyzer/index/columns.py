@@ -16,8 +16,13 @@ import numpy as np
 
 
 class Columns:
-    def __init__(self, data: Dict[str, np.ndarray], dictionaries: Dict[str, Tuple[np.ndarray, np.ndarray]] = None,
-                 length: int = None, arrow=None) -> None:
+    def __init__(
+        self,
+        data: Dict[str, np.ndarray],
+        dictionaries: Dict[str, Tuple[np.ndarray, np.ndarray]] = None,
+        length: int = None,
+        arrow=None,
+    ) -> None:
         self._data = dict(data)
         self._dicts = dict(dictionaries or {})  # name -> (codes, vocabulary as object array)
         self._arrow = arrow  # a pyarrow Table whose columns are converted on first use
@@ -39,6 +44,7 @@ class Columns:
         if self._arrow is None or name in self._data or name in self._dicts or name not in self.names:
             return
         import pyarrow as pa
+
         column = self._arrow.column(name)
         if pa.types.is_dictionary(column.type) and not column.null_count:
             column = column.unify_dictionaries() if column.num_chunks > 1 else column
@@ -87,8 +93,11 @@ class Columns:
             if which.dtype == bool:
                 which = np.nonzero(which)[0]
             length = len(which)
-        taken = Columns({n: v[which] for n, v in self._data.items() if n not in self._dicts},
-                        {n: (c[which], vocab) for n, (c, vocab) in self._dicts.items()}, length=length)
+        taken = Columns(
+            {n: v[which] for n, v in self._data.items() if n not in self._dicts},
+            {n: (c[which], vocab) for n, (c, vocab) in self._dicts.items()},
+            length=length,
+        )
         taken.names = list(self.names)
         return taken
 
@@ -98,6 +107,7 @@ class Columns:
 
     def to_pandas(self):
         import pandas as pd
+
         frame = {}
         for name in self.names:
             self._load(name)
@@ -134,6 +144,7 @@ def recode(vocabulary: np.ndarray, into: np.ndarray) -> np.ndarray:
 def _numpy_dtype(kind) -> np.dtype:
     """numpy's type for an arrow integer or float type (arrow's own to_pandas_dtype imports pandas)."""
     import pyarrow as pa
+
     if pa.types.is_floating(kind):
         return np.dtype(f"f{kind.bit_width // 8}")
     return np.dtype(f"{'i' if pa.types.is_signed_integer(kind) else 'u'}{kind.bit_width // 8}")
@@ -146,16 +157,17 @@ def _joined(parts):
 def _array(chunk) -> np.ndarray:
     """One arrow array as numpy, from its buffers: pyarrow's own to_numpy imports pandas."""
     import pyarrow as pa
+
     kind = chunk.type
     if pa.types.is_boolean(kind) and not chunk.null_count:
         bits = np.frombuffer(chunk.buffers()[1], np.uint8)
-        return np.unpackbits(bits, bitorder="little")[chunk.offset:chunk.offset + len(chunk)].astype(bool)
+        return np.unpackbits(bits, bitorder="little")[chunk.offset : chunk.offset + len(chunk)].astype(bool)
     if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         dtype = _numpy_dtype(kind)
         values = np.frombuffer(chunk.buffers()[1], dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
         if chunk.null_count:  # a null is NaN (integers become floats), as pandas reads it
             valid = np.unpackbits(np.frombuffer(chunk.buffers()[0], np.uint8), bitorder="little")
-            values = np.where(valid[chunk.offset:chunk.offset + len(chunk)].astype(bool), values, np.nan)
+            values = np.where(valid[chunk.offset : chunk.offset + len(chunk)].astype(bool), values, np.nan)
         return values
     values = np.empty(len(chunk), dtype=object)  # text, nulls, anything else: Python objects
     values[:] = chunk.to_pylist()

@@ -16,6 +16,7 @@ def index_folder(dump_path: str) -> str:
     if os.access(dump_path, os.W_OK):
         return os.path.join(dump_path, INDEX_DIR)
     import hashlib  # (OpenSSL: only for a read-only dump)
+
     digest = hashlib.sha256(os.path.abspath(dump_path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return os.path.join(os.path.expanduser("~/.cache/dumpdiff/index"), digest)
 

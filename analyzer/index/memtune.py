@@ -17,9 +17,11 @@ import ctypes
 import os
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
-SETTINGS = ((M_MMAP_THRESHOLD, 32 << 20),  # the largest glibc accepts on 64-bit: larger arrays are still mapped
-            (M_TRIM_THRESHOLD, 1 << 30),  # freed memory stays for the next arrays
-            (M_TOP_PAD, 64 << 20))  # the heap grows in steps of 64 MB, not page by page
+SETTINGS = (
+    (M_MMAP_THRESHOLD, 32 << 20),  # the largest glibc accepts on 64-bit: larger arrays are still mapped
+    (M_TRIM_THRESHOLD, 1 << 30),  # freed memory stays for the next arrays
+    (M_TOP_PAD, 64 << 20),
+)  # the heap grows in steps of 64 MB, not page by page
 
 
 _allowed = False

@@ -15,13 +15,16 @@ class ParquetBytes:
 
     def __init__(self, data, metadata=None) -> None:
         import pyarrow as pa
+
         source = pa.BufferReader(data)
         try:
             from pyarrow._parquet import ParquetReader
+
             reader = ParquetReader()
             reader.open(source, metadata=metadata)
         except (ImportError, TypeError, AttributeError):  # another pyarrow: the public reader
             import pyarrow.parquet as pq
+
             reader = pq.ParquetFile(source, metadata=metadata).reader
         self._reader = reader
         self.schema_arrow = reader.schema_arrow

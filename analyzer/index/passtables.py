@@ -12,17 +12,19 @@ import numpy as np
 
 from dumpdiff.dumper import format as fmt
 
-from . import arrow as arrowbuild
-from ..errors import DumpError
 from ..dump.load import PassFile, show
-
+from ..errors import DumpError
+from . import arrow as arrowbuild
 
 # Text columns stored dictionary-encoded (the rows table's are built so): reading tens of
 # thousands of tensor names of a long decode run back as strings one by one was most of a
 # strict verdict's own time. The calls' and tensors' are encoded pass by pass (a structure's
 # once, analyzer/index/smallpass.py), the tokens' when the tables are joined.
-ENCODED = {"tokens": ("seq", "mode"), "calls": ("call", "module", "cls"),
-           "tensors": ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "stored")}
+ENCODED = {
+    "tokens": ("seq", "mode"),
+    "calls": ("call", "module", "cls"),
+    "tensors": ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "stored"),
+}
 
 
 def stored_tensors(pf: PassFile) -> Tuple[Dict[str, dict], List[str]]:
@@ -34,8 +36,10 @@ def stored_tensors(pf: PassFile) -> Tuple[Dict[str, dict], List[str]]:
         for name, tmeta in call["tensors"].items():
             stored = tmeta.get("alias") or name
             if stored not in tensor_metas:
-                raise DumpError(f"{show(pf.ref.path)}: {name!r} is an alias of {stored!r}, which the pass does not hold; "
-                                "the file is damaged")
+                raise DumpError(
+                    f"{show(pf.ref.path)}: {name!r} is an alias of {stored!r}, which the pass does not hold; "
+                    "the file is damaged"
+                )
             needed[stored] = None
     return tensor_metas, list(needed)
 
@@ -43,12 +47,32 @@ def stored_tensors(pf: PassFile) -> Tuple[Dict[str, dict], List[str]]:
 def pass_tables(calls: list, tensor_metas: dict, stored_rows: Dict[str, tuple]) -> Dict[str, dict]:
     """The calls, tensors and rows tables' columns; ``stored_rows``: stored name -> (row columns,
     why it has no token rows or None, whether it holds the pass's token ids)."""
-    tables = {"calls": {
-        "call": [c["call"] for c in calls], "module": [c["module"] for c in calls], "cls": [c["cls"] for c in calls],
-        "pre": np.array([c["pre"] for c in calls], dtype=np.int64),
-        "post": np.array([c["post"] if c.get("post") is not None else -1 for c in calls], dtype=np.int64),  # -1: never finished
-        "skipped": [json.dumps(c["skipped"]) if c.get("skipped") else None for c in calls]}}
-    keys = ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims", "rows", "stored", "selected", "is_ids", "why")
+    tables = {
+        "calls": {
+            "call": [c["call"] for c in calls],
+            "module": [c["module"] for c in calls],
+            "cls": [c["cls"] for c in calls],
+            "pre": np.array([c["pre"] for c in calls], dtype=np.int64),
+            "post": np.array(
+                [c["post"] if c.get("post") is not None else -1 for c in calls], dtype=np.int64
+            ),  # -1: never finished
+            "skipped": [json.dumps(c["skipped"]) if c.get("skipped") else None for c in calls],
+        }
+    }
+    keys = (
+        "tensor",
+        "call",
+        "io",
+        "slot",
+        "dtype",
+        "shape",
+        "token_dims",
+        "rows",
+        "stored",
+        "selected",
+        "is_ids",
+        "why",
+    )
     tensors = {k: [] for k in keys}
     add = [tensors[k].append for k in keys]  # one loop step per tensor name: a decode pass has hundreds
     row_parts = []
@@ -58,10 +82,23 @@ def pass_tables(calls: list, tensor_metas: dict, stored_rows: Dict[str, tuple]) 
             io, slot = _io_and_slot(name)
             stored = tmeta.get("alias") or name
             columns, row_why, is_ids = stored_rows[stored]
-            for append, value in zip(add, (name, call_name, io, slot, tmeta["dtype"], json_ints(tmeta["shape"]),
-                                           json_ints(tmeta.get("token_dims")), tmeta.get("rows"), stored,
-                                           bool(tensor_metas[stored].get("selected", False)), is_ids,
-                                           tmeta.get("why") or row_why)):
+            for append, value in zip(
+                add,
+                (
+                    name,
+                    call_name,
+                    io,
+                    slot,
+                    tmeta["dtype"],
+                    json_ints(tmeta["shape"]),
+                    json_ints(tmeta.get("token_dims")),
+                    tmeta.get("rows"),
+                    stored,
+                    bool(tensor_metas[stored].get("selected", False)),
+                    is_ids,
+                    tmeta.get("why") or row_why,
+                ),
+            ):
                 append(value)
             row_parts.append((name, columns))
     tensors["selected"], tensors["is_ids"] = (np.array(tensors[k], dtype=bool) for k in ("selected", "is_ids"))
@@ -96,8 +133,14 @@ def _rows_table(parts: List[tuple]) -> dict:
 
     def concat(key, dtype):
         return np.concatenate([c[key] for _, c in parts]).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
-    return {"row": concat("row", np.int32), "fp": concat("fp", np.int64),
-            "rowshape": arrowbuild.dictionary([c["rowshape"] for _, c in parts], lengths),
-            "amax": concat("amax", np.float64), "nonfinite": concat("nonfinite", np.int32),
-            "srow": concat("srow", np.int32), "offset": concat("offset", np.int64),
-            "tensor": arrowbuild.dictionary([name for name, _ in parts], lengths)}
+
+    return {
+        "row": concat("row", np.int32),
+        "fp": concat("fp", np.int64),
+        "rowshape": arrowbuild.dictionary([c["rowshape"] for _, c in parts], lengths),
+        "amax": concat("amax", np.float64),
+        "nonfinite": concat("nonfinite", np.int32),
+        "srow": concat("srow", np.int32),
+        "offset": concat("offset", np.int64),
+        "tensor": arrowbuild.dictionary([name for name, _ in parts], lengths),
+    }

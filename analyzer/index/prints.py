@@ -19,10 +19,10 @@ import numpy as np
 from dumpdiff.dumper import format as fmt
 
 from ..dump.dtypes import BY_NAME, DType
-from ..errors import DumpError
 from ..dump.layout import usable_layout
 from ..dump.load import Dump, PassFile, show
-from .passtables import stored_tensors, pass_tables
+from ..errors import DumpError
+from .passtables import pass_tables, stored_tensors
 from .rowplan import holds_token_ids, may_hold_token_ids, pass_rows
 
 ROWPRINT_VERSION = 1  # dumper/rowprint.py's VERSION; not imported: that imports torch
@@ -31,6 +31,7 @@ ROWPRINT_VERSION = 1  # dumper/rowprint.py's VERSION; not imported: that imports
 def build_many(dumps: List[Dump], progress: bool = True, on_built=None) -> List[dict]:
     """The five tables of each dump, in rowprint fingerprints (indexbuild.build_many's contract)."""
     from .build import _tables_of, index_pass
+
     built = []
     printed = 0
     for k, dump in enumerate(dumps):
@@ -61,11 +62,15 @@ def print_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) ->
     carried = None
     if fmt.ROWPRINTS_TENSOR in pf.names:
         if version != ROWPRINT_VERSION:
-            raise DumpError(f"{show(path)}: row fingerprints of version {version!r}; this dumpdiff reads version "
-                            f"{ROWPRINT_VERSION}: analyze with the dumpdiff that wrote the dump")
+            raise DumpError(
+                f"{show(path)}: row fingerprints of version {version!r}; this dumpdiff reads version "
+                f"{ROWPRINT_VERSION}: analyze with the dumpdiff that wrote the dump"
+            )
         carried, _ = pf.bits(fmt.ROWPRINTS_TENSOR)
         if carried.ndim != 2 or carried.shape[0] != 3 or carried.dtype != np.uint64:
-            raise DumpError(f"{show(path)}: the row fingerprint table has shape {list(carried.shape)}; the file is damaged")
+            raise DumpError(
+                f"{show(path)}: the row fingerprint table has shape {list(carried.shape)}; the file is damaged"
+            )
     tensor_metas, stored_names = stored_tensors(pf)
     in_file = [n for n in stored_names if n in pf.names]
     layout = usable_layout(pf, in_file) if in_file else None
@@ -76,7 +81,9 @@ def print_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) ->
         tmeta = tensor_metas[name]
         dtype = BY_NAME.get(tmeta.get("dtype"))
         if dtype is None:
-            raise DumpError(f"{show(path)}: tensor {name!r} has element type {tmeta.get('dtype')!r}; the file is damaged")
+            raise DumpError(
+                f"{show(path)}: tensor {name!r} has element type {tmeta.get('dtype')!r}; the file is damaged"
+            )
         held = name in pf.names
         bits, begin = None, None
         if held and layout is not None:  # the header gives shape and place: bytes are read only if needed
@@ -95,14 +102,23 @@ def print_tables(pf: PassFile, n_rows: int, valid: np.ndarray, on_bytes=None) ->
         elif held:
             stats = _printed_here(plan.rows(bits), dtype)
         else:
-            raise DumpError(f"{show(path)}: tensor {name!r} has neither bytes nor row fingerprints; the file is damaged")
+            raise DumpError(
+                f"{show(path)}: tensor {name!r} has neither bytes nor row fingerprints; the file is damaged"
+            )
         fps, amax, nonfinite = stats
         if not held:
             is_ids = _prints_token_ids(plan, dtype, fps, token_ids)
         else:  # bits not read: by its shape it cannot hold the token ids
             is_ids = bits is not None and holds_token_ids(plan, plan.rows(bits), dtype, token_ids)
-        columns = {"row": plan.kept_rows, "fp": fps, "rowshape": plan.row_shape_text(dtype.name), "amax": amax,
-                   "nonfinite": nonfinite, "srow": plan.srow.astype(np.int32), "offset": plan.row_offsets(begin, dtype)}
+        columns = {
+            "row": plan.kept_rows,
+            "fp": fps,
+            "rowshape": plan.row_shape_text(dtype.name),
+            "amax": amax,
+            "nonfinite": nonfinite,
+            "srow": plan.srow.astype(np.int32),
+            "offset": plan.row_offsets(begin, dtype),
+        }
         stored_rows[name] = (columns, plan.why, is_ids)
         if on_bytes and bits is not None:
             on_bytes(bits.nbytes)
@@ -125,16 +141,20 @@ def _carried_rows(carried: np.ndarray, place, plan, name: str, path: str):
     rows = plan.view_shape[0] if plan.by_token else 1
     ok = isinstance(place, list) and len(place) == 2 and all(isinstance(v, int) and v >= 0 for v in place)
     if not ok or place[1] != rows or place[0] + place[1] > carried.shape[1]:
-        raise DumpError(f"{show(path)}: tensor {name!r}'s row fingerprints {place!r} do not fit its {rows} rows or the "
-                        f"table of {carried.shape[1]}; the file is damaged")
-    mine = carried[:, place[0]:place[0] + place[1]][:, plan.srow]
+        raise DumpError(
+            f"{show(path)}: tensor {name!r}'s row fingerprints {place!r} do not fit its {rows} rows or the "
+            f"table of {carried.shape[1]}; the file is damaged"
+        )
+    mine = carried[:, place[0] : place[0] + place[1]][:, plan.srow]
     return mine[0].view(np.int64), mine[1].view(np.float64), mine[2].astype(np.int32)
 
 
 def _printed_here(rows: np.ndarray, dtype: DType):
     """The rowprint stats of rows held as bits, computed with the dumper's own torch function."""
     from dumpdiff.dumper import rowprint
+
     from ..dump.torchbits import to_torch
+
     n = rows.shape[0]
     width = int(np.prod(rows.shape[1:], dtype=np.int64))
     stats = rowprint.row_stats(to_torch(rows, dtype).reshape(n, width)).numpy()
@@ -149,6 +169,7 @@ def _prints_token_ids(plan, dtype: DType, fps: np.ndarray, token_ids) -> bool:
     import torch
 
     from dumpdiff.dumper import rowprint
+
     ids = torch.tensor(np.asarray(token_ids, dtype=np.int64)[plan.kept_rows]).reshape(-1, 1)
     try:
         expected = rowprint.fingerprints(ids.to(getattr(torch, dtype.name))).numpy()

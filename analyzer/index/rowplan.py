@@ -16,8 +16,8 @@ from typing import List, Optional
 import numpy as np
 
 from ..dump.dtypes import DType
-from ..errors import DumpError
 from ..dump.load import show
+from ..errors import DumpError
 
 
 def token_rows_of(tmeta: dict, meta: dict, n_rows: int) -> Optional[List[int]]:
@@ -63,7 +63,10 @@ class RowPlan:
 
     def __init__(self, tmeta: dict, meta: dict, n_rows: int, valid: np.ndarray, shape: tuple) -> None:
         self.shape = shape
-        self._view_meta = {"token_dims": tmeta.get("token_dims"), "selected": tmeta.get("selected")}  # for stored_row_view
+        self._view_meta = {
+            "token_dims": tmeta.get("token_dims"),
+            "selected": tmeta.get("selected"),
+        }  # for stored_row_view
         token_rows = token_rows_of(tmeta, meta, n_rows)
         self.why = None
         if token_rows is not None:
@@ -133,8 +136,10 @@ class PassRows:
 
     def plan(self, path: str, stored: str, tmeta: dict, shape) -> RowPlan:
         if list(shape) != list(tmeta["shape"]) and not tmeta.get("selected"):
-            raise DumpError(f"{show(path)}: tensor {stored!r} has shape {list(shape)}, metadata says "
-                            f"{tmeta['shape']}; the file is damaged")
+            raise DumpError(
+                f"{show(path)}: tensor {stored!r} has shape {list(shape)}, metadata says "
+                f"{tmeta['shape']}; the file is damaged"
+            )
         dims = tmeta.get("token_dims")
         key = (tuple(shape), None if dims is None else tuple(dims), tmeta.get("rows"), bool(tmeta.get("selected")))
         plan = self._plans.get(key)
@@ -165,9 +170,15 @@ def row_columns(plan: RowPlan, view: np.ndarray, dtype: DType, stats, token_ids,
     fps, amax, nonfinite = stats  # fingerprints, max |x|, inf/nan
     if amax is None:
         amax = np.full(len(fps), np.nan)
-    columns = {"row": plan.kept_rows, "fp": fps.view(np.int64), "rowshape": plan.row_shape_text(dtype.name),
-               "amax": amax, "nonfinite": nonfinite, "srow": plan.srow.astype(np.int32),
-               "offset": plan.row_offsets(begin, dtype)}
+    columns = {
+        "row": plan.kept_rows,
+        "fp": fps.view(np.int64),
+        "rowshape": plan.row_shape_text(dtype.name),
+        "amax": amax,
+        "nonfinite": nonfinite,
+        "srow": plan.srow.astype(np.int32),
+        "offset": plan.row_offsets(begin, dtype),
+    }
     return columns, plan.why, holds_token_ids(plan, view, dtype, token_ids)
 
 
@@ -178,6 +189,8 @@ def may_hold_token_ids(plan: RowPlan, dtype: DType) -> bool:
 
 def holds_token_ids(plan: RowPlan, view: np.ndarray, dtype: DType, token_ids) -> bool:
     """Whether the kept rows hold the pass's token ids: the token-ids tensor, under any name."""
-    return bool(may_hold_token_ids(plan, dtype) and view.size == len(plan.kept_rows)
-                and np.array_equal(view.reshape(-1).view(dtype.native).astype(np.int64),
-                                   np.asarray(token_ids)[plan.kept_rows]))
+    return bool(
+        may_hold_token_ids(plan, dtype)
+        and view.size == len(plan.kept_rows)
+        and np.array_equal(view.reshape(-1).view(dtype.native).astype(np.int64), np.asarray(token_ids)[plan.kept_rows])
+    )

@@ -18,13 +18,13 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .columns import distinct
 from ..dump.dtypes import DType
 from ..dump.layout import file_layout, read_whole_file
-from .table import Index
 from ..dump.load import PassFile
-from .rowplan import stored_row_view
 from ..dump.torchbits import to_torch
+from .columns import distinct
+from .rowplan import stored_row_view
+from .table import Index
 
 CACHE_BYTES = 512 << 20
 # A pass file this small, once rows of this many of its tensors were asked for, is read whole:
@@ -100,7 +100,11 @@ class RowReader:
             self._dims[text] = json.loads(text)
         shape = self._dims[text] if isinstance(self._dims[text], list) else []
         token = set(dims or ())
-        return (None if dims is None else tuple(dims), selected, tuple(s for d, s in enumerate(shape) if d not in token))
+        return (
+            None if dims is None else tuple(dims),
+            selected,
+            tuple(s for d, s in enumerate(shape) if d not in token),
+        )
 
     def _entries_of(self, pass_id: int) -> Dict[str, int]:
         """tensor name -> tensors-table entry, for one pass (a long decode run has 100k entries;
@@ -148,7 +152,7 @@ class RowReader:
             narrow = codes.astype(np.int16 if len(names) < 1 << 15 else np.int32)  # 16 bits: a radix sort
             by["order"] = np.argsort(narrow, kind="stable")
             by["ends"] = np.cumsum(np.bincount(codes, minlength=len(names)))
-        return by["order"][(by["ends"][code - 1] if code else 0):by["ends"][code]]
+        return by["order"][(by["ends"][code - 1] if code else 0) : by["ends"][code]]
 
     def _entry(self, pass_id: int, stored: str):
         layout = self._layouts.get(pass_id, False)
@@ -209,8 +213,11 @@ class RowReader:
                     first, count = need[start], stop - start
                     buffer = np.empty(count * row_bytes, dtype=np.uint8)
                     read_exactly(fd, buffer, begin + first * row_bytes)
-                    block = buffer.view(dtype.bits).reshape((count,) + row_shape) if row_bytes else \
-                        np.empty((count,) + row_shape, dtype=dtype.bits)
+                    block = (
+                        buffer.view(dtype.bits).reshape((count,) + row_shape)
+                        if row_bytes
+                        else np.empty((count,) + row_shape, dtype=dtype.bits)
+                    )
                     for i in range(count):
                         have[first + i] = block[i]
                     self.bytes_read += buffer.nbytes
@@ -252,8 +259,11 @@ class RowReader:
                 pass_file = self._files[pass_id] = PassFile(self.refs[pass_id])
             data, dtype = pass_file.bits(stored)
             self.bytes_read += data.nbytes
-            view = stored_row_view(data, {"token_dims": dims, "selected": selected}) if dims is not None \
+            view = (
+                stored_row_view(data, {"token_dims": dims, "selected": selected})
+                if dims is not None
                 else data.reshape((1,) + tuple(data.shape))
+            )
             slot["view"] = (view, dtype)
             self._cached += data.nbytes
             self._evict()

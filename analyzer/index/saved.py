@@ -17,6 +17,7 @@ def _unreadable_errors() -> tuple:
     """What reading a damaged saved table raises: the OS's errors, and pyarrow's (most are
     ValueErrors; a damaged footer can also give ArrowNotImplementedError)."""
     import pyarrow as pa
+
     return (OSError, ValueError, pa.ArrowException)
 
 
@@ -68,7 +69,9 @@ def _whole(handle):
     rewrites a saved table in place while a command reads it (rsync --inplace) would end that
     command with SIGBUS."""
     import mmap
+
     import pyarrow as pa
+
     try:
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
@@ -79,6 +82,7 @@ def _whole(handle):
 def _parquet(data, metadata=None):
     """A parquet reader over bytes in memory (reads from it are synchronous: no I/O threads)."""
     from .parquet import ParquetBytes
+
     return ParquetBytes(data, metadata)
 
 
@@ -152,5 +156,6 @@ class LazyParquet:
         try:
             return _parquet(self._data, self._file.metadata).read(columns=columns, use_threads=False)
         except _unreadable_errors() as exc:
-            raise DumpError(f"{show(self._path)}: cannot be read ({exc}); the index is damaged: "
-                            "rerun with --rebuild-index") from None
+            raise DumpError(
+                f"{show(self._path)}: cannot be read ({exc}); the index is damaged: rerun with --rebuild-index"
+            ) from None

@@ -23,10 +23,10 @@ from typing import Dict, List, Optional, Set
 
 import numpy as np
 
-from . import arrow as arrowbuild
 from ..dump.layout import FileLayout, layout_of_bytes, read_whole_file, usable_layout
-from .fingerprint import row_stats
 from ..dump.load import PassFile
+from . import arrow as arrowbuild
+from .fingerprint import row_stats
 from .passtables import json_ints, pass_tables, stored_tensors
 from .rowplan import PassRows, holds_token_ids, may_hold_token_ids, pass_rows, rows_lie_in_order
 
@@ -98,16 +98,25 @@ class Structure:
     """What indexing a pass of one structure needs besides the bytes."""
 
     @classmethod
-    def of(cls, pf: PassFile, layout: FileLayout, row_plans: PassRows,
-           volatile: frozenset = frozenset()) -> Optional["Structure"]:
+    def of(
+        cls, pf: PassFile, layout: FileLayout, row_plans: PassRows, volatile: frozenset = frozenset()
+    ) -> Optional["Structure"]:
         tensor_metas, stored_names = stored_tensors(pf)
-        if usable_layout(pf, stored_names, layout) is None or any(_large_and_scattered(layout, name, tensor_metas[name])
-                                                                  for name in stored_names):
+        if usable_layout(pf, stored_names, layout) is None or any(
+            _large_and_scattered(layout, name, tensor_metas[name]) for name in stored_names
+        ):
             return None
         return cls(pf, layout, tensor_metas, stored_names, row_plans, volatile)
 
-    def __init__(self, pf: PassFile, layout: FileLayout, tensor_metas: dict, stored_names: list, row_plans: PassRows,
-                 volatile: frozenset) -> None:
+    def __init__(
+        self,
+        pf: PassFile,
+        layout: FileLayout,
+        tensor_metas: dict,
+        stored_names: list,
+        row_plans: PassRows,
+        volatile: frozenset,
+    ) -> None:
         self.calls = pf.meta["calls"]
         self.key = row_plans.key
         self._header = layout.header  # a later file whose entries text repeats this one's shares it
@@ -129,8 +138,10 @@ class Structure:
                 self._volatile.append((j, stored, len(plan.srow), plan.why, plan.by_token))
                 continue
             self._facts.append((entry["dtype"], entry["shape"], end - begin))
-            group = groups.setdefault((dtype.name, plan.view_shape[1:]), {
-                "dtype": dtype, "row_shape": plan.view_shape[1:], "pieces": [], "rows": 0})
+            group = groups.setdefault(
+                (dtype.name, plan.view_shape[1:]),
+                {"dtype": dtype, "row_shape": plan.view_shape[1:], "pieces": [], "rows": 0},
+            )
             placed[stored] = (group, group["rows"])
             group["rows"] += len(plan.srow)
             # where the kept rows lie, from the tensor's first byte
@@ -155,11 +166,19 @@ class Structure:
                 start, kind, first = first, layout.get(stored)[0].name, first + len(plan.srow)
                 within = plan.row_offsets(None, layout.get(stored)[0])
             count = len(plan.srow)
-            stored_rows[stored] = ({
-                "row": plan.kept_rows, "fp": np.arange(count, dtype=np.int64) + start,
-                "rowshape": plan.row_shape_text(kind), "amax": np.zeros(count),
-                "nonfinite": np.zeros(count, np.int32), "srow": plan.srow.astype(np.int32), "offset": within},
-                plan.why, False)
+            stored_rows[stored] = (
+                {
+                    "row": plan.kept_rows,
+                    "fp": np.arange(count, dtype=np.int64) + start,
+                    "rowshape": plan.row_shape_text(kind),
+                    "amax": np.zeros(count),
+                    "nonfinite": np.zeros(count, np.int32),
+                    "srow": plan.srow.astype(np.int32),
+                    "offset": within,
+                },
+                plan.why,
+                False,
+            )
         self._tables = pass_tables(self.calls, tensor_metas, stored_rows)
         self._order = self._tables["rows"]["fp"]  # the hashed row of each rows-table row
         # Per tensors-table row (one per tensor name; the rows table's parts, in the same order):
@@ -170,8 +189,9 @@ class Structure:
         for i, stored in enumerate(stored_of):
             self._rows_of[stored].append(i)
         self._shape_texts = arrowbuild.decoded(tensors["shape"])
-        self._volatile_names = [(i, name) for i, (name, stored) in enumerate(zip(names, stored_of))
-                                if stored in self.volatile]
+        self._volatile_names = [
+            (i, name) for i, (name, stored) in enumerate(zip(names, stored_of)) if stored in self.volatile
+        ]
         self._part_shapes = [stored_rows[stored][0]["rowshape"] for stored in stored_of]
         self._part_lengths = np.array([len(stored_rows[stored][0]["row"]) for stored in stored_of], dtype=np.int64)
         number = {stored: j for j, stored in enumerate(stored_names)}
@@ -213,19 +233,23 @@ class Structure:
         begins = self._begins(layout)
         if begins is None:
             return None
-        tensor_metas = {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()} \
-            if self._volatile else {}
+        tensor_metas = (
+            {name: tmeta for call in meta["calls"] for name, tmeta in call["tensors"].items()} if self._volatile else {}
+        )
         volatile = self._volatile_rows(data, layout, pf.ref.path, tensor_metas, row_plans, begins)
         if volatile is None:
             return None
         fps, amaxes, nonfinites = [], [], []
         for group in self._groups:
             dtype, row_shape = group["dtype"], group["row_shape"]
-            parts = [data[begins[p[0]] + p[1]:begins[p[0]] + p[2]] if len(p) == 3 else data[begins[p[0]] + p[1]]
-                     for p in group["pieces"]]
+            parts = [
+                data[begins[p[0]] + p[1] : begins[p[0]] + p[2]] if len(p) == 3 else data[begins[p[0]] + p[1]]
+                for p in group["pieces"]
+            ]
             joined = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-            _add_stats(row_stats(joined.view(dtype.bits).reshape((group["rows"],) + row_shape), dtype),
-                       fps, amaxes, nonfinites)
+            _add_stats(
+                row_stats(joined.view(dtype.bits).reshape((group["rows"],) + row_shape), dtype), fps, amaxes, nonfinites
+            )
         for stats in volatile["stats"]:
             _add_stats(stats, fps, amaxes, nonfinites)
         order = self._order
@@ -238,12 +262,14 @@ class Structure:
         rows["offset"] = np.where(within >= 0, np.asarray(begins, dtype=np.int64)[self._row_stored] + within, -1)
         for stored, offsets in volatile["offsets"].items():
             for i in self._rows_of[stored]:
-                rows["offset"][self._part_starts[i]:self._part_starts[i] + len(offsets)] = offsets
+                rows["offset"][self._part_starts[i] : self._part_starts[i] + len(offsets)] = offsets
         is_ids = tensors["is_ids"] = tensors["is_ids"].copy()
         token_ids = meta["tokens"]["ids"]
         for j, plan, dtype in self._id_candidates + volatile["id_candidates"]:
             begin = begins[j]
-            view = plan.rows(data[begin:begin + math.prod(plan.shape) * dtype.size].view(dtype.bits).reshape(plan.shape))
+            view = plan.rows(
+                data[begin : begin + math.prod(plan.shape) * dtype.size].view(dtype.bits).reshape(plan.shape)
+            )
             if holds_token_ids(plan, view, dtype, token_ids):
                 is_ids[self._rows_of[self._stored[j]]] = True
         if self._volatile_names:
@@ -269,15 +295,26 @@ class Structure:
             return None
         sizes = np.array([b if b is not None else -1 for _, _, b in self._facts], dtype=np.int64)
         fixed = sizes >= 0
-        if not ((offsets[:, 0] >= 0).all() and (offsets[fixed, 1] - offsets[fixed, 0] == sizes[fixed]).all()
-                and (offsets[:, 1] >= offsets[:, 0]).all() and (offsets[:, 1] <= layout.data_size).all()):
+        if not (
+            (offsets[:, 0] >= 0).all()
+            and (offsets[fixed, 1] - offsets[fixed, 0] == sizes[fixed]).all()
+            and (offsets[:, 1] >= offsets[:, 0]).all()
+            and (offsets[:, 1] <= layout.data_size).all()
+        ):
             return None
         if header is self._header:
             self._offsets = offsets[:, 0]
         return (offsets[:, 0] + (layout.file_size - layout.data_size)).tolist()
 
-    def _volatile_rows(self, data: np.ndarray, layout: FileLayout, path: str, tensor_metas: dict, row_plans: PassRows,
-                       begins: List[int]) -> Optional[dict]:
+    def _volatile_rows(
+        self,
+        data: np.ndarray,
+        layout: FileLayout,
+        path: str,
+        tensor_metas: dict,
+        row_plans: PassRows,
+        begins: List[int],
+    ) -> Optional[dict]:
         """Row stats, row shape texts, token-id candidates and bytes of the volatile tensors, or
         None when one of them no longer has the rows the structure planned for."""
         found = {"stats": [], "row_shapes": {}, "id_candidates": [], "bytes": 0, "offsets": {}}

@@ -24,11 +24,10 @@ import logging
 import os
 from typing import Dict, List, Optional
 
-
+from ..dump.load import Dump, show
 from .files import STAMP_FILE, TABLES, index_folder, table_path
 from .saved import LazyParquet, _open_regular, _open_saved, _read_table, _unreadable_errors
 from .table import Index
-from ..dump.load import Dump, show
 
 INDEX_VERSION = 6  # 2: XXH3 row fingerprints; 3: exact float64 amax (2 rounded it); 4: written by pyarrow alone;
 # 5: text columns dictionary-encoded (ENCODED); 6: each row's byte offset in its pass file
@@ -66,6 +65,7 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
     for dump in dumps:
         _warn(dump)
     from .printkind import ROWPRINT, index_kind
+
     kind = index_kind(dumps)  # one fingerprint kind for dumps compared together
     places = [index_location(dump) for dump in dumps]
     if kind == ROWPRINT:  # a folder of its own: a full dump compared both ways is not rebuilt each time
@@ -84,6 +84,7 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
             if fresh is not None and prefetch and isinstance(fresh.get(prefetch[0]), LazyParquet):
                 fresh[prefetch[0]].prefetch(prefetch[1])
             return stamp, fresh
+
         # both indexes are opened at once: each waits on its own files
         with concurrent.futures.ThreadPoolExecutor(len(wanted), thread_name_prefix="dumpdiff-open") as pool:
             opened = dict(zip(wanted, pool.map(lambda key: open_saved(*wanted[key]), list(wanted))))
@@ -102,6 +103,7 @@ def load_indexes(dumps: List[Dump], rebuild: bool = False, progress: bool = True
                     _write_tables(where, made, stamp)
                 except OSError as exc:
                     _unsaved(where, exc)
+
         if building:  # (nothing to build: none of the build's modules is imported)
             if kind == ROWPRINT:
                 from .prints import build_many
@@ -167,7 +169,9 @@ def _read_fresh(where: str, stamp: dict) -> Optional[dict]:
 def _unsaved(where: str, exc: OSError) -> None:
     logging.getLogger("dumpdiff").warning(
         "warning: could not save the index in %s (%s); it is used from memory and rebuilt next time",
-        show(where), exc.strerror or exc)
+        show(where),
+        exc.strerror or exc,
+    )
 
 
 def _warn(dump: Dump) -> None:
@@ -191,6 +195,7 @@ def _write_tables(where: str, tables: dict, stamp: dict) -> None:
     if os.path.exists(stamp_path):
         os.unlink(stamp_path)
     import pyarrow.parquet as pq
+
     written = []
     try:
         for name, table in tables.items():
@@ -198,8 +203,12 @@ def _write_tables(where: str, tables: dict, stamp: dict) -> None:
             written.append(path + tag)
             delta = [c for c in DELTA_COLUMNS.get(name, ()) if c in table.column_names]
             with open(path + tag, "wb") as handle:
-                pq.write_table(table, handle, use_dictionary=[c for c in table.column_names if c not in delta],
-                               column_encoding={c: "DELTA_BINARY_PACKED" for c in delta})
+                pq.write_table(
+                    table,
+                    handle,
+                    use_dictionary=[c for c in table.column_names if c not in delta],
+                    column_encoding={c: "DELTA_BINARY_PACKED" for c in delta},
+                )
             os.replace(path + tag, path)
         written.append(stamp_path + tag)
         with open(stamp_path + tag, "w") as handle:

@@ -32,9 +32,12 @@ class Index:
             whole = self._shared.get(("frame", name))
             if whole is None:
                 from .passtables import ENCODED
+
                 frame = self._tables[name].to_pandas(use_threads=False)  # a LazyParquet or a pyarrow Table
                 whole = self._shared[("frame", name)] = _plain_text(frame, ENCODED.get(name, ()))
-            self._frames[name] = whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
+            self._frames[name] = (
+                whole if self._rank is None or "rank" not in whole else whole[whole["rank"] == self._rank]
+            )
         return self._frames[name]
 
     def cols(self, name: str) -> Columns:

@@ -35,12 +35,14 @@ from typing import List, Optional, Tuple
 _PACKAGE_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * (__name__.count(".") or 1)))
 # `-c` puts the working directory first on the path: it goes before anything is imported (a
 # user's json.py there must not be run), and the caller's path replaces it.
-_BOOT = ("import sys\n"
-         "if sys.path[:1] == ['']: del sys.path[0]\n"
-         "import json\n"
-         "sys.path[:] = json.loads(sys.argv[1])\n"
-         "from dumpdiff.analyzer.index.workers import serve\n"
-         "serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))")
+_BOOT = (
+    "import sys\n"
+    "if sys.path[:1] == ['']: del sys.path[0]\n"
+    "import json\n"
+    "sys.path[:] = json.loads(sys.argv[1])\n"
+    "from dumpdiff.analyzer.index.workers import serve\n"
+    "serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))"
+)
 START_SECONDS = 60.0  # a worker not ready by then (importing numpy on a loaded machine?) is not waited for
 
 
@@ -52,8 +54,11 @@ def _worker_path() -> List[str]:
     """This process's import path, relative entries made absolute (the worker starts in the same
     directory, but the path must not depend on it), and this package's root last, should the
     package have come from an entry since removed."""
-    path = [os.path.abspath(entry) if entry == "" or os.path.exists(entry) else entry  # not a folder: an
-            for entry in sys.path if isinstance(entry, str)]                           # import hook's key
+    path = [
+        os.path.abspath(entry) if entry == "" or os.path.exists(entry) else entry  # not a folder: an
+        for entry in sys.path
+        if isinstance(entry, str)
+    ]  # import hook's key
     return path + ([_PACKAGE_ROOT] if _PACKAGE_ROOT not in path else [])
 
 
@@ -90,8 +95,10 @@ class WorkerPool:
         except BaseException:
             self._stop_processes(kill=True)
             raise
-        self._feeders = [threading.Thread(target=self._feed, args=(proc, *pipes), name="dumpdiff-worker-feed",
-                                          daemon=True) for proc, pipes in zip(self.processes, self._pipes)]
+        self._feeders = [
+            threading.Thread(target=self._feed, args=(proc, *pipes), name="dumpdiff-worker-feed", daemon=True)
+            for proc, pipes in zip(self.processes, self._pipes)
+        ]
         for feeder in self._feeders:
             feeder.start()
 
@@ -99,9 +106,14 @@ class WorkerPool:
         jobs_read, jobs_write = os.pipe()
         answers_read, answers_write = os.pipe()
         try:
-            self.processes.append(subprocess.Popen(
-                [*command, str(jobs_read), str(answers_write)], pass_fds=(jobs_read, answers_write),
-                stdin=subprocess.DEVNULL, start_new_session=True))
+            self.processes.append(
+                subprocess.Popen(
+                    [*command, str(jobs_read), str(answers_write)],
+                    pass_fds=(jobs_read, answers_write),
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         except BaseException:
             os.close(jobs_write)
             os.close(answers_read)

@@ -32,8 +32,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from . import score as kl
 from ..errors import DumpError
+from . import score as kl
 
 Log = Callable[[str], None]
 
@@ -78,9 +78,11 @@ def _cache_len(cache) -> Optional[int]:
             return int(cache.get_seq_length())
         except Exception as exc:  # noqa: BLE001 - a state-only cache (Mamba's) raises ValueError
             # generate resumes a passed cache from its length: without one it recomputes the prompt
-            raise _NotApplicable(f"its cache ({type(cache).__name__}) reports no length (get_seq_length raised "
-                                 f"{type(exc).__name__}): a recurrent state, not a cache of tokens, so no prompt "
-                                 "prefix can be restored from it") from None
+            raise _NotApplicable(
+                f"its cache ({type(cache).__name__}) reports no length (get_seq_length raised "
+                f"{type(exc).__name__}): a recurrent state, not a cache of tokens, so no prompt "
+                "prefix can be restored from it"
+            ) from None
     try:  # legacy tuple of (key, value) per layer: [batch, heads, seq, dim]
         return int(cache[0][0].shape[-2])
     except (TypeError, IndexError, AttributeError):
@@ -102,8 +104,13 @@ class _Runner:
     def generate(self, ids, cache=None):
         """-> (new token ids, their decode logprobs, the returned cache)."""
         x = self.tensor(ids)
-        kwargs = dict(max_new_tokens=self.max_new_tokens, min_new_tokens=self.max_new_tokens,  # = ignore_eos
-                      return_dict_in_generate=True, output_logits=True, attention_mask=torch.ones_like(x))
+        kwargs = dict(
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.max_new_tokens,  # = ignore_eos
+            return_dict_in_generate=True,
+            output_logits=True,
+            attention_mask=torch.ones_like(x),
+        )
         if self.temperature > 0:
             torch.manual_seed(self.seed)
             kwargs.update(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0)
@@ -113,7 +120,7 @@ class _Runner:
             kwargs[self.cache_keyword] = cache
         with torch.no_grad():
             out = self.model.generate(x, **kwargs)
-        new = out.sequences[0, x.shape[1]:].tolist()
+        new = out.sequences[0, x.shape[1] :].tolist()
         if len(out.logits) != len(new):
             raise DumpError(f"generate returned {len(out.logits)} logits for {len(new)} new tokens")
         lps = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, new)]
@@ -123,7 +130,7 @@ class _Runner:
         """Reference: one forward of `full`; logprobs of its last n tokens."""
         with torch.no_grad():
             logits = _logits(self.model(self.tensor(full), use_cache=False))[0].float()
-        lp = torch.log_softmax(logits[-n - 1:-1], -1)
+        lp = torch.log_softmax(logits[-n - 1 : -1], -1)
         return lp.gather(-1, torch.tensor(full[-n:], device=lp.device)[:, None])[:, 0].tolist()
 
     def warm(self, ids):
@@ -133,8 +140,15 @@ class _Runner:
 
 def _match(run: _Runner, i: int, prompt: list, turn: int):
     new, dec, _ = run.generate(prompt)
-    return {"index": i, "prompt_len": len(prompt), "output_len": len(new), "cached_tokens": 0, "hit": True,
-            "decode_lp": dec, "prefill_lp": run.prefill(prompt + new, len(new))}
+    return {
+        "index": i,
+        "prompt_len": len(prompt),
+        "output_len": len(new),
+        "cached_tokens": 0,
+        "hit": True,
+        "decode_lp": dec,
+        "prefill_lp": run.prefill(prompt + new, len(new)),
+    }
 
 
 def _prefill_cache_hit(run: _Runner, i: int, prompt: list, turn: int):
@@ -144,8 +158,15 @@ def _prefill_cache_hit(run: _Runner, i: int, prompt: list, turn: int):
         raise _NotApplicable("model(..., use_cache=True) returned no past_key_values")
     new, dec, _ = run.generate(prompt, cache=cache)
     hit = cached == len(prompt) - 1
-    return {"index": i, "prompt_len": len(prompt), "output_len": len(new), "cached_tokens": cached, "hit": hit,
-            "decode_lp": dec, "prefill_lp": run.prefill(prompt + new, len(new)) if hit else None}
+    return {
+        "index": i,
+        "prompt_len": len(prompt),
+        "output_len": len(new),
+        "cached_tokens": cached,
+        "hit": hit,
+        "decode_lp": dec,
+        "prefill_lp": run.prefill(prompt + new, len(new)) if hit else None,
+    }
 
 
 def _decode_cache_hit(run: _Runner, i: int, prompt: list, turn: int):
@@ -156,9 +177,16 @@ def _decode_cache_hit(run: _Runner, i: int, prompt: list, turn: int):
     second = prompt + first + [turn if turn is not None else prompt[-1]]
     new, dec, _ = run.generate(second, cache=cache)
     hit = cached > len(prompt) + 1
-    return {"index": i, "prompt_len": len(prompt), "turn2_len": len(second), "output_len": len(new),
-            "cached_tokens": cached, "hit": hit, "decode_lp": dec,
-            "prefill_lp": run.prefill(second + new, len(new)) if hit else None}
+    return {
+        "index": i,
+        "prompt_len": len(prompt),
+        "turn2_len": len(second),
+        "output_len": len(new),
+        "cached_tokens": cached,
+        "hit": hit,
+        "decode_lp": dec,
+        "prefill_lp": run.prefill(second + new, len(new)) if hit else None,
+    }
 
 
 RUNNERS = {"match": _match, "prefill_cache_hit": _prefill_cache_hit, "decode_cache_hit": _decode_cache_hit}
@@ -171,14 +199,31 @@ def describe_model(model) -> dict:
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     except (AttributeError, StopIteration, TypeError):
         dtype = None
-    return {"engine": "in-process", "model": str(name), "model_class": type(model).__name__, "tp": 1,
-            "dtype": dtype, "device": str(_device(model))}
+    return {
+        "engine": "in-process",
+        "model": str(name),
+        "model_class": type(model).__name__,
+        "tp": 1,
+        "dtype": dtype,
+        "device": str(_device(model)),
+    }
 
 
-def check_model(model, prompts: Iterable, *, max_new_tokens: int = 32, helpers: Iterable[str] = kl.HELPERS,
-                threshold: Optional[float] = None, thresholds_file: Optional[str] = None, temperature: float = 0.0,
-                seed: int = 0, turn_token: Optional[int] = None, min_hit_rate: float = 0.5, tokenizer=None,
-                log: Log = lambda _m: None) -> dict:
+def check_model(
+    model,
+    prompts: Iterable,
+    *,
+    max_new_tokens: int = 32,
+    helpers: Iterable[str] = kl.HELPERS,
+    threshold: Optional[float] = None,
+    thresholds_file: Optional[str] = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    turn_token: Optional[int] = None,
+    min_hit_rate: float = 0.5,
+    tokenizer=None,
+    log: Log = lambda _m: None,
+) -> dict:
     """Run the helpers on an in-process model; the same result dict as kl_helpers.check_server.
 
     prompts: token-id lists (or 1-D tensors), or texts when `tokenizer` (anything with
@@ -186,6 +231,7 @@ def check_model(model, prompts: Iterable, *, max_new_tokens: int = 32, helpers: 
     (the file is keyed by the model's name_or_path, tp=1).
     """
     from .thresholds import resolve_thresholds
+
     ids = []
     for p in prompts:
         if isinstance(p, str):
@@ -205,13 +251,26 @@ def check_model(model, prompts: Iterable, *, max_new_tokens: int = 32, helpers: 
     run = _Runner(model, max_new_tokens, temperature, seed)
     helpers = list(helpers)
     lengths = [len(p) for p in ids]
-    result = {"kind": "dumpdiff-kl", "target": target,
-              "prompts": {"source": "given", "count": len(ids), "min_len": min(lengths), "max_len": max(lengths)},
-              "settings": {"max_samples": len(ids), "max_new_tokens": max_new_tokens, "temperature": temperature,
-                           "seed": seed, "min_hit_rate": min_hit_rate, "helpers": helpers},
-              "threshold": limits, "helpers": {}, "timings": {},
-              "notes": ["in-process: one prompt at a time (batch 1); the decode run is model.generate, the reference "
-                        "one forward of prompt+output"]}
+    result = {
+        "kind": "dumpdiff-kl",
+        "target": target,
+        "prompts": {"source": "given", "count": len(ids), "min_len": min(lengths), "max_len": max(lengths)},
+        "settings": {
+            "max_samples": len(ids),
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "min_hit_rate": min_hit_rate,
+            "helpers": helpers,
+        },
+        "threshold": limits,
+        "helpers": {},
+        "timings": {},
+        "notes": [
+            "in-process: one prompt at a time (batch 1); the decode run is model.generate, the reference "
+            "one forward of prompt+output"
+        ],
+    }
     for name in helpers:
         if name not in RUNNERS:
             raise DumpError(f"unknown helper {name!r}; choose from {', '.join(kl.HELPERS)}")

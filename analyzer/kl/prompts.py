@@ -38,26 +38,34 @@ def read_numbered(path: str) -> list:
         try:
             lines = list(handle)
         except UnicodeDecodeError:
-            raise DumpError(f"{path}: not UTF-8 text; the prompts file is JSONL, one prompt per line, e.g. "
-                            "[1, 2045, 318]") from None
+            raise DumpError(
+                f"{path}: not UTF-8 text; the prompts file is JSONL, one prompt per line, e.g. [1, 2045, 318]"
+            ) from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
         except ValueError as exc:
-            raise DumpError(f"{path}:{number}: not JSON ({exc}); the prompts file is JSONL, one prompt per line, "
-                            "e.g. [1, 2045, 318]") from None
+            raise DumpError(
+                f"{path}:{number}: not JSON ({exc}); the prompts file is JSONL, one prompt per line, "
+                "e.g. [1, 2045, 318]"
+            ) from None
         if isinstance(item, dict):
             item = next((item[k] for k in ("input_ids", "text", "prompt") if k in item), None)
-        if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                  for t in item):
+        if (
+            isinstance(item, list)
+            and item
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in item)
+        ):
             prompts.append((number, item))
         elif isinstance(item, str) and item:
             prompts.append((number, item))
         else:
-            raise DumpError(f"{path}:{number}: a prompt is a non-empty list of token ids, a string, or "
-                            '{"input_ids": [...]} / {"text": "..."}')
+            raise DumpError(
+                f"{path}:{number}: a prompt is a non-empty list of token ids, a string, or "
+                '{"input_ids": [...]} / {"text": "..."}'
+            )
     if not prompts:
         raise DumpError(f"{path}: no prompts")
     return prompts
@@ -71,8 +79,10 @@ def check_vocab(prompts: list, vocab_size: int, vocab_from: str) -> None:
     for where, prompt in prompts:
         bad = next((t for t in prompt if t >= vocab_size), None) if isinstance(prompt, list) else None
         if bad is not None:
-            raise DumpError(f"{where}: token id {bad} is out of the model's vocabulary (vocab size {vocab_size}, from "
-                            f"{vocab_from}); give ids below {vocab_size}")
+            raise DumpError(
+                f"{where}: token id {bad} is out of the model's vocabulary (vocab size {vocab_size}, from "
+                f"{vocab_from}); give ids below {vocab_size}"
+            )
 
 
 def resolve(prompts: list, tokenize: Optional[Callable[[List[str]], List[List[int]]]], source: str) -> List[List[int]]:
@@ -81,8 +91,10 @@ def resolve(prompts: list, tokenize: Optional[Callable[[List[str]], List[List[in
     if not texts:
         return [list(p) for p in prompts]
     if tokenize is None:
-        raise DumpError(f"{source} holds text prompts but the server has no tokenizer (--skip-tokenizer-init); "
-                        "give token ids ([1, 2045, ...] per line) or start the server with its tokenizer")
+        raise DumpError(
+            f"{source} holds text prompts but the server has no tokenizer (--skip-tokenizer-init); "
+            "give token ids ([1, 2045, ...] per line) or start the server with its tokenizer"
+        )
     ids = iter(tokenize(texts))
     out = [next(ids) if isinstance(p, str) else list(p) for p in prompts]
     empty = [i for i, p in enumerate(out) if not p]
@@ -113,6 +125,7 @@ def synthetic(n: int, length: int, vocab_size: int, seed: int = 0, low: int = 3)
 def vocab_size_of(model_path: Optional[str]) -> Optional[int]:
     """vocab_size from the model's config.json when the model path is a local folder."""
     import os
+
     if not model_path:
         return None
     path = os.path.join(model_path, "config.json")

@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import math
 
-from . import score as kl
 from ..wording import plural
+from . import score as kl
 from .result import JSON_VERSION, KLResult
 
-TITLES = {kl.PASS: "PASS", kl.BATCH: "BATCH-INVARIANCE PROBLEM", kl.STATE: "STATE BUG (cache-restore path)",
-          kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)", kl.INCONCLUSIVE: "INCONCLUSIVE",
-          kl.UNCLASSIFIED: "OVER THRESHOLD (cannot tell batch-variance from a state bug)"}
+TITLES = {
+    kl.PASS: "PASS",
+    kl.BATCH: "BATCH-INVARIANCE PROBLEM",
+    kl.STATE: "STATE BUG (cache-restore path)",
+    kl.MIXED: "NO-CACHE PATH DIRTY (batch-variance near the threshold)",
+    kl.INCONCLUSIVE: "INCONCLUSIVE",
+    kl.UNCLASSIFIED: "OVER THRESHOLD (cannot tell batch-variance from a state bug)",
+}
 COLUMNS = ("helper", "status", "avg_kl_div", "max_kl", "tokens>thr", "bit-identical", "cache hits", "time")
 
 
@@ -33,26 +38,38 @@ def rows(result: dict) -> list:
     for name, h in result["helpers"].items():
         tokens = h.get("tokens") or 0
         hits = "-" if h.get("cache_hits") is None else f"{h['cache_hits']}/{h['prompts']} ({h['cache_hit_rate']:.0%})"
-        out.append((name, h["status"].upper() if h["status"] == "dirty" else h["status"], g(h.get("avg_kl_div")),
-                    g(h.get("max_kl")), "-" if h.get("frac_over") is None else f"{h['frac_over']:.1%}",
-                    f"{h['bit_identical']}/{tokens} ({h['bit_identical'] / tokens:.0%})" if tokens else "-",
-                    hits, _seconds(result.get("timings", {}).get(name, 0))))
+        out.append(
+            (
+                name,
+                h["status"].upper() if h["status"] == "dirty" else h["status"],
+                g(h.get("avg_kl_div")),
+                g(h.get("max_kl")),
+                "-" if h.get("frac_over") is None else f"{h['frac_over']:.1%}",
+                f"{h['bit_identical']}/{tokens} ({h['bit_identical'] / tokens:.0%})" if tokens else "-",
+                hits,
+                _seconds(result.get("timings", {}).get(name, 0)),
+            )
+        )
     return out
 
 
 def _header_lines(result: dict) -> list:
     t, p, s, th = result["target"], result["prompts"], result["settings"], result["threshold"]
     if t.get("engine") == "sglang":
-        server = (f"server: {t['url']}  sglang {t.get('version')}  model {t['model']}  tp={t['tp']}  {t.get('dtype')}  "
-                  f"radix cache {'on' if t.get('radix_cache') else 'off'}  "
-                  f"chunked prefill {t.get('chunked_prefill_size') or 'off'}")
+        server = (
+            f"server: {t['url']}  sglang {t.get('version')}  model {t['model']}  tp={t['tp']}  {t.get('dtype')}  "
+            f"radix cache {'on' if t.get('radix_cache') else 'off'}  "
+            f"chunked prefill {t.get('chunked_prefill_size') or 'off'}"
+        )
     else:
         server = f"model: {t.get('model')} ({t.get('model_class')}, in-process)  {t.get('dtype')}  {t.get('device')}"
-    lines = [server,
-             f"prompts: {p['count']} from {p['source']}, {p.get('min_len')}..{p.get('max_len')} tokens, "
-             f"{plural(s['max_new_tokens'], 'new token')} each, temperature {s['temperature']:g}",
-             f"threshold: {g(th['value'])} on avg_kl_div ({th['source']}{': ' + repr(th['key']) if th.get('key') else ''})"
-             + ("; per helper " + ", ".join(f"{k} {g(v)}" for k, v in th["helpers"].items()) if th.get("helpers") else "")]
+    lines = [
+        server,
+        f"prompts: {p['count']} from {p['source']}, {p.get('min_len')}..{p.get('max_len')} tokens, "
+        f"{plural(s['max_new_tokens'], 'new token')} each, temperature {s['temperature']:g}",
+        f"threshold: {g(th['value'])} on avg_kl_div ({th['source']}{': ' + repr(th['key']) if th.get('key') else ''})"
+        + ("; per helper " + ", ".join(f"{k} {g(v)}" for k, v in th["helpers"].items()) if th.get("helpers") else ""),
+    ]
     return lines
 
 
@@ -65,9 +82,12 @@ def _tail(result: dict) -> tuple:
         row = next((r for r in h["per_prompt"] if r.get("index") == h["worst"]), None)
         if row and row.get("tokens"):
             first = row.get("first_over")
-            worst.append(f"{name}: worst prompt {h['worst']} (mean k3 {g(row['mean_kl'])}, max {g(row['max_kl'])} at "
-                         f"output token {row['max_pos']}"
-                         + (f", first over the threshold at output token {first}" if first is not None else "") + ")")
+            worst.append(
+                f"{name}: worst prompt {h['worst']} (mean k3 {g(row['mean_kl'])}, max {g(row['max_kl'])} at "
+                f"output token {row['max_pos']}"
+                + (f", first over the threshold at output token {first}" if first is not None else "")
+                + ")"
+            )
     notes = list(verdict.get("notes", []))
     if result["threshold"].get("note"):
         notes.append(result["threshold"]["note"])
@@ -89,8 +109,10 @@ def to_text(result: KLResult) -> str:
     lines += worst
     choice = verdict.get("localize")
     if choice and result["target"].get("engine") == "sglang":
-        lines.append(f"next: dumpdiff localize --url {result['target']['url']} --helper {choice['helper']}  "
-                     "(server started with DUMPER_SERVER_PORT=reuse)")
+        lines.append(
+            f"next: dumpdiff localize --url {result['target']['url']} --helper {choice['helper']}  "
+            "(server started with DUMPER_SERVER_PORT=reuse)"
+        )
     if notes:
         lines += ["notes:"] + [f"  - {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -102,7 +124,9 @@ def _md_cell(text) -> str:
 
 def to_markdown(result: KLResult) -> str:
     verdict = result["verdict"]
-    lines = [f"## dumpdiff kl: {TITLES[verdict['kind']]}", ""] + [f"- {_md_cell(x)}" for x in _header_lines(result)] + [""]
+    lines = (
+        [f"## dumpdiff kl: {TITLES[verdict['kind']]}", ""] + [f"- {_md_cell(x)}" for x in _header_lines(result)] + [""]
+    )
     lines.append("| " + " | ".join(COLUMNS) + " |")
     lines.append("|" + "---|" * len(COLUMNS))
     for r in rows(result):

@@ -22,6 +22,7 @@ HelperStatus = Literal["clean", "dirty", "n/a", "no_cache_hit", "empty"]
 
 class Target(TypedDict):
     """What was checked: the server's or the in-process model's engine, model and layout."""
+
     engine: str
     model: Optional[str]
 
@@ -50,6 +51,7 @@ class Threshold(TypedDict):
 
 class PromptScore(TypedDict):
     """One prompt of one helper (scored only when it exercised the path the helper tests)."""
+
     hit: bool
 
 
@@ -93,6 +95,7 @@ class KLVerdict(TypedDict):
 
 class KLResult(TypedDict):
     """The whole check. ``format`` and ``version`` come first in the JSON report only."""
+
     kind: Literal["dumpdiff-kl"]
     target: Target
     prompts: PromptSet
@@ -105,13 +108,17 @@ class KLResult(TypedDict):
 
 
 def kl_schema() -> dict:
-    return json_schema(KLResult, "dumpdiff KL check report", header={"format": {"const": "dumpdiff-kl"},
-                                                                      "version": {"const": JSON_VERSION}},
-                       closed=False)
+    return json_schema(
+        KLResult,
+        "dumpdiff KL check report",
+        header={"format": {"const": "dumpdiff-kl"}, "version": {"const": JSON_VERSION}},
+        closed=False,
+    )
 
 
 if __name__ == "__main__":
     import json
     import sys
+
     json.dump(kl_schema(), sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -69,20 +69,42 @@ def score_prompt(prefill_lp: Sequence[float], decode_lp: Sequence[float], thresh
     if len(prefill_lp) != len(decode_lp):
         raise ValueError(f"{len(prefill_lp)} prefill logprobs vs {len(decode_lp)} decode logprobs")
     if not len(decode_lp):
-        return {"tokens": 0, "mean_kl": 0.0, "max_kl": 0.0, "max_pos": None, "over": 0, "first_over": None,
-                "bit_identical": 0, "max_abs_logr": 0.0}
+        return {
+            "tokens": 0,
+            "mean_kl": 0.0,
+            "max_kl": 0.0,
+            "max_pos": None,
+            "over": 0,
+            "first_over": None,
+            "bit_identical": 0,
+            "max_abs_logr": 0.0,
+        }
     k3 = token_kl(prefill_lp, decode_lp)
     same = np.asarray(prefill_lp, dtype=np.float64) == np.asarray(decode_lp, dtype=np.float64)
     over = np.flatnonzero(k3 > threshold)
     logr = np.abs(np.asarray(prefill_lp, dtype=np.float64) - np.asarray(decode_lp, dtype=np.float64))
-    return {"tokens": int(k3.size), "mean_kl": float(k3.mean()), "max_kl": float(k3.max()),
-            "max_pos": int(k3.argmax()), "over": int(over.size), "first_over": int(over[0]) if over.size else None,
-            "bit_identical": int(same.sum()), "max_abs_logr": float(logr.max())}
+    return {
+        "tokens": int(k3.size),
+        "mean_kl": float(k3.mean()),
+        "max_kl": float(k3.max()),
+        "max_pos": int(k3.argmax()),
+        "over": int(over.size),
+        "first_over": int(over[0]) if over.size else None,
+        "bit_identical": int(same.sum()),
+        "max_abs_logr": float(logr.max()),
+    }
 
 
-def summarize_helper(name: str, prompts: list, threshold: float, *, cache_applicable: bool = True,
-                     min_hit_rate: float = 0.5, notes: Optional[list] = None,
-                     chunk_size: Optional[int] = None) -> dict:
+def summarize_helper(
+    name: str,
+    prompts: list,
+    threshold: float,
+    *,
+    cache_applicable: bool = True,
+    min_hit_rate: float = 0.5,
+    notes: Optional[list] = None,
+    chunk_size: Optional[int] = None,
+) -> dict:
     """Aggregate one helper over its prompts.
 
     prompts: one dict per prompt with at least ``prefill_lp``, ``decode_lp`` (equal length
@@ -100,32 +122,45 @@ def summarize_helper(name: str, prompts: list, threshold: float, *, cache_applic
             scored.append(row)
         rows.append(row)
     hits = sum(1 for p in prompts if p.get("hit", True))
-    result = {"helper": name, "description": DESCRIPTIONS.get(name, ""), "threshold": threshold,
-              "prompts": len(prompts), "scored_prompts": len(scored), "cache_hits": hits if name in CACHE_HELPERS else None,
-              "cache_hit_rate": (hits / len(prompts) if prompts else 0.0) if name in CACHE_HELPERS else None,
-              "notes": list(notes or []), "per_prompt": rows}
+    result = {
+        "helper": name,
+        "description": DESCRIPTIONS.get(name, ""),
+        "threshold": threshold,
+        "prompts": len(prompts),
+        "scored_prompts": len(scored),
+        "cache_hits": hits if name in CACHE_HELPERS else None,
+        "cache_hit_rate": (hits / len(prompts) if prompts else 0.0) if name in CACHE_HELPERS else None,
+        "notes": list(notes or []),
+        "per_prompt": rows,
+    }
     tokens = sum(r["tokens"] for r in scored)
-    result.update({
-        "tokens": tokens,
-        "avg_kl_div": float(np.mean([r["mean_kl"] for r in scored])) if scored else None,
-        "max_kl": max((r["max_kl"] for r in scored), default=None),
-        "frac_over": (sum(r["over"] for r in scored) / tokens) if tokens else None,
-        "bit_identical": sum(r["bit_identical"] for r in scored),
-        "max_abs_logr": max((r["max_abs_logr"] for r in scored), default=None),
-        "chunked_references": sum(1 for r in scored if r.get("ref_chunked")),
-        "chunked_prefill_size": chunk_size,
-    })
+    result.update(
+        {
+            "tokens": tokens,
+            "avg_kl_div": float(np.mean([r["mean_kl"] for r in scored])) if scored else None,
+            "max_kl": max((r["max_kl"] for r in scored), default=None),
+            "frac_over": (sum(r["over"] for r in scored) / tokens) if tokens else None,
+            "bit_identical": sum(r["bit_identical"] for r in scored),
+            "max_abs_logr": max((r["max_abs_logr"] for r in scored), default=None),
+            "chunked_references": sum(1 for r in scored if r.get("ref_chunked")),
+            "chunked_prefill_size": chunk_size,
+        }
+    )
     free = [r["mean_kl"] for r in scored if not r.get("ref_chunked")]
     if result["chunked_references"]:  # the prompts whose references were cache-free, on their own
         result["avg_kl_div_unchunked"] = float(np.mean(free)) if free else None
     if name in CACHE_HELPERS and not cache_applicable:
         result["status"] = "n/a"
-        result["notes"].append("the server runs without a radix cache (disable_radix_cache): this path does not exist there")
+        result["notes"].append(
+            "the server runs without a radix cache (disable_radix_cache): this path does not exist there"
+        )
     elif name in CACHE_HELPERS and (not prompts or hits / len(prompts) <= min_hit_rate or not scored):
         result["status"] = "no_cache_hit"
-        result["notes"].append(f"cache hits on {hits} of {plural(len(prompts), 'prompt')} "
-                               f"(need more than {min_hit_rate:.0%}): "
-                               "this helper did not test the cache path, so it cannot pass")
+        result["notes"].append(
+            f"cache hits on {hits} of {plural(len(prompts), 'prompt')} "
+            f"(need more than {min_hit_rate:.0%}): "
+            "this helper did not test the cache path, so it cannot pass"
+        )
     elif not scored or not tokens:
         result["status"] = "empty"
         result["notes"].append("no generated tokens to score")
@@ -144,63 +179,93 @@ def classify(helpers: dict, uncalibrated: bool = False) -> dict:
     dirty = [n for n in HELPERS if status.get(n) == "dirty"]
     clean = [n for n in HELPERS if status.get(n) == "clean"]
     lacking = [n for n in HELPERS if status.get(n) in ("no_cache_hit", "empty")]
-    chunked = {n: helpers[n]["chunked_references"] for n in HELPERS
-               if status.get(n) in ("clean", "dirty") and helpers[n].get("chunked_references")}
+    chunked = {
+        n: helpers[n]["chunked_references"]
+        for n in HELPERS
+        if status.get(n) in ("clean", "dirty") and helpers[n].get("chunked_references")
+    }
     suspects = _dirtier_than_match(helpers) if uncalibrated else {}
     notes = []
     if not dirty:
         if lacking:
             kind = INCONCLUSIVE
-            text = (f"no helper is over its threshold, but {', '.join(lacking)} scored nothing (no cache hits, or "
-                    "no tokens): the check is incomplete")
+            text = (
+                f"no helper is over its threshold, but {', '.join(lacking)} scored nothing (no cache hits, or "
+                "no tokens): the check is incomplete"
+            )
         elif not clean:
             kind, text = INCONCLUSIVE, "no helper ran"
         elif chunked:  # both sides of those prompts ran on the cache: a cache bug there can cancel out
             kind = INCONCLUSIVE
             text = "every helper that ran is within its threshold, but " + _chunked_text(
-                helpers, chunked, "a cache bug runs in the reference as in the decode run, and the two can cancel out")
+                helpers, chunked, "a cache bug runs in the reference as in the decode run, and the two can cancel out"
+            )
         elif suspects:
             kind = INCONCLUSIVE  # a state bug under a threshold nobody measured: a real one passed here
-            text = ("every helper is within the default threshold, which was not calibrated for this server, but "
-                    + "; ".join(f"{name} is {ratio:.3g}x dirtier than match (no cache)" for name, ratio in suspects.items())
-                    + ": a state bug in that cache path is likely; calibrate on a known-good build (`dumpdiff kl "
-                    "calibrate`) or pass --threshold, and rerun")
+            text = (
+                "every helper is within the default threshold, which was not calibrated for this server, but "
+                + "; ".join(f"{name} is {ratio:.3g}x dirtier than match (no cache)" for name, ratio in suspects.items())
+                + ": a state bug in that cache path is likely; calibrate on a known-good build (`dumpdiff kl "
+                "calibrate`) or pass --threshold, and rerun"
+            )
         else:
             kind, text = PASS, f"every helper that ran is within its threshold ({', '.join(clean)})"
     elif status.get("match") not in ("clean", "dirty"):
         kind = UNCLASSIFIED
-        text = (f"{', '.join(dirty)} over the threshold, but match (no cache) did not run, so batch-variance cannot "
-                "be told from a state bug: run match too")
+        text = (
+            f"{', '.join(dirty)} over the threshold, but match (no cache) did not run, so batch-variance cannot "
+            "be told from a state bug: run match too"
+        )
     elif "match" in dirty and "match" in chunked and not _dirty_unchunked(helpers["match"]):
         kind = UNCLASSIFIED  # match is not the cache-free path here
-        text = (f"{', '.join(dirty)} over the threshold, but batch-variance cannot be told from a state bug: "
-                + _chunked_text(helpers, chunked, "a cache bug dirties match too"))
+        text = (
+            f"{', '.join(dirty)} over the threshold, but batch-variance cannot be told from a state bug: "
+            + _chunked_text(helpers, chunked, "a cache bug dirties match too")
+        )
     elif "match" in dirty:
         if not any(n in clean for n in CACHE_HELPERS):
             kind = BATCH
-            text = ("match (no cache) is dirty and no cache-hit helper is clean: prefill and decode compute the "
-                    "same token differently (batch-variance, e.g. a kernel chosen by the number of token rows). "
-                    "Localize it with `dumpdiff localize`: an op that adds an error beyond float noise (noise-aware "
-                    "culprit) first, else the first op whose bits flip (strict culprit).")
+            text = (
+                "match (no cache) is dirty and no cache-hit helper is clean: prefill and decode compute the "
+                "same token differently (batch-variance, e.g. a kernel chosen by the number of token rows). "
+                "Localize it with `dumpdiff localize`: an op that adds an error beyond float noise (noise-aware "
+                "culprit) first, else the first op whose bits flip (strict culprit)."
+            )
             if not all(n in dirty for n in CACHE_HELPERS):
-                notes.append("the cache-hit helpers did not all run (" + ", ".join(
-                    f"{n} {status.get(n) or 'not run'}" for n in CACHE_HELPERS if n not in dirty) + ")")
+                notes.append(
+                    "the cache-hit helpers did not all run ("
+                    + ", ".join(f"{n} {status.get(n) or 'not run'}" for n in CACHE_HELPERS if n not in dirty)
+                    + ")"
+                )
         else:
             kind = MIXED
-            text = (f"only the no-cache helper (match) is dirty while {', '.join(n for n in clean if n != 'match')} "
-                    "is clean: prefill and decode disagree without any cache, so this is not a cache-restore bug; "
-                    "treat it as batch-variance near the threshold (rerun, or recalibrate).")
+            text = (
+                f"only the no-cache helper (match) is dirty while {', '.join(n for n in clean if n != 'match')} "
+                "is clean: prefill and decode disagree without any cache, so this is not a cache-restore bug; "
+                "treat it as batch-variance near the threshold (rerun, or recalibrate)."
+            )
         notes += _state_on_top(helpers, dirty)
     else:
         kind = STATE
-        text = (f"only the cache-hit helper(s) {', '.join(dirty)} are dirty; the no-cache path (match) is clean: "
-                "a state bug in the cache-restore path ("
-                + "; ".join(_path_of(n) for n in dirty) + "). Localize it with `dumpdiff localize` (noise-aware culprit).")
+        text = (
+            f"only the cache-hit helper(s) {', '.join(dirty)} are dirty; the no-cache path (match) is clean: "
+            "a state bug in the cache-restore path ("
+            + "; ".join(_path_of(n) for n in dirty)
+            + "). Localize it with `dumpdiff localize` (noise-aware culprit)."
+        )
     if chunked and kind not in (INCONCLUSIVE, UNCLASSIFIED):
         notes.append(_chunked_text(helpers, chunked, "a cache bug runs in those references too"))
     chosen = dirty or (list(suspects) if kind == INCONCLUSIVE else [])
-    return {"kind": kind, "text": text, "dirty": dirty, "clean": clean, "lacking": lacking, "notes": notes,
-            "chunked_references": chunked, "localize": _localize_choice(kind, helpers, chosen)}
+    return {
+        "kind": kind,
+        "text": text,
+        "dirty": dirty,
+        "clean": clean,
+        "lacking": lacking,
+        "notes": notes,
+        "chunked_references": chunked,
+        "localize": _localize_choice(kind, helpers, chosen),
+    }
 
 
 def _dirtier_than_match(helpers: dict) -> dict:
@@ -221,23 +286,31 @@ def _dirty_unchunked(helper: dict) -> bool:
 
 
 def _chunked_text(helpers: dict, chunked: dict, consequence: str) -> str:
-    size = next((helpers[n].get("chunked_prefill_size") for n in chunked if helpers[n].get("chunked_prefill_size")),
-                None)
+    size = next(
+        (helpers[n].get("chunked_prefill_size") for n in chunked if helpers[n].get("chunked_prefill_size")), None
+    )
     counts = ", ".join(f"{n} {c} of {helpers[n].get('scored_prompts')}" for n, c in chunked.items())
-    return (f"reference prefills longer than --chunked-prefill-size {size or '?'} were chunked ({counts}): they read "
-            f"the KV cache, so {consequence}; restart the server with --chunked-prefill-size larger "
-            "than prompt+output (or -1), or use shorter --prompt-len/--max-new-tokens")
+    return (
+        f"reference prefills longer than --chunked-prefill-size {size or '?'} were chunked ({counts}): they read "
+        f"the KV cache, so {consequence}; restart the server with --chunked-prefill-size larger "
+        "than prompt+output (or -1), or use shorter --prompt-len/--max-new-tokens"
+    )
 
 
 def _path_of(name: str) -> str:
-    return {"prefill_cache_hit": "prompt restored from the radix/prefix cache",
-            "decode_cache_hit": "a previous turn's prompt+output restored from the cache"}.get(name, name)
+    return {
+        "prefill_cache_hit": "prompt restored from the radix/prefix cache",
+        "decode_cache_hit": "a previous turn's prompt+output restored from the cache",
+    }.get(name, name)
 
 
 def _state_on_top(helpers: dict, dirty: list) -> list:
-    return [f"{name} is {ratio:.3g}x dirtier than match: beyond batch-variance, a state bug in its cache path is "
-            f"likely too (localize with --helper {name})" for name, ratio in _dirtier_than_match(helpers).items()
-            if name in dirty]
+    return [
+        f"{name} is {ratio:.3g}x dirtier than match: beyond batch-variance, a state bug in its cache path is "
+        f"likely too (localize with --helper {name})"
+        for name, ratio in _dirtier_than_match(helpers).items()
+        if name in dirty
+    ]
 
 
 def _localize_choice(kind: str, helpers: dict, dirty: list) -> Optional[dict]:

@@ -64,12 +64,21 @@ class Server:
 
     def describe(self) -> dict:
         info = self.info()
-        return {"url": self.url, "engine": "sglang", "version": info.get("version"), "model": self.model,
-                "served_model_name": info.get("served_model_name"), "tp": self.tp, "dtype": info.get("dtype"),
-                "device": info.get("device"), "radix_cache": self.radix_cache, "page_size": self.page_size,
-                "chunked_prefill_size": self.chunk_size,
-                "attention_backend": info.get("attention_backend"),
-                "deterministic_inference": bool(info.get("enable_deterministic_inference"))}
+        return {
+            "url": self.url,
+            "engine": "sglang",
+            "version": info.get("version"),
+            "model": self.model,
+            "served_model_name": info.get("served_model_name"),
+            "tp": self.tp,
+            "dtype": info.get("dtype"),
+            "device": info.get("device"),
+            "radix_cache": self.radix_cache,
+            "page_size": self.page_size,
+            "chunked_prefill_size": self.chunk_size,
+            "attention_backend": info.get("attention_backend"),
+            "deterministic_inference": bool(info.get("enable_deterministic_inference")),
+        }
 
     # -- calls -------------------------------------------------------------------------------
     def flush(self, attempts: int = 20) -> None:
@@ -83,25 +92,38 @@ class Server:
                     raise DumpError(f"could not flush the cache: {exc}") from None
                 time.sleep(0.5)
 
-    def generate(self, input_ids: List[List[int]], max_new_tokens: int, *, sampling: dict,
-                 return_logprob: bool = True, logprob_start_len: int = -1) -> list:
-        body = {"input_ids": input_ids,
-                "sampling_params": {**sampling, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    def generate(
+        self,
+        input_ids: List[List[int]],
+        max_new_tokens: int,
+        *,
+        sampling: dict,
+        return_logprob: bool = True,
+        logprob_start_len: int = -1,
+    ) -> list:
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {**sampling, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        }
         if return_logprob:
-            body.update({"return_logprob": True, "return_text_in_logprobs": False,
-                         "logprob_start_len": logprob_start_len})
+            body.update(
+                {"return_logprob": True, "return_text_in_logprobs": False, "logprob_start_len": logprob_start_len}
+            )
         results = post_json(self.url + "/generate", body, timeout=self.timeout)
         if not isinstance(results, list) or len(results) != len(input_ids):
-            raise DumpError(f"{self.url}/generate: expected {len(input_ids)} results, got "
-                            f"{type(results).__name__}{'' if not isinstance(results, list) else ' of ' + str(len(results))}")
+            raise DumpError(
+                f"{self.url}/generate: expected {len(input_ids)} results, got "
+                f"{type(results).__name__}{'' if not isinstance(results, list) else ' of ' + str(len(results))}"
+            )
         for r in results:
             if not isinstance(r, dict) or "meta_info" not in r:
                 raise DumpError(f"{self.url}/generate: a result without meta_info: {str(r)[:200]}")
         return results
 
     def tokenize(self, texts: List[str], add_special_tokens: bool = True) -> List[List[int]]:
-        reply = post_json(self.url + "/tokenize", {"prompt": texts, "add_special_tokens": add_special_tokens},
-                          timeout=120)
+        reply = post_json(
+            self.url + "/tokenize", {"prompt": texts, "add_special_tokens": add_special_tokens}, timeout=120
+        )
         tokens = reply.get("tokens") if isinstance(reply, dict) else None
         if not isinstance(tokens, list) or len(tokens) != len(texts):
             raise DumpError(f"{self.url}/tokenize: unexpected reply {str(reply)[:200]}")

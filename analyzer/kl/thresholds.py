@@ -48,11 +48,15 @@ def load(path: str) -> dict:
     except FileNotFoundError:
         return {"format": FORMAT, "version": 1, "entries": {}}
     except ValueError as exc:  # a JSONL file, a binary file: json's own words say where
-        raise DumpError(f"{path}: not one JSON document ({exc}); a thresholds file is the JSON `dumpdiff kl "
-                        "calibrate` writes: fix or delete it") from None
+        raise DumpError(
+            f"{path}: not one JSON document ({exc}); a thresholds file is the JSON `dumpdiff kl "
+            "calibrate` writes: fix or delete it"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-        raise DumpError(f"{path}: not a {FORMAT} file (expected {{\"format\": \"{FORMAT}\", \"entries\": {{...}}}}, "
-                        "as `dumpdiff kl calibrate` writes)")
+        raise DumpError(
+            f'{path}: not a {FORMAT} file (expected {{"format": "{FORMAT}", "entries": {{...}}}}, '
+            "as `dumpdiff kl calibrate` writes)"
+        )
     for key, entry in data["entries"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("kl_div"), (int, float)) or entry["kl_div"] < 0:
             raise DumpError(f"{path}: entry {key!r} needs a non-negative number kl_div")
@@ -98,19 +102,32 @@ def resolve_thresholds(threshold: Optional[float], path: Optional[str], target: 
         data = load(path)
         key, entry = find(data, target.get("model"), target.get("tp", 1), target.get("served_model_name"))
         if entry is not None:
-            found = {"value": float(entry["kl_div"]), "helpers": {k: float(v) for k, v in (entry.get("helpers") or {}).items()},
-                     "source": path, "key": key}
-            calibrated = (entry.get("calibration") or {}).get("dtype") if isinstance(entry.get("calibration"), dict) else None
+            found = {
+                "value": float(entry["kl_div"]),
+                "helpers": {k: float(v) for k, v in (entry.get("helpers") or {}).items()},
+                "source": path,
+                "key": key,
+            }
+            calibrated = (
+                (entry.get("calibration") or {}).get("dtype") if isinstance(entry.get("calibration"), dict) else None
+            )
             if calibrated and target.get("dtype") and str(calibrated) != str(target["dtype"]):
                 # a float32 threshold fails every bfloat16 run; a bfloat16 one hides float32 bugs
-                found["note"] = (f"{key} in {path} was calibrated on a {calibrated} server, this one runs "
-                                 f"{target['dtype']}: rerun `dumpdiff kl calibrate` on this server")
+                found["note"] = (
+                    f"{key} in {path} was calibrated on a {calibrated} server, this one runs "
+                    f"{target['dtype']}: rerun `dumpdiff kl calibrate` on this server"
+                )
             return found
         where = f"no entry for {key_of(target.get('model'), target.get('tp', 1))} in {path}"
     else:
         where = f"no thresholds file {path}"
-    return {"value": DEFAULT_THRESHOLD, "helpers": {}, "source": "default", "key": None,
-            "note": f"{where}: using the default {DEFAULT_THRESHOLD:g}; run `dumpdiff kl calibrate` to set one"}
+    return {
+        "value": DEFAULT_THRESHOLD,
+        "helpers": {},
+        "source": "default",
+        "key": None,
+        "note": f"{where}: using the default {DEFAULT_THRESHOLD:g}; run `dumpdiff kl calibrate` to set one",
+    }
 
 
 def propose(runs: list, margin: float = DEFAULT_MARGIN, floor: float = ULP_FLOOR) -> dict:
@@ -138,11 +155,20 @@ def propose(runs: list, margin: float = DEFAULT_MARGIN, floor: float = ULP_FLOOR
     bit_exact = tokens > 0 and identical == tokens
     worst_token = max(maxima.values())
     value = floor if bit_exact or worst == 0 else max(margin * worst, worst_token)
-    return {"kl_div": float(value), "observed_avg_kl_div": observed, "observed_max_kl": maxima,
-            "max_observed": worst, "bit_exact": bit_exact, "tokens": tokens, "bit_identical": identical,
-            "margin": margin, "floor": floor,
-            "rule": "ulp floor (every token bit-identical)" if bit_exact else
-                    f"max({margin:g} x largest avg_kl_div seen, largest per-token k3 seen)"}
+    return {
+        "kl_div": float(value),
+        "observed_avg_kl_div": observed,
+        "observed_max_kl": maxima,
+        "max_observed": worst,
+        "bit_exact": bit_exact,
+        "tokens": tokens,
+        "bit_identical": identical,
+        "margin": margin,
+        "floor": floor,
+        "rule": "ulp floor (every token bit-identical)"
+        if bit_exact
+        else f"max({margin:g} x largest avg_kl_div seen, largest per-token k3 seen)",
+    }
 
 
 def update(path: str, target: dict, proposal: dict, extra: dict) -> str:
@@ -152,14 +178,22 @@ def update(path: str, target: dict, proposal: dict, extra: dict) -> str:
     if key is None:
         key = key_of(target["model"], target["tp"])
     entry = dict(old or {})
-    entry.update({"model": (old or {}).get("model", target["model"]), "tp": int(target["tp"]),
-                  "kl_div": proposal["kl_div"]})
+    entry.update(
+        {"model": (old or {}).get("model", target["model"]), "tp": int(target["tp"]), "kl_div": proposal["kl_div"]}
+    )
     entry["calibration"] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "dtype": target.get("dtype"), "engine": target.get("engine"), "engine_version": target.get("version"),
-        "observed_avg_kl_div": proposal["observed_avg_kl_div"], "observed_max_kl": proposal["observed_max_kl"],
-        "bit_exact": proposal["bit_exact"], "tokens": proposal["tokens"], "bit_identical": proposal["bit_identical"],
-        "rule": proposal["rule"], **extra}
+        "dtype": target.get("dtype"),
+        "engine": target.get("engine"),
+        "engine_version": target.get("version"),
+        "observed_avg_kl_div": proposal["observed_avg_kl_div"],
+        "observed_max_kl": proposal["observed_max_kl"],
+        "bit_exact": proposal["bit_exact"],
+        "tokens": proposal["tokens"],
+        "bit_identical": proposal["bit_identical"],
+        "rule": proposal["rule"],
+        **extra,
+    }
     data["entries"][key] = entry
     save(path, data)
     return key

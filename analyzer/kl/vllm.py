@@ -25,10 +25,14 @@ from ..errors import DumpError
 from ..http import get_json, post_json
 from .server import Server
 
-NEEDS_DEV_MODE = ("vLLM serves /reset_prefix_cache only in development mode: restart the server with "
-                  "VLLM_SERVER_DEV_MODE=1 in its environment (the KL check empties the prefix cache between runs)")
-NEEDS_DETAILS = ("vLLM reports a request's cached tokens only with --enable-prompt-tokens-details: restart the "
-                 "server with it (the cache-hit helpers check that the prefix came back from the cache)")
+NEEDS_DEV_MODE = (
+    "vLLM serves /reset_prefix_cache only in development mode: restart the server with "
+    "VLLM_SERVER_DEV_MODE=1 in its environment (the KL check empties the prefix cache between runs)"
+)
+NEEDS_DETAILS = (
+    "vLLM reports a request's cached tokens only with --enable-prompt-tokens-details: restart the "
+    "server with it (the cache-hit helpers check that the prefix came back from the cache)"
+)
 
 
 def is_vllm(url: str) -> bool:
@@ -43,14 +47,18 @@ def is_vllm(url: str) -> bool:
 
 class VllmServer(Server):
     """server.Server's facts and calls, over vLLM's API; info() holds the same keys."""
+
     engine = "vllm"
 
     def info(self) -> dict:
         if self._info is None:
             models = get_json(self.url + "/v1/models", timeout=60)
             entry = models["data"][0]
-            info = {"served_model_name": entry.get("id"), "model_path": entry.get("root") or entry.get("id"),
-                    "max_model_len": entry.get("max_model_len")}
+            info = {
+                "served_model_name": entry.get("id"),
+                "model_path": entry.get("root") or entry.get("id"),
+                "max_model_len": entry.get("max_model_len"),
+            }
             try:
                 info["version"] = (get_json(self.url + "/version", timeout=30) or {}).get("version")
             except DumpError:
@@ -69,20 +77,35 @@ class VllmServer(Server):
         cache, sched = config.get("cache_config") or {}, config.get("scheduler_config") or {}
         model, parallel = config.get("model_config") or {}, config.get("parallel_config") or {}
         blocks, size = cache.get("num_gpu_blocks"), cache.get("block_size")
-        return {"page_size": size, "disable_radix_cache": cache.get("enable_prefix_caching") is False,
-                "max_total_num_tokens": blocks * size if blocks and size else None,
-                "chunked_prefill_size": sched.get("max_num_batched_tokens")
-                if sched.get("enable_chunked_prefill") is not False else None,
-                "tp_size": parallel.get("tensor_parallel_size"), "dtype": str(model.get("dtype") or "") or None,
-                "skip_tokenizer_init": model.get("skip_tokenizer_init")}
+        return {
+            "page_size": size,
+            "disable_radix_cache": cache.get("enable_prefix_caching") is False,
+            "max_total_num_tokens": blocks * size if blocks and size else None,
+            "chunked_prefill_size": sched.get("max_num_batched_tokens")
+            if sched.get("enable_chunked_prefill") is not False
+            else None,
+            "tp_size": parallel.get("tensor_parallel_size"),
+            "dtype": str(model.get("dtype") or "") or None,
+            "skip_tokenizer_init": model.get("skip_tokenizer_init"),
+        }
 
     def describe(self) -> dict:
         info = self.info()
-        return {"url": self.url, "engine": "vllm", "version": info.get("version"), "model": self.model,
-                "served_model_name": info.get("served_model_name"), "tp": self.tp, "dtype": info.get("dtype"),
-                "device": None, "radix_cache": self.radix_cache, "page_size": self.page_size,
-                "chunked_prefill_size": self.chunk_size, "attention_backend": None,
-                "deterministic_inference": False}
+        return {
+            "url": self.url,
+            "engine": "vllm",
+            "version": info.get("version"),
+            "model": self.model,
+            "served_model_name": info.get("served_model_name"),
+            "tp": self.tp,
+            "dtype": info.get("dtype"),
+            "device": None,
+            "radix_cache": self.radix_cache,
+            "page_size": self.page_size,
+            "chunked_prefill_size": self.chunk_size,
+            "attention_backend": None,
+            "deterministic_inference": False,
+        }
 
     # -- calls -------------------------------------------------------------------------------
     def flush(self, attempts: int = 20):
@@ -99,8 +122,15 @@ class VllmServer(Server):
             time.sleep(0.5)
         raise DumpError(f"{self.url}/reset_prefix_cache kept refusing; are other requests running on the server?")
 
-    def generate(self, input_ids: List[List[int]], max_new_tokens: int, *, sampling: dict,
-                 return_logprob: bool = True, logprob_start_len: int = -1) -> list:
+    def generate(
+        self,
+        input_ids: List[List[int]],
+        max_new_tokens: int,
+        *,
+        sampling: dict,
+        return_logprob: bool = True,
+        logprob_start_len: int = -1,
+    ) -> list:
         """One completion per prompt, sent at once; results as sglang's /generate shapes them.
         max_new_tokens 0 (a prefill alone) asks for one token and reports none."""
         params = {k: v for k, v in sampling.items() if k != "sampling_seed"}
@@ -108,9 +138,15 @@ class VllmServer(Server):
             params["seed"] = sampling["sampling_seed"]
 
         def one(prompt):
-            body = {"model": self.info()["served_model_name"], "prompt": [list(prompt)],
-                    "max_tokens": max(1, max_new_tokens), "ignore_eos": True, "logprobs": 1,
-                    "return_tokens_as_token_ids": True, **params}
+            body = {
+                "model": self.info()["served_model_name"],
+                "prompt": [list(prompt)],
+                "max_tokens": max(1, max_new_tokens),
+                "ignore_eos": True,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                **params,
+            }
             if return_logprob and logprob_start_len == 0:
                 body["prompt_logprobs"] = 1
             reply = post_json(self.url + "/v1/completions", body, timeout=self.timeout)
@@ -124,8 +160,9 @@ class VllmServer(Server):
     def tokenize(self, texts: List[str], add_special_tokens: bool = True) -> List[List[int]]:
         out = []
         for text in texts:
-            reply = post_json(self.url + "/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens},
-                              timeout=120)
+            reply = post_json(
+                self.url + "/tokenize", {"prompt": text, "add_special_tokens": add_special_tokens}, timeout=120
+            )
             tokens = reply.get("tokens") if isinstance(reply, dict) else None
             if not isinstance(tokens, list):
                 raise DumpError(f"{self.url}/tokenize: unexpected reply {str(reply)[:200]}")
@@ -151,8 +188,10 @@ def _as_result(reply, prompt: list, max_new_tokens: int, where: str) -> dict:
         raise DumpError(NEEDS_DETAILS)
     ids = [_token_id(t, where) for t in logprobs.get("tokens") or []]
     values = logprobs.get("token_logprobs") or []
-    meta = {"cached_tokens": int(details.get("cached_tokens") or 0),
-            "output_token_logprobs": [[v, i] for v, i in zip(values, ids)][:max_new_tokens]}
+    meta = {
+        "cached_tokens": int(details.get("cached_tokens") or 0),
+        "output_token_logprobs": [[v, i] for v, i in zip(values, ids)][:max_new_tokens],
+    }
     prompt_lps = choice.get("prompt_logprobs")
     if prompt_lps is not None:
         meta["input_token_logprobs"] = [_prompt_entry(entry, token) for entry, token in zip(prompt_lps, prompt)]

@@ -12,11 +12,18 @@ import re
 import shlex
 from typing import Dict, List, Optional, Tuple
 
-from ..wording import CONTROL, escape_controls
-from ..wording import agree, fmt_num, noun, plural  # noqa: F401  (the renderers read them as rc.*)
-from ..verdict.phrases import (GAP_CODE, NOISE_ONLY, NOT_COMPARABLE_NOTE, clean_unit, input_error, noise_place,  # noqa: F401
-                      noise_place_parts, unstored_text)
 from ..verdict.kinds import STATE_BUG, kind_of, kind_parts, rank_kind
+from ..verdict.phrases import (  # noqa: F401
+    GAP_CODE,
+    NOISE_ONLY,
+    NOT_COMPARABLE_NOTE,
+    clean_unit,
+    input_error,
+    noise_place,
+    noise_place_parts,
+    unstored_text,
+)
+from ..wording import CONTROL, agree, escape_controls, fmt_num, noun, plural  # noqa: F401  (the renderers read them as rc.*)
 
 MAX_TABLE_ROWS = 200  # rows shown per table; a huge dump must not make a huge ticket
 
@@ -78,8 +85,11 @@ def diverged_rank_parts(result: dict) -> List[Tuple[str, bool]]:
     """The ranks that diverge with their kinds: "0 (state bug at X), 1 (batch-variance)"."""
     parts: List[Tuple[str, bool]] = []
     for rank in result["diverged_ranks"]:
-        parts += [(", ", False)] * bool(parts) + [(f"{rank} (", False), *rank_kind_parts(result["ranks"][str(rank)]),
-                                                  (")", False)]
+        parts += [(", ", False)] * bool(parts) + [
+            (f"{rank} (", False),
+            *rank_kind_parts(result["ranks"][str(rank)]),
+            (")", False),
+        ]
     return parts
 
 
@@ -103,23 +113,46 @@ def verdict_parts(result: dict) -> List[Tuple[str, bool]]:
         rank, verdict = found
         c = verdict["culprit"]
         real = noise_culprit(result)
-        lead = [("DIVERGENCE: a real error introduced ", False), *noise_place_parts(real),
-                (f" on {plural(real['rows'], 'row')} (beyond float noise); first bit flip at ", False)] if real else \
-            [("DIVERGENCE: first divergent operator ", False)]
-        return lead + [(c["call"], True), (" [", False), (c["cls"], True),
-                       (f"]{rank_label(result, rank)}, {c['n_rows']} of "
-                        f"{plural(verdict['rows_compared'], 'compared token row')}; "
-                        f"{plural(verdict['rows_differing'], 'row', 'differ')} in all; max abs error "
-                        f"{fmt_num(c.get('max_abs'))}", False)]
+        lead = (
+            [
+                ("DIVERGENCE: a real error introduced ", False),
+                *noise_place_parts(real),
+                (f" on {plural(real['rows'], 'row')} (beyond float noise); first bit flip at ", False),
+            ]
+            if real
+            else [("DIVERGENCE: first divergent operator ", False)]
+        )
+        return lead + [
+            (c["call"], True),
+            (" [", False),
+            (c["cls"], True),
+            (
+                f"]{rank_label(result, rank)}, {c['n_rows']} of "
+                f"{plural(verdict['rows_compared'], 'compared token row')}; "
+                f"{plural(verdict['rows_differing'], 'row', 'differ')} in all; max abs error "
+                f"{fmt_num(c.get('max_abs'))}",
+                False,
+            ),
+        ]
     compared = sum(v["rows_compared"] for v in result["ranks"].values())
     differing = sum(v["rows_differing"] for v in result["ranks"].values())
     if result["divergence"]:
-        return [(f"DIVERGENCE: {differing} of {plural(compared, 'compared token row')} "
-                 f"{agree(differing, 'differ')}, but no hooked call has clean "
-                 "inputs and a differing output; widen DUMPER_FILTER", False)]
+        return [
+            (
+                f"DIVERGENCE: {differing} of {plural(compared, 'compared token row')} "
+                f"{agree(differing, 'differ')}, but no hooked call has clean "
+                "inputs and a differing output; widen DUMPER_FILTER",
+                False,
+            )
+        ]
     every = "the" if compared == 1 else "all"
-    return [(f"NO DIVERGENCE: {every} {plural(compared, 'compared token row', 'are')} bit-identical in every compared "
-             "tensor", False)]
+    return [
+        (
+            f"NO DIVERGENCE: {every} {plural(compared, 'compared token row', 'are')} bit-identical in every compared "
+            "tensor",
+            False,
+        )
+    ]
 
 
 def verdict_line(result: dict) -> str:
@@ -139,11 +172,20 @@ def environment_rows(result: dict) -> List[Tuple[str, str, str]]:
     def plain(key):
         return lambda side: "n/a" if side.get(key) is None else str(side.get(key))
 
-    fields = [("label", plain("label")), ("path", plain("path")), ("engine", plain("engine")), ("versions", versions),
-              ("model", plain("model")), ("dtype", plain("dtype")), ("device", plain("device")),
-              ("tp size", plain("tp_size")), ("flags", flags), ("passes", plain("passes")),
-              ("ranks", lambda s: ", ".join(str(r) for r in s.get("ranks") or [])),
-              ("incomplete", lambda s: s.get("incomplete") or "no")]
+    fields = [
+        ("label", plain("label")),
+        ("path", plain("path")),
+        ("engine", plain("engine")),
+        ("versions", versions),
+        ("model", plain("model")),
+        ("dtype", plain("dtype")),
+        ("device", plain("device")),
+        ("tp size", plain("tp_size")),
+        ("flags", flags),
+        ("passes", plain("passes")),
+        ("ranks", lambda s: ", ".join(str(r) for r in s.get("ranks") or [])),
+        ("incomplete", lambda s: s.get("incomplete") or "no"),
+    ]
     return [(name, clean(get(a)), clean(get(b))) for name, get in fields]
 
 
@@ -171,10 +213,13 @@ def reproduce_command(result: dict) -> str:
 
 def error_items(culprit: dict) -> List[Tuple[str, str]]:
     """(figure, value) pairs of the culprit's output error."""
-    items = [("max abs", fmt_num(culprit.get("max_abs"))), ("max ulp", fmt_num(culprit.get("max_ulp"))),
-             ("relative", fmt_num(culprit.get("rel"))),
-             ("elements differing", f"{culprit.get('elements_differ', '?')} of {culprit.get('elements', '?')}"),
-             ("dtype", clean(culprit.get("dtype") or "?"))]
+    items = [
+        ("max abs", fmt_num(culprit.get("max_abs"))),
+        ("max ulp", fmt_num(culprit.get("max_ulp"))),
+        ("relative", fmt_num(culprit.get("rel"))),
+        ("elements differing", f"{culprit.get('elements_differ', '?')} of {culprit.get('elements', '?')}"),
+        ("dtype", clean(culprit.get("dtype") or "?")),
+    ]
     if culprit.get("ref_absmax") is not None:
         items.append(("reference max |x|", fmt_num(culprit["ref_absmax"])))
     if culprit.get("error_note"):
@@ -187,8 +232,14 @@ def shape_sides(result: dict, culprit: dict) -> List[Dict[str, str]]:
     sides = []
     for key in ("a", "b"):
         info = culprit["shapes"][key]
-        sides.append({"label": clean(result[key]["label"]), "pass": str(info["pass"]), "M": str(info["M"]),
-                      "tensors": [(clean(slot), clean(shape)) for slot, shape in info["tensors"].items()]})
+        sides.append(
+            {
+                "label": clean(result[key]["label"]),
+                "pass": str(info["pass"]),
+                "M": str(info["M"]),
+                "tensors": [(clean(slot), clean(shape)) for slot, shape in info["tensors"].items()],
+            }
+        )
     return sides
 
 
@@ -198,10 +249,15 @@ def alignment_items(result: dict, verdict: dict) -> List[Tuple[bool, str]]:
     align = verdict["alignment"]
     items = [(True, clean(line)) for line in align["proof"]]
     if align.get("unaligned_b") or align.get("unkeyed_b"):
-        items.append((False, f"{plural(align['unaligned_b'], 'row')} of {clean(result['b']['label'])} "
-                             f"{agree(align['unaligned_b'], 'have')} no partner in "
-                             f"{clean(result['a']['label'])} and {align['unkeyed_b']} "
-                             f"{agree(align['unkeyed_b'], 'have')} an unknown prefix: not compared"))
+        items.append(
+            (
+                False,
+                f"{plural(align['unaligned_b'], 'row')} of {clean(result['b']['label'])} "
+                f"{agree(align['unaligned_b'], 'have')} no partner in "
+                f"{clean(result['a']['label'])} and {align['unkeyed_b']} "
+                f"{agree(align['unkeyed_b'], 'have')} an unknown prefix: not compared",
+            )
+        )
     if verdict.get("rows_unstored"):
         items.append((False, unstored_text(verdict)))
     return items
@@ -214,6 +270,7 @@ def left_out(total: int, shown: int, what: str) -> Optional[str]:
 
 # ---- noise-aware verdict -------------------------------------------------------------------
 
+
 def jump_text(jump: dict) -> str:
     """A listed jump's size against the line it was judged by: 3.1x/8x."""
     return f"{fmt_num(jump['amplification'])}x" + (f"/{fmt_num(jump['line'])}x" if jump.get("line") else "")
@@ -223,27 +280,50 @@ def noise_rule(noise: dict) -> str:
     """The rule the noise-aware verdict applied, in words."""
     rule = noise["rule"]
     if "atol" in rule:
-        how = (f"tolerance atol={fmt_num(rule['atol'])}, rtol={fmt_num(rule['rtol'])}: a call whose inputs are within "
-               "tolerance and whose output is not introduces an error")
+        how = (
+            f"tolerance atol={fmt_num(rule['atol'])}, rtol={fmt_num(rule['rtol'])}: a call whose inputs are within "
+            "tolerance and whose output is not introduces an error"
+        )
     else:
-        how = (f"amplification (output error / max(input error, floor)) above {fmt_num(rule['amplification'])}x, "
-               f"derived from {plural(rule['samples'], 'call error')} of this run"
-               + (f" (leaving out {rule['left_out']} made after an error introduced on their row)"
-                  if rule.get("left_out") else "")
-               + (f" (median {fmt_num(rule['median'])}x)" if rule.get("median") is not None else "")
-               + (f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons" if rule.get("min_ulps") else "")
-               + (f"; a call with bit-identical inputs and a 16-bit output, above {fmt_num(rule['clean_input_16bit'])} "
-                  f"{clean_unit(rule)} (another float32 summation order moves it an ulp or two)"
-                  if rule.get("clean_input_16bit") else "")
-               + (f"; a call with bit-identical inputs and a float32 output, above {fmt_num(rule['clean_input_float32'])} "
-                  f"{clean_unit(rule)} (another order of a reduction that cancels moves it by tens)"
-                  if rule.get("clean_input_float32") else "")
-               + (f"; in code no hook saw (between dumped calls), a jump above {fmt_num(rule['gap_amplification'])}x"
-                  if rule.get("gap_amplification") else "")
-               + (f"; where the same op in at least two other layers carried an error too, its line is "
-                  f"{fmt_num(rule['peer_factor'])}x their largest jump, and at least {fmt_num(rule['min_peer_jump'])}x "
-                  "(an op amplifies noise alike in every layer; a state bug stands out of its layer)"
-                  if rule.get("peer_factor") else ""))
+        how = (
+            f"amplification (output error / max(input error, floor)) above {fmt_num(rule['amplification'])}x, "
+            f"derived from {plural(rule['samples'], 'call error')} of this run"
+            + (
+                f" (leaving out {rule['left_out']} made after an error introduced on their row)"
+                if rule.get("left_out")
+                else ""
+            )
+            + (f" (median {fmt_num(rule['median'])}x)" if rule.get("median") is not None else "")
+            + (
+                f", and an output error of at least {fmt_num(rule['min_ulps'])} epsilons"
+                if rule.get("min_ulps")
+                else ""
+            )
+            + (
+                f"; a call with bit-identical inputs and a 16-bit output, above {fmt_num(rule['clean_input_16bit'])} "
+                f"{clean_unit(rule)} (another float32 summation order moves it an ulp or two)"
+                if rule.get("clean_input_16bit")
+                else ""
+            )
+            + (
+                f"; a call with bit-identical inputs and a float32 output, above {fmt_num(rule['clean_input_float32'])} "
+                f"{clean_unit(rule)} (another order of a reduction that cancels moves it by tens)"
+                if rule.get("clean_input_float32")
+                else ""
+            )
+            + (
+                f"; in code no hook saw (between dumped calls), a jump above {fmt_num(rule['gap_amplification'])}x"
+                if rule.get("gap_amplification")
+                else ""
+            )
+            + (
+                f"; where the same op in at least two other layers carried an error too, its line is "
+                f"{fmt_num(rule['peer_factor'])}x their largest jump, and at least {fmt_num(rule['min_peer_jump'])}x "
+                "(an op amplifies noise alike in every layer; a state bug stands out of its layer)"
+                if rule.get("peer_factor")
+                else ""
+            )
+        )
     if rule.get("floor_from_repeat"):
         how += "; each call's noise floor from a repeat run of the reference"
     return how
@@ -252,8 +332,10 @@ def noise_rule(noise: dict) -> str:
 def noise_sampled(noise: dict) -> Optional[str]:
     if noise["rows_examined"] == noise["rows_total"]:
         return None
-    return (f"{noise['rows_examined']} of {plural(noise['rows_total'], 'row')} examined (an even sample per row kind, "
-            "and rows of each strict per-row culprit)")
+    return (
+        f"{noise['rows_examined']} of {plural(noise['rows_total'], 'row')} examined (an even sample per row kind, "
+        "and rows of each strict per-row culprit)"
+    )
 
 
 def kinds_text(kinds: Dict[str, int]) -> str:
@@ -272,19 +354,24 @@ def gap_note(culprit: dict) -> str:
 
 # ---- MoE routing flips ---------------------------------------------------------------------
 
+
 def routing_headline(flips: List[dict]) -> str:
     flipped = [f for f in flips if f.get("rows_flipped")]
     if not flipped:
         rows = max(f["rows_differing"] for f in flips)
-        return (f"Router outputs differ on up to {plural(rows, 'row')} in {plural(len(flips), 'router call')}, but no "
-                "row's selected experts changed.")
+        return (
+            f"Router outputs differ on up to {plural(rows, 'row')} in {plural(len(flips), 'router call')}, but no "
+            "row's selected experts changed."
+        )
     first = flipped[0]
     total = sum(f["rows_flipped"] for f in flipped)
     where = f"layer {first['layer']}" if first.get("layer") is not None else "the first router"
-    return (f"The selected experts changed on {plural(total, 'token row')} (summed over "
-            f"{plural(len(flipped), 'router call')}), first at {where} ({first['call']}, {first['rows_flipped']} of "
-            f"{plural(first['rows_compared'], 'row')}): a tiny router "
-            "difference sends a token row through other experts, so its output differs by far more than the router's.")
+    return (
+        f"The selected experts changed on {plural(total, 'token row')} (summed over "
+        f"{plural(len(flipped), 'router call')}), first at {where} ({first['call']}, {first['rows_flipped']} of "
+        f"{plural(first['rows_compared'], 'row')}): a tiny router "
+        "difference sends a token row through other experts, so its output differs by far more than the router's."
+    )
 
 
 def flip_example(example: dict) -> Tuple[str, str]:

@@ -64,18 +64,27 @@ def focus_settings(result: dict) -> Dict[str, str]:
     """The DUMPER_* settings of the focused run for a first-divergence result with a culprit."""
     verdict = next(v for v in result["ranks"].values() if v.get("culprit"))
     embedding = verdict["alignment"].get("embedding")  # the module the alignment proof used
-    return {"DUMPER_NON_INTRUSIVE_MODE": "all",
-            "DUMPER_FILTER": module_filter(neighbourhood(verdict), embedding),
-            "DUMPER_POSITIONS": positions_text([row["pos"] for row in verdict["per_row"]])}
+    return {
+        "DUMPER_NON_INTRUSIVE_MODE": "all",
+        "DUMPER_FILTER": module_filter(neighbourhood(verdict), embedding),
+        "DUMPER_POSITIONS": positions_text([row["pos"] for row in verdict["per_row"]]),
+    }
 
 
 def render(settings: Dict[str, str], result: dict) -> str:
     culprit = result["culprit"]
-    lines = [f"# culprit {culprit['call']} [{culprit['cls']}]; dump both runs again with these settings (its "
-             "neighbourhood and the rows that differ, full tensors), then run first-divergence on the new dumps:"]
+    lines = [
+        f"# culprit {culprit['call']} [{culprit['cls']}]; dump both runs again with these settings (its "
+        "neighbourhood and the rows that differ, full tensors), then run first-divergence on the new dumps:"
+    ]
     lines += [f"{key}={shlex.quote(value)}" for key, value in settings.items()]
-    args = " ".join(f"{k.replace('DUMPER_', '').lower()}={shlex.quote(json.dumps(v))}" for k, v in settings.items()
-                    if k != "DUMPER_NON_INTRUSIVE_MODE")  # JSON strings: ctl reads a bare 24 as a number
-    lines.append(f"# on a running server: dumpdiff ctl configure non_intrusive_mode=all {args}"
-                 "  (vLLM: add --url http://127.0.0.1:<DUMPER_SERVER_PORT>)")
+    args = " ".join(
+        f"{k.replace('DUMPER_', '').lower()}={shlex.quote(json.dumps(v))}"
+        for k, v in settings.items()
+        if k != "DUMPER_NON_INTRUSIVE_MODE"
+    )  # JSON strings: ctl reads a bare 24 as a number
+    lines.append(
+        f"# on a running server: dumpdiff ctl configure non_intrusive_mode=all {args}"
+        "  (vLLM: add --url http://127.0.0.1:<DUMPER_SERVER_PORT>)"
+    )
     return "\n".join(lines) + "\n"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import List
 
+from ..verdict.result import FirstDivergence
 from . import common as rc
 from .seqnames import for_reading
-from ..verdict.result import FirstDivergence
 
 # What GitHub-flavoured Markdown reads as syntax anywhere in a line of prose: code, emphasis,
 # strikethrough, links (so "(" and "!" after them are plain), HTML and entities, and "|", which
@@ -36,14 +36,15 @@ def text(value, line_start: bool = False) -> str:
     for word in _REFERENCE_WORD.finditer(raw):
         name = word.group().rstrip(".:")  # sentence punctuation stays prose
         if name:
-            pieces += [_escape(raw[last:word.start()]), code(name)]
+            pieces += [_escape(raw[last : word.start()]), code(name)]
             last = word.start() + len(name)
     pieces.append(_escape(raw[last:]))
     escaped = "".join(pieces)
     if not line_start:
         return escaped
-    return _LINE_START_MARKER.sub(lambda m: (f"{m.group(1)}{m.group(2)}\\{m.group(3)}" if m.group(2)
-                                             else f"{m.group(4)}\\{m.group(5)}"), escaped)
+    return _LINE_START_MARKER.sub(
+        lambda m: f"{m.group(1)}{m.group(2)}\\{m.group(3)}" if m.group(2) else f"{m.group(4)}\\{m.group(5)}", escaped
+    )
 
 
 def code(value, table: bool = False) -> str:
@@ -85,11 +86,14 @@ def culprit_section(result: dict, rank: str, verdict: dict) -> List[str]:
     rows = ", ".join(f"{code(rc.row_name(r))} ({text(r['kind'])})" for r in c["rows"])
     if c["n_rows"] > len(c["rows"]):
         rows += f", ... {c['n_rows'] - len(c['rows'])} more"
-    out = [f"### Culprit{rc.rank_label(result, rank)}", "",
-           f"- **Call:** {code(c['call'])}",
-           f"- **Module:** {code(c['module'])}, class {code(c['cls'])}",
-           f"- **Token rows:** {c['n_rows']} of {rc.plural(verdict['rows_compared'], 'compared row')}: {rows}",
-           "- **Shapes** (M = token rows in the pass):"]
+    out = [
+        f"### Culprit{rc.rank_label(result, rank)}",
+        "",
+        f"- **Call:** {code(c['call'])}",
+        f"- **Module:** {code(c['module'])}, class {code(c['cls'])}",
+        f"- **Token rows:** {c['n_rows']} of {rc.plural(verdict['rows_compared'], 'compared row')}: {rows}",
+        "- **Shapes** (M = token rows in the pass):",
+    ]
     for side in rc.shape_sides(result, c):
         tensors = ", ".join(f"{code(slot)} {text(shape)}" for slot, shape in side["tensors"])
         out.append(f"  - {text(side['label'], line_start=True)}: pass {side['pass']}, **M={side['M']}**: {tensors}")
@@ -103,19 +107,36 @@ def culprit_section(result: dict, rank: str, verdict: dict) -> List[str]:
 
 def noise_section(result: dict, rank: str, verdict: dict) -> List[str]:
     noise = verdict["noise"]
-    out = [f"### Noise-aware verdict{rc.rank_label(result, rank)}", "",
-           "Where a real error is introduced: a call whose output error is far beyond its input error.", "",
-           f"- **Rule:** {text(rc.noise_rule(noise))}"]
+    out = [
+        f"### Noise-aware verdict{rc.rank_label(result, rank)}",
+        "",
+        "Where a real error is introduced: a call whose output error is far beyond its input error.",
+        "",
+        f"- **Rule:** {text(rc.noise_rule(noise))}",
+    ]
     sampled = rc.noise_sampled(noise)
     out += [f"- **Rows:** {text(sampled)}"] if sampled else []
     out.append("")
     if noise["culprits"]:
         items, more = capped(noise["culprits"], "call")
-        out += table(["call", "class", "rows", "input error", "output error", "amplification", "sample rows"],
-                     [[code(c["call"], True) + text(rc.gap_note(c)), code(c["cls"], True),
-                       f"{c['rows']} ({text(rc.kinds_text(c['kinds']))})", text(rc.input_error(c)), text(rc.fmt_num(c["out_err"])),
-                       f"≥ {text(rc.fmt_num(c['amplification']))}x",
-                       ", ".join(code(rc.row_name(r), True) for r in c.get("sample_rows", []))] for c in items]) + more
+        out += (
+            table(
+                ["call", "class", "rows", "input error", "output error", "amplification", "sample rows"],
+                [
+                    [
+                        code(c["call"], True) + text(rc.gap_note(c)),
+                        code(c["cls"], True),
+                        f"{c['rows']} ({text(rc.kinds_text(c['kinds']))})",
+                        text(rc.input_error(c)),
+                        text(rc.fmt_num(c["out_err"])),
+                        f"≥ {text(rc.fmt_num(c['amplification']))}x",
+                        ", ".join(code(rc.row_name(r), True) for r in c.get("sample_rows", [])),
+                    ]
+                    for c in items
+                ],
+            )
+            + more
+        )
     else:
         out.append(text(rc.NO_NOISE_CULPRIT))
     if noise.get("top_jumps"):
@@ -130,12 +151,30 @@ def routing_section(result: dict, rank: str, verdict: dict) -> List[str]:
     flipped = [f for f in flips if f.get("rows_flipped")]
     if flipped:
         items, more = capped(flipped, "router call")
-        out += table(["layer", "router call", "rows flipped", "top-k", "rows (experts in A -> in B)"],
-                     [[text(rc.fmt_num(f["layer"])), code(f["call"], True), f"{f['rows_flipped']} of {f['rows_compared']}",
-                       text(rc.k_text(f)),
-                       ", ".join(f"{code(name, True)} {text(what)}" for name, what in map(rc.flip_example, f["examples"]))
-                       + (f", ... {f['rows_flipped'] - len(f['examples'])} more" if f["rows_flipped"] > len(f["examples"])
-                          else "")] for f in items]) + more + [""]
+        out += (
+            table(
+                ["layer", "router call", "rows flipped", "top-k", "rows (experts in A -> in B)"],
+                [
+                    [
+                        text(rc.fmt_num(f["layer"])),
+                        code(f["call"], True),
+                        f"{f['rows_flipped']} of {f['rows_compared']}",
+                        text(rc.k_text(f)),
+                        ", ".join(
+                            f"{code(name, True)} {text(what)}" for name, what in map(rc.flip_example, f["examples"])
+                        )
+                        + (
+                            f", ... {f['rows_flipped'] - len(f['examples'])} more"
+                            if f["rows_flipped"] > len(f["examples"])
+                            else ""
+                        ),
+                    ]
+                    for f in items
+                ],
+            )
+            + more
+            + [""]
+        )
     unknown = [f for f in flips if f.get("rows_flipped") is None]
     out += [f"- {code(f['call'])}: {text(f.get('note', 'top-k unknown'))}" for f in unknown]
     return out + ([""] if unknown else [])
@@ -154,15 +193,32 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
     if verdict.get("routing_flips"):
         out += routing_section(result, rank, verdict)
     out += [f"### Alignment proof{suffix}", ""]
-    out += [f"- [{'x' if ok else ' '}] {text(line, line_start=True)}" for ok, line in rc.alignment_items(result, verdict)]
-    out += ["", f"Rows differing: **{verdict['rows_differing']} of {verdict['rows_compared']}** compared token "
-                f"{rc.noun(verdict['rows_compared'], 'row')}.", ""]
+    out += [
+        f"- [{'x' if ok else ' '}] {text(line, line_start=True)}" for ok, line in rc.alignment_items(result, verdict)
+    ]
+    out += [
+        "",
+        f"Rows differing: **{verdict['rows_differing']} of {verdict['rows_compared']}** compared token "
+        f"{rc.noun(verdict['rows_compared'], 'row')}.",
+        "",
+    ]
     if verdict["groups"]:
         groups, more = capped(verdict["groups"], "culprit group")
-        out += [f"### Per-row culprits{suffix}", "", "Each differing token row has its own first culprit; "
-                "rows of different kinds (prompt, decode) often meet different ones.", ""]
-        out += table(["rows", "call", "class"],
-                     [[str(g["rows"]), code(g["call"], True), code(g["cls"], True)] for g in groups]) + more + [""]
+        out += [
+            f"### Per-row culprits{suffix}",
+            "",
+            "Each differing token row has its own first culprit; "
+            "rows of different kinds (prompt, decode) often meet different ones.",
+            "",
+        ]
+        out += (
+            table(
+                ["rows", "call", "class"],
+                [[str(g["rows"]), code(g["call"], True), code(g["cls"], True)] for g in groups],
+            )
+            + more
+            + [""]
+        )
     if verdict["not_comparable"]:
         items, more = capped(verdict["not_comparable"], "call")
         calls = rc.plural(len(verdict["not_comparable"]), "call")
@@ -171,9 +227,17 @@ def rank_sections(result: dict, rank: str, verdict: dict) -> List[str]:
     if verdict["nonfinite"]:
         items, more = capped(verdict["nonfinite"], "tensor")
         out += [f"### Non-finite values{suffix} (NaN/Inf, compared bit by bit)", ""]
-        out += table(["tensor", "rows", "in A", "in B"],
-                     [[code(n["tensor"], True), str(n["rows"]), str(n["nonfinite_a"]), str(n["nonfinite_b"])]
-                      for n in items]) + more + [""]
+        out += (
+            table(
+                ["tensor", "rows", "in A", "in B"],
+                [
+                    [code(n["tensor"], True), str(n["rows"]), str(n["nonfinite_a"]), str(n["nonfinite_b"])]
+                    for n in items
+                ],
+            )
+            + more
+            + [""]
+        )
     return out
 
 
@@ -181,8 +245,12 @@ def to_markdown(result: FirstDivergence) -> str:
     result, note = for_reading(result)
     place = None if rc.headline_names_place(result) else rc.title_place(result)
     title = f"{place[0]} {code(place[1])}" if place else ""
-    out = [f"## dumpdiff first-divergence: {pieces_md(rc.headline_parts(result))} {title}".rstrip(), "",
-           f"**Verdict:** {verdict_md(result)}", ""]
+    out = [
+        f"## dumpdiff first-divergence: {pieces_md(rc.headline_parts(result))} {title}".rstrip(),
+        "",
+        f"**Verdict:** {verdict_md(result)}",
+        "",
+    ]
     out += [f"> **Warning:** {text(w)}" for w in result.get("warnings", [])]
     out += [f"> **Note:** {text(note)}"] if note else []
     out += [""] if result.get("warnings") or note else []
@@ -191,8 +259,11 @@ def to_markdown(result: FirstDivergence) -> str:
     if len(result["ranks"]) > 1:
         out += [f"Ranks that diverge: {pieces_md(rc.diverged_rank_parts(result)) or 'none'}", ""]
     out += ["### Environment", ""]
-    header = ["", f"A (reference): {code(result['a']['label'], True)}",
-              f"B (under test): {code(result['b']['label'], True)}"]
+    header = [
+        "",
+        f"A (reference): {code(result['a']['label'], True)}",
+        f"B (under test): {code(result['b']['label'], True)}",
+    ]
     out += table(header, [[name, code(a, True), code(b, True)] for name, a, b in rc.environment_rows(result)])
     command = rc.reproduce_command(result)
     fence = "`" * max(3, max((len(run) + 1 for run in re.findall(r"`+", command)), default=0))

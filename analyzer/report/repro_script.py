@@ -15,7 +15,7 @@ import json
 # values: {slot: scalar argument of the dumped call}) -> tensor.
 # Each mirrors the code of the module class it stands for; `dumpdiff repro` checks that bit for bit
 # against the real module when the model is given, and the script checks it against the dump.
-OPS_SOURCE = r'''
+OPS_SOURCE = r"""
 def _x(inputs, attrs):
     return inputs[attrs["x"]]
 
@@ -81,7 +81,7 @@ def op_sdpa(inputs, params, attrs, values):
 
 OPS = {"linear": op_linear, "embedding": op_embedding, "rmsnorm_hf": op_rmsnorm_hf, "rmsnorm_torch": op_rmsnorm_torch,
        "layernorm": op_layernorm, "activation": op_activation, "sdpa": op_sdpa}
-'''
+"""
 
 
 HEAD = '''#!/usr/bin/env python3
@@ -415,7 +415,18 @@ def runtime() -> dict:
     import torch
     import torch.nn.functional as F
     from safetensors.torch import load_file
-    namespace = {"torch": torch, "F": F, "math": math, "json": json, "os": os, "sys": sys, "load_file": load_file,
-                 "HERE": "", "META": {}, "__name__": "dumpdiff_repro_runtime"}
+
+    namespace = {
+        "torch": torch,
+        "F": F,
+        "math": math,
+        "json": json,
+        "os": os,
+        "sys": sys,
+        "load_file": load_file,
+        "HERE": "",
+        "META": {},
+        "__name__": "dumpdiff_repro_runtime",
+    }
     exec(compile(OPS_SOURCE + BODY, "<dumpdiff repro script>", "exec"), namespace)  # noqa: S102 - our own constant source
     return namespace

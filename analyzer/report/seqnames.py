@@ -48,5 +48,7 @@ def for_reading(result: dict) -> Tuple[dict, Optional[str]]:
     for row in _rows(shown):
         if row["seq"] in shortened:
             row["seq"] = row["seq"][:n] + MARK
-    return shown, (f"sequence names over {LONG_NAME - 1} characters (request ids) are shown by their first {n}, "
-                   f"which no other name here starts with; --format json gives them whole")
+    return shown, (
+        f"sequence names over {LONG_NAME - 1} characters (request ids) are shown by their first {n}, "
+        f"which no other name here starts with; --format json gives them whole"
+    )

@@ -31,17 +31,21 @@ def bar_chart(items: List[Tuple[str, int]], title: str, highlight: Optional[str]
     label_w, bar_w, row_h = 400, 460, 22
     width, height = label_w + bar_w + 60, row_h * len(items) + 30
     top = max((count for _, count in items), default=0) or 1
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-           f'role="img" aria-label="{esc(title)}" font-family="system-ui, sans-serif" font-size="12">',
-           f'<title>{esc(title)}</title>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'role="img" aria-label="{esc(title)}" font-family="system-ui, sans-serif" font-size="12">',
+        f"<title>{esc(title)}</title>",
+    ]
     for i, (label, count) in enumerate(items):
         y = 20 + i * row_h
         length = max(1.0, bar_w * count / top)
         color = CULPRIT if label == highlight else ORIGIN
-        out.append(f'<g><title>{esc(label)}: {rc.plural(count, "row")}</title>'
-                   f'<text x="{label_w - 8}" y="{y + 14}" text-anchor="end" fill="{INK}">{esc(short(label))}</text>'
-                   f'<rect x="{label_w}" y="{y + 2}" width="{length:.1f}" height="{row_h - 6}" fill="{color}"/>'
-                   f'<text x="{label_w + length + 6:.1f}" y="{y + 14}" fill="{INK}">{count}</text></g>')
+        out.append(
+            f"<g><title>{esc(label)}: {rc.plural(count, 'row')}</title>"
+            f'<text x="{label_w - 8}" y="{y + 14}" text-anchor="end" fill="{INK}">{esc(short(label))}</text>'
+            f'<rect x="{label_w}" y="{y + 2}" width="{length:.1f}" height="{row_h - 6}" fill="{color}"/>'
+            f'<text x="{label_w + length + 6:.1f}" y="{y + 14}" fill="{INK}">{count}</text></g>'
+        )
     out.append(f'<text x="{label_w}" y="12" fill="#868e96">token rows whose first culprit it is</text></svg>')
     return "".join(out)
 
@@ -51,10 +55,18 @@ def _buckets(calls: List[dict]) -> List[dict]:
     size = max(1, -(-len(calls) // MAX_COLUMNS))
     merged = []
     for start in range(0, len(calls), size):
-        group = calls[start:start + size]
-        merged.append({"first": group[0], "last": group[-1], "calls": group,
-                       "out": max(c["rows_out_differ"] for c in group), "origin": max(c["rows_origin"] for c in group),
-                       "rows": max(c["rows"] for c in group), "layer": rc.layer_of(group[0]["call"])})
+        group = calls[start : start + size]
+        merged.append(
+            {
+                "first": group[0],
+                "last": group[-1],
+                "calls": group,
+                "out": max(c["rows_out_differ"] for c in group),
+                "origin": max(c["rows_origin"] for c in group),
+                "rows": max(c["rows"] for c in group),
+                "layer": rc.layer_of(group[0]["call"]),
+            }
+        )
     return merged
 
 
@@ -69,33 +81,49 @@ def timeline(calls: List[dict], culprit: Optional[str], title: str) -> str:
     step = plot_w / len(columns)
     top = max(c["rows"] for c in columns) or 1
     base = top_pad + plot_h
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-           f'role="img" aria-label="{esc(title)}" font-family="system-ui, sans-serif" font-size="11">',
-           f'<title>{esc(title)}</title>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'role="img" aria-label="{esc(title)}" font-family="system-ui, sans-serif" font-size="11">',
+        f"<title>{esc(title)}</title>",
+    ]
     out += _layer_bands(columns, left, step, top_pad, plot_h, base)
     for i, col in enumerate(columns):
         x = left + i * step
-        names = col["first"]["call"] if len(col["calls"]) == 1 else f"{col['first']['call']} \u2026 {col['last']['call']}"
-        tip = (f"{names}: output differs on {rc.plural(col['out'], 'row')}, arises inside on "
-               f"{rc.plural(col['origin'], 'row')}")
-        bars = [f'<rect x="{x:.2f}" y="{base - plot_h * v / top:.2f}" width="{max(step - 0.5, 0.6):.2f}" '
-                f'height="{plot_h * v / top:.2f}" fill="{color}"/>'
-                for v, color in ((col["out"], DIRTY), (col["origin"], ORIGIN)) if v]
+        names = (
+            col["first"]["call"] if len(col["calls"]) == 1 else f"{col['first']['call']} \u2026 {col['last']['call']}"
+        )
+        tip = (
+            f"{names}: output differs on {rc.plural(col['out'], 'row')}, arises inside on "
+            f"{rc.plural(col['origin'], 'row')}"
+        )
+        bars = [
+            f'<rect x="{x:.2f}" y="{base - plot_h * v / top:.2f}" width="{max(step - 0.5, 0.6):.2f}" '
+            f'height="{plot_h * v / top:.2f}" fill="{color}"/>'
+            for v, color in ((col["out"], DIRTY), (col["origin"], ORIGIN))
+            if v
+        ]
         if culprit and any(c["call"] == culprit for c in col["calls"]):
             mid = x + step / 2
             # label on the side with room: a culprit late in the run gets its label to the left
             side = f'x="{mid + 4:.2f}"' if mid < left + plot_w / 2 else f'x="{mid - 4:.2f}" text-anchor="end"'
-            bars.append(f'<line x1="{mid:.2f}" x2="{mid:.2f}" y1="{top_pad - 6}" y2="{base}" stroke="{CULPRIT}" '
-                        f'stroke-width="2"/><text {side} y="{top_pad - 10}" fill="{CULPRIT}">'
-                        f'culprit: {esc(short(culprit, 70))}</text>')
-        out.append(f'<g><title>{esc(tip)}</title>'
-                   f'<rect x="{x:.2f}" y="{top_pad}" width="{step:.2f}" height="{plot_h}" fill="transparent"/>'
-                   + "".join(bars) + "</g>")
-    out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{base}" y2="{base}" stroke="{INK}"/>'
-               f'<text x="{left - 6}" y="{top_pad + 4}" text-anchor="end" fill="{INK}">{top}</text>'
-               f'<text x="{left - 6}" y="{base}" text-anchor="end" fill="{INK}">0</text>'
-               f'<text x="{left}" y="{height - 4}" fill="#868e96">hooked calls in execution order '
-               f'(layer numbers on shaded bands); height = token rows</text></svg>')
+            bars.append(
+                f'<line x1="{mid:.2f}" x2="{mid:.2f}" y1="{top_pad - 6}" y2="{base}" stroke="{CULPRIT}" '
+                f'stroke-width="2"/><text {side} y="{top_pad - 10}" fill="{CULPRIT}">'
+                f"culprit: {esc(short(culprit, 70))}</text>"
+            )
+        out.append(
+            f"<g><title>{esc(tip)}</title>"
+            f'<rect x="{x:.2f}" y="{top_pad}" width="{step:.2f}" height="{plot_h}" fill="transparent"/>'
+            + "".join(bars)
+            + "</g>"
+        )
+    out.append(
+        f'<line x1="{left}" x2="{left + plot_w}" y1="{base}" y2="{base}" stroke="{INK}"/>'
+        f'<text x="{left - 6}" y="{top_pad + 4}" text-anchor="end" fill="{INK}">{top}</text>'
+        f'<text x="{left - 6}" y="{base}" text-anchor="end" fill="{INK}">0</text>'
+        f'<text x="{left}" y="{height - 4}" fill="#868e96">hooked calls in execution order '
+        f"(layer numbers on shaded bands); height = token rows</text></svg>"
+    )
     return "".join(out)
 
 

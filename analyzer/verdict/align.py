@@ -22,10 +22,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..index.columns import Columns
 from ..errors import DumpError
-from ..index.table import Index
+from ..index.columns import Columns
 from ..index.keyjoin import lookup, row_key
+from ..index.table import Index
 
 try:  # hashlib's own blake2b, without hashlib's start of OpenSSL (5 ms of every verdict)
     from _blake2 import blake2b
@@ -72,8 +72,11 @@ def row_keys(index: Index) -> Tuple[Columns, List[str], bool]:
     tokens = index.cols("tokens")
     tokens = tokens.take(tokens["valid"].astype(bool))
     tokens = tokens.take(np.lexsort((tokens["row"], tokens["pass"])))
-    prefixes = {(int(pass_id), seq): json.loads(raw)
-                for pass_id, seq, raw in index.cols("seqs").rows(("pass", "seq", "prefix_ids")) if raw is not None}
+    prefixes = {
+        (int(pass_id), seq): json.loads(raw)
+        for pass_id, seq, raw in index.cols("seqs").rows(("pass", "seq", "prefix_ids"))
+        if raw is not None
+    }
     seq_code: Dict[str, int] = {}
     codes = np.array([seq_code.setdefault(seq, len(seq_code)) for seq in tokens["seq"].tolist()], dtype=np.int64)
     branches: Dict[str, _Branch] = {}
@@ -93,18 +96,23 @@ def row_keys(index: Index) -> Tuple[Columns, List[str], bool]:
         if positions[i] == last and not forked:  # one pass computes a position twice for one sequence
             forked = True
             if len(notes) < 3:
-                notes.append(f"pass {passes[i]} computes position {last} of sequence {seqs[i]} twice (a tree of draft "
-                             "tokens, or sequences packed under one key): its rows from there on are not paired")
+                notes.append(
+                    f"pass {passes[i]} computes position {last} of sequence {seqs[i]} twice (a tree of draft "
+                    "tokens, or sequences packed under one key): its rows from there on are not paired"
+                )
         last = positions[i]
         keys[i] = None if forked else branch.place(positions[i], ids[i], steps[i])  # a row's context is unknown then
     out = Columns({n: tokens[n] for n in ("pass", "row", "seq", "pos", "id", "mode")} | {"key": keys})
-    jumped = any(b.gap is not None and all(isinstance(s, (int, np.integer)) for s in b.gap[2:]) and b.gap[3] == b.gap[2] + 1
-                 for b in branches.values())
+    jumped = any(
+        b.gap is not None and all(isinstance(s, (int, np.integer)) for s in b.gap[2:]) and b.gap[3] == b.gap[2] + 1
+        for b in branches.values()
+    )
     return out, notes + _history_notes(branches, int(np.count_nonzero(tokens["id"] < 0))), jumped
 
 
 class _Branch:
     """One sequence's token ids from position 0 as last computed, with the key of each prefix."""
+
     __slots__ = ("ids", "keys", "step", "gap", "late")
 
     def __init__(self) -> None:
@@ -146,27 +154,38 @@ def _history_notes(branches: Dict[str, "_Branch"], unknown_ids: int) -> List[str
             missing, found, before, after = branch.gap
             known = all(isinstance(s, (int, np.integer)) for s in (before, after))
             if known and after == before + 1:
-                why = (f"between consecutive engine steps {before} and {after} its positions jump (a position or "
-                       "rotary bug in the engine?)")
+                why = (
+                    f"between consecutive engine steps {before} and {after} its positions jump (a position or "
+                    "rotary bug in the engine?)"
+                )
             elif known:
-                why = (f"the passes of engine steps {before + 1}..{after - 1} were not dumped (dumping paused?), or its "
-                       "positions jump")
+                why = (
+                    f"the passes of engine steps {before + 1}..{after - 1} were not dumped (dumping paused?), or its "
+                    "positions jump"
+                )
             else:
                 why = "a pass was not dumped, or its positions jump (a position or rotary bug in the engine?)"
-            notes.append(f"sequence {seq} has no row at position {missing} but has rows at {found} and after: {why}; "
-                         "rows after the gap cannot be paired")
+            notes.append(
+                f"sequence {seq} has no row at position {missing} but has rows at {found} and after: {why}; "
+                "rows after the gap cannot be paired"
+            )
             break
-    late = next(((seq, branch.late) for seq, branch in branches.items() if branch.late is not None and not branch.ids),
-                None)
+    late = next(
+        ((seq, branch.late) for seq, branch in branches.items() if branch.late is not None and not branch.ids), None
+    )
     if late is not None and not notes:
-        notes.append(f"sequence {late[0]} starts at position {late[1]} with the token ids before it unknown: its first "
-                     "dumped pass ran on a cache whose earlier tokens this dump does not hold (filled while dumping was "
-                     "off, or a cache the dumper never saw filled, or the engine dropped the sequence's cache and went "
-                     "on without its context); enable dumping before the prompt's prefill and pass that cache (or a copy "
-                     "of it) on")
+        notes.append(
+            f"sequence {late[0]} starts at position {late[1]} with the token ids before it unknown: its first "
+            "dumped pass ran on a cache whose earlier tokens this dump does not hold (filled while dumping was "
+            "off, or a cache the dumper never saw filled, or the engine dropped the sequence's cache and went "
+            "on without its context); enable dumping before the prompt's prefill and pass that cache (or a copy "
+            "of it) on"
+        )
     if unknown_ids:
-        notes.append(f"{unknown_ids} token rows hold no token id (-1: a forward given inputs_embeds instead of input_ids "
-                     "records none); dump the run from token ids")
+        notes.append(
+            f"{unknown_ids} token rows hold no token id (-1: a forward given inputs_embeds instead of input_ids "
+            "records none); dump the run from token ids"
+        )
     return notes
 
 
@@ -175,30 +194,57 @@ def align(a: Index, b: Index) -> Alignment:
     last_in_a = {key: i for i, key in enumerate(keys_a["key"].tolist()) if key is not None}  # the last row wins
     ambiguous, told_by = _ambiguous_keys(a, keys_a)
     keyed_b = np.array([key is not None for key in keys_b["key"].tolist()], dtype=bool)
-    partner = np.array([last_in_a.get(key, -1) if key is not None and key not in ambiguous else -1
-                        for key in keys_b["key"].tolist()], dtype=np.int64)
+    partner = np.array(
+        [last_in_a.get(key, -1) if key is not None and key not in ambiguous else -1 for key in keys_b["key"].tolist()],
+        dtype=np.int64,
+    )
     n_ambiguous = sum(key in ambiguous for key in keys_b["key"].tolist()) if ambiguous else 0
     at_b = np.nonzero(partner >= 0)[0]  # B is in (pass, row) order already
     at_a = partner[at_b]
-    cols = Columns({"pair": np.arange(len(at_b)), "pass_a": keys_a["pass"][at_a], "row_a": keys_a["row"][at_a],
-                    "pass_b": keys_b["pass"][at_b], "row_b": keys_b["row"][at_b], "seq": keys_b["seq"][at_b],
-                    "pos": keys_b["pos"][at_b], "id": keys_b["id"][at_b], "pos_a": keys_a["pos"][at_a],
-                    "id_a": keys_a["id"][at_a], "mode_a": keys_a["mode"][at_a], "mode_b": keys_b["mode"][at_b]})
+    cols = Columns(
+        {
+            "pair": np.arange(len(at_b)),
+            "pass_a": keys_a["pass"][at_a],
+            "row_a": keys_a["row"][at_a],
+            "pass_b": keys_b["pass"][at_b],
+            "row_b": keys_b["row"][at_b],
+            "seq": keys_b["seq"][at_b],
+            "pos": keys_b["pos"][at_b],
+            "id": keys_b["id"][at_b],
+            "pos_a": keys_a["pos"][at_a],
+            "id_a": keys_a["id"][at_a],
+            "mode_a": keys_a["mode"][at_a],
+            "mode_b": keys_b["mode"][at_b],
+        }
+    )
     cached = np.array([mode not in ("prefill", None) for mode in keys_b["mode"].tolist()], dtype=bool)
     cached_a = sum(mode not in ("prefill", None) for mode in keys_a["mode"].tolist())
     decode_a = sum(mode == "decode" for mode in keys_a["mode"].tolist())
     unkeyed_a = sum(key is None for key in keys_a["key"].tolist())
     decode_b = sum(mode == "decode" for mode in keys_b["mode"].tolist())
-    return Alignment(cols=cols, unaligned_b=int(keyed_b.sum()) - len(at_b), unkeyed_b=int((~keyed_b).sum()),
-                     rows_b=len(keys_b), cached_b=int(cached.sum()), cached_unpaired_b=int((cached & (partner < 0)).sum()),
-                     history_notes_b=notes_b, positions_jump_b=jumped_b, ambiguous_b=n_ambiguous,
-                     ambiguous_note=told_by and (f"the reference holds several sequences with the same token ids whose "
-                                                 f"values differ (first at {told_by}): the model takes inputs besides "
-                                                 "the token ids (an encoder's output, an image), so which one a row "
-                                                 "pairs with cannot be told; dump one such request per run, or give "
-                                                 "them distinct ids"),
-                     cached_a=cached_a, decode_a=decode_a, decode_b=decode_b,
-                     unkeyed_a=unkeyed_a)
+    return Alignment(
+        cols=cols,
+        unaligned_b=int(keyed_b.sum()) - len(at_b),
+        unkeyed_b=int((~keyed_b).sum()),
+        rows_b=len(keys_b),
+        cached_b=int(cached.sum()),
+        cached_unpaired_b=int((cached & (partner < 0)).sum()),
+        history_notes_b=notes_b,
+        positions_jump_b=jumped_b,
+        ambiguous_b=n_ambiguous,
+        ambiguous_note=told_by
+        and (
+            f"the reference holds several sequences with the same token ids whose "
+            f"values differ (first at {told_by}): the model takes inputs besides "
+            "the token ids (an encoder's output, an image), so which one a row "
+            "pairs with cannot be told; dump one such request per run, or give "
+            "them distinct ids"
+        ),
+        cached_a=cached_a,
+        decode_a=decode_a,
+        decode_b=decode_b,
+        unkeyed_a=unkeyed_a,
+    )
 
 
 MAX_AMBIGUITY_KEYS = 4096  # repeated keys checked (a context that differs shows on every shared row)
@@ -233,11 +279,17 @@ def _ambiguous_keys(index: Index, keys: Columns) -> Tuple[set, Optional[str]]:
     where = [place for places in repeated.values() for place in places]
     table = index.cols("rows")
     width = int(table["row"].max(initial=0)) + 1
-    wanted = np.isin(table["pass"].astype(np.int64) * width + table["row"],
-                     np.array([p * width + r for p, r in where], dtype=np.int64))
+    wanted = np.isin(
+        table["pass"].astype(np.int64) * width + table["row"],
+        np.array([p * width + r for p, r in where], dtype=np.int64),
+    )
     values: Dict[tuple, Dict[str, int]] = {}
-    for p, r, tensor, fp in zip(table["pass"][wanted].tolist(), table["row"][wanted].tolist(),
-                                table["tensor"][wanted].tolist(), table["fp"][wanted].tolist()):
+    for p, r, tensor, fp in zip(
+        table["pass"][wanted].tolist(),
+        table["row"][wanted].tolist(),
+        table["tensor"][wanted].tolist(),
+        table["fp"][wanted].tolist(),
+    ):
         values.setdefault((int(p), int(r)), {})[tensor] = fp
     ambiguous, told_by = set(), None
     for key, (first, other) in repeated.items():
@@ -256,22 +308,30 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     if alignment.ambiguous_b:
         why += f"; {alignment.ambiguous_b} rows of {label_b}: {alignment.ambiguous_note}"
     if alignment.cached_a and alignment.unkeyed_a:  # rows after a cached prefix it does not hold: unpairable
-        why += (f"; {label_a} holds {alignment.cached_a} rows computed on a cache (extend or decode passes), not one "
-                "prefill: flush the engine's cache before dumping the reference (sglang: POST /flush_cache)")
+        why += (
+            f"; {label_a} holds {alignment.cached_a} rows computed on a cache (extend or decode passes), not one "
+            "prefill: flush the engine's cache before dumping the reference (sglang: POST /flush_cache)"
+        )
     if not len(pairs) and alignment.ambiguous_b:
         raise DumpError(f"no token row of {label_b} can be paired: {alignment.ambiguous_note}")
     if not len(pairs) and alignment.history_notes_b and alignment.unkeyed_b == alignment.rows_b:
-        raise DumpError(f"no token row of {label_b} can be paired (the ids before its rows are unknown): "
-                        + "; ".join(alignment.history_notes_b))  # not another prompt: say what is missing
+        raise DumpError(
+            f"no token row of {label_b} can be paired (the ids before its rows are unknown): "
+            + "; ".join(alignment.history_notes_b)
+        )  # not another prompt: say what is missing
     if not len(pairs):
-        raise DumpError(f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0); "
-                        "were both dumps made from the same prompt? dump the reference prefill of prompt+output" + why)
+        raise DumpError(
+            f"no token row of {label_b} matches a row of {label_a} (same token ids from position 0); "
+            "were both dumps made from the same prompt? dump the reference prefill of prompt+output" + why
+        )
     if alignment.cached_b and alignment.cached_unpaired_b == alignment.cached_b:
         # Only prefill rows would be compared: "no divergence" would hide that the decode steps,
         # the point of the comparison, were never looked at.
-        raise DumpError(f"none of the {alignment.cached_b} decode/extend rows of {label_b} has a partner in {label_a} "
-                        "(same token ids from position 0); the reference must hold the tokens the decode run generated: "
-                        "dump it as one prefill of prompt+output" + why)
+        raise DumpError(
+            f"none of the {alignment.cached_b} decode/extend rows of {label_b} has a partner in {label_a} "
+            "(same token ids from position 0); the reference must hold the tokens the decode run generated: "
+            "dump it as one prefill of prompt+output" + why
+        )
     bad = int(((pairs["id"] != pairs["id_a"]) | (pairs["pos"] != pairs["pos_a"])).sum())
     if bad:
         raise DumpError(f"alignment broken: {bad} paired rows differ in token id or position")
@@ -283,31 +343,43 @@ def prove(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str, 
     if emb_b is None or emb_a is None:
         missing = label_b if emb_b is None else label_a
         if metadata_only(a, b):
-            raise DumpError(f"cannot prove the alignment: {missing} holds no module tensors (DUMPER_NON_INTRUSIVE_MODE="
-                            "core writes pass metadata only); dump with DUMPER_NON_INTRUSIVE_MODE=all")
-        raise DumpError(f"cannot prove the alignment: {missing} has no dumped embedding call (a module taking the token "
-                        "ids); widen DUMPER_FILTER to include it, or pass --trust-alignment")
+            raise DumpError(
+                f"cannot prove the alignment: {missing} holds no module tensors (DUMPER_NON_INTRUSIVE_MODE="
+                "core writes pass metadata only); dump with DUMPER_NON_INTRUSIVE_MODE=all"
+            )
+        raise DumpError(
+            f"cannot prove the alignment: {missing} has no dumped embedding call (a module taking the token "
+            "ids); widen DUMPER_FILTER to include it, or pass --trust-alignment"
+        )
     if emb_a[0] != emb_b[0]:
-        raise DumpError(f"the dumps embed tokens in different modules ({emb_a[0]} vs {emb_b[0]}); are they of the same model?")
+        raise DumpError(
+            f"the dumps embed tokens in different modules ({emb_a[0]} vs {emb_b[0]}); are they of the same model?"
+        )
     fp_a, fp_b = _tensor_fps(a, emb_a[1], pairs, "a"), _tensor_fps(b, emb_b[1], pairs, "b")
     both = (fp_a[1] >= 0) & (fp_b[1] >= 0)  # pairs whose embedding row is in both dumps
     differ = np.nonzero(both & (fp_a[0] != fp_b[0]))[0]
     if not both.any():
-        raise DumpError("cannot prove the alignment: the embedding output has no token rows in common between the dumps"
-                        + row_selection_hint(a, b))
+        raise DumpError(
+            "cannot prove the alignment: the embedding output has no token rows in common between the dumps"
+            + row_selection_hint(a, b)
+        )
     if len(differ):
         first = differ[0]
         prefill = np.asarray([mode in ("prefill", None) for mode in pairs["mode_b"].tolist()], dtype=bool)
         if (both & prefill).any() and not prefill[differ].any():
             # same ids and positions, same embedding on every prefill row: the decode path's own
             # embedding differs, a bug of the engine under test, not a misalignment
-            why = (f"every one of them a decode/extend row, while all {int((both & prefill).sum())} paired prefill rows "
-                   f"are bit-identical: {emb_b[0]} itself computes otherwise in decode (a bug, not a misalignment); "
-                   "the token ids and positions match, so rerun with --trust-alignment for the verdict")
+            why = (
+                f"every one of them a decode/extend row, while all {int((both & prefill).sum())} paired prefill rows "
+                f"are bit-identical: {emb_b[0]} itself computes otherwise in decode (a bug, not a misalignment); "
+                "the token ids and positions match, so rerun with --trust-alignment for the verdict"
+            )
         else:
             why = "the dumps are of different weights or the rows are misaligned; no verdict is given"
-        raise DumpError(f"alignment proof failed: embedding output ({emb_b[0]}) differs on {len(differ)} of {int(both.sum())} "
-                        f"paired rows (first: sequence {pairs['seq'][first]}, position {pairs['pos'][first]}); {why}")
+        raise DumpError(
+            f"alignment proof failed: embedding output ({emb_b[0]}) differs on {len(differ)} of {int(both.sum())} "
+            f"paired rows (first: sequence {pairs['seq'][first]}, position {pairs['pos'][first]}); {why}"
+        )
     alignment.embedding = emb_b[0]
     alignment.proof.append(f"embedding output ({emb_b[0]}) bit-identical on all {int(both.sum())} paired rows")
     return alignment
@@ -330,11 +402,14 @@ def row_selection_hint(a: Index, b: Index) -> str:
             kept.append(f"{index.dump.label} kept DUMPER_POSITIONS={index.dump.setting('positions')!r}")
     if not kept:
         return ""
-    advice = ("the reference prefill of prompt+output holds one row more than the decode run computes (its last "
-              "generated token is never fed back), so the reference must keep at least the decode steps of a "
-              "sequence plus one (DUMPER_LAST_ROWS >= new tokens)" if last_rows else
-              "keep positions that both runs compute (the decode steps: DUMPER_POSITIONS='T:' with T the prompt length, "
-              "in both dumps)")
+    advice = (
+        "the reference prefill of prompt+output holds one row more than the decode run computes (its last "
+        "generated token is never fed back), so the reference must keep at least the decode steps of a "
+        "sequence plus one (DUMPER_LAST_ROWS >= new tokens)"
+        if last_rows
+        else "keep positions that both runs compute (the decode steps: DUMPER_POSITIONS='T:' with T the prompt length, "
+        "in both dumps)"
+    )
     return f"; {' and '.join(kept)}: {advice}"
 
 
@@ -352,8 +427,12 @@ def embedding_call(index: Index):
     dtypes = tensors["dtype"]
     float_types = np.array([d for d in set(dtypes.tolist()) if "float" in str(d)], dtype=object)
     # The first float output with token rows of each call that takes the ids, in table order.
-    is_float_out = ((tensors["io"] == "out") & np.isin(dtypes, float_types) & (tensors["token_dims"] != "null")
-                    & np.isin(tensors["call"], id_calls))
+    is_float_out = (
+        (tensors["io"] == "out")
+        & np.isin(dtypes, float_types)
+        & (tensors["token_dims"] != "null")
+        & np.isin(tensors["call"], id_calls)
+    )
     first_out: Dict[str, str] = {}
     for call, tensor in zip(tensors["call"][is_float_out].tolist(), tensors["tensor"][is_float_out].tolist()):
         first_out.setdefault(call, tensor)

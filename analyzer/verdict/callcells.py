@@ -43,20 +43,29 @@ def call_cells(table, posts: np.ndarray, slot_of_pair: np.ndarray, threads: int)
     n_pairs = len(slot_of_pair)
     step = max(min(CHUNK_CELLS // n_calls, -(-n_pairs // max(threads, 1))), 1)  # a chunk per thread at least
     bounds = np.searchsorted(table["pair"], np.arange(0, n_pairs + step, step))  # the table is ordered by pair
-    chunks = [(lo, min(lo + step, n_pairs), int(bounds[k]), int(bounds[k + 1]))
-              for k, lo in enumerate(range(0, n_pairs, step))]
-    with concurrent.futures.ThreadPoolExecutor(max(min(threads, len(chunks)), 1),
-                                               thread_name_prefix="dumpdiff-calls") as pool:
+    chunks = [
+        (lo, min(lo + step, n_pairs), int(bounds[k]), int(bounds[k + 1]))
+        for k, lo in enumerate(range(0, n_pairs, step))
+    ]
+    with concurrent.futures.ThreadPoolExecutor(
+        max(min(threads, len(chunks)), 1), thread_name_prefix="dumpdiff-calls"
+    ) as pool:
         parts = list(pool.map(lambda chunk: _chunk(table, posts, slot_of_pair, n_calls, *chunk), chunks))
-    counts = {name: np.zeros(len(table.calls), np.int64) for name in ("rows", "rows_in_differ", "rows_out_differ",
-                                                                      "rows_origin")}
+    counts = {
+        name: np.zeros(len(table.calls), np.int64)
+        for name in ("rows", "rows_in_differ", "rows_out_differ", "rows_origin")
+    }
     dirty_calls = np.zeros(len(table.calls), bool)
     for part in parts:
         for name in counts:
-            counts[name] += part["counts"][name][:len(table.calls)]
-        dirty_calls |= part["dirty_calls"][:len(table.calls)]
-    return CallCells(_joined([p["first_dirty"] for p in parts], ("pair", "ccode", "in_differ", "post")),
-                     _joined([p["first_origin"] for p in parts], ("pair", "ccode", "post")), counts, dirty_calls)
+            counts[name] += part["counts"][name][: len(table.calls)]
+        dirty_calls |= part["dirty_calls"][: len(table.calls)]
+    return CallCells(
+        _joined([p["first_dirty"] for p in parts], ("pair", "ccode", "in_differ", "post")),
+        _joined([p["first_origin"] for p in parts], ("pair", "ccode", "post")),
+        counts,
+        dirty_calls,
+    )
 
 
 def _chunk(table, posts: np.ndarray, slot_of_pair: np.ndarray, n_calls: int, lo: int, hi: int, start: int, stop: int):
@@ -78,10 +87,17 @@ def _chunk(table, posts: np.ndarray, slot_of_pair: np.ndarray, n_calls: int, lo:
     origin = out_differ & ~in_differ
     first_dirty = _first(dirty, post, lo)
     first_dirty["in_differ"] = in_differ[first_dirty["pair"] - lo, first_dirty["ccode"]]
-    return {"first_dirty": first_dirty, "first_origin": _first(origin, post, lo),
-            "counts": {"rows": present.sum(axis=0), "rows_in_differ": in_differ.sum(axis=0),
-                       "rows_out_differ": out_differ.sum(axis=0), "rows_origin": origin.sum(axis=0)},
-            "dirty_calls": dirty.any(axis=0)}
+    return {
+        "first_dirty": first_dirty,
+        "first_origin": _first(origin, post, lo),
+        "counts": {
+            "rows": present.sum(axis=0),
+            "rows_in_differ": in_differ.sum(axis=0),
+            "rows_out_differ": out_differ.sum(axis=0),
+            "rows_origin": origin.sum(axis=0),
+        },
+        "dirty_calls": dirty.any(axis=0),
+    }
 
 
 def _first(mask: np.ndarray, post: np.ndarray, lo: int) -> Dict[str, np.ndarray]:
@@ -109,8 +125,11 @@ def posts_of_b(calls_b: Columns, call_names: np.ndarray, pass_of_pair: np.ndarra
     if cells > max(DENSE_CELLS, 4 * n_entries):
         return None
     posts = np.full((max(len(passes), 1), n_calls), NO_POST, np.int64)  # a row even for none
-    np.minimum.at(posts, (np.searchsorted(passes, calls_b["pass"][known].astype(np.int64)), codes_b[known]),
-                  calls_b["post"][known].astype(np.int64))
+    np.minimum.at(
+        posts,
+        (np.searchsorted(passes, calls_b["pass"][known].astype(np.int64)), codes_b[known]),
+        calls_b["post"][known].astype(np.int64),
+    )
     posts[posts == NO_POST] = ABSENT
     pass_of_pair = np.asarray(pass_of_pair, np.int64)
     if not len(passes):
@@ -135,15 +154,21 @@ def from_cells(per_call: Columns, n_calls: int) -> CallCells:
     in_d, out_d = per_call["in_differ"], per_call["out_differ"]
     ccode = per_call["ccode"]
     dirty, origin = in_d | out_d, out_d & ~in_d
-    counts = {"rows": np.bincount(ccode, minlength=n_calls), "rows_in_differ": np.bincount(ccode[in_d], minlength=n_calls),
-              "rows_out_differ": np.bincount(ccode[out_d], minlength=n_calls),
-              "rows_origin": np.bincount(ccode[origin], minlength=n_calls)}
+    counts = {
+        "rows": np.bincount(ccode, minlength=n_calls),
+        "rows_in_differ": np.bincount(ccode[in_d], minlength=n_calls),
+        "rows_out_differ": np.bincount(ccode[out_d], minlength=n_calls),
+        "rows_origin": np.bincount(ccode[origin], minlength=n_calls),
+    }
     dirty_calls = np.zeros(n_calls, bool)
     dirty_calls[ccode[dirty]] = True
     first_dirty = _first_of_list(per_call, dirty)
-    return CallCells(Columns({n: first_dirty[n] for n in ("pair", "ccode", "in_differ", "post")}),
-                     Columns({n: v for n, v in _first_of_list(per_call, origin).items() if n != "in_differ"}),
-                     {k: v[:n_calls].astype(np.int64) for k, v in counts.items()}, dirty_calls)
+    return CallCells(
+        Columns({n: first_dirty[n] for n in ("pair", "ccode", "in_differ", "post")}),
+        Columns({n: v for n, v in _first_of_list(per_call, origin).items() if n != "in_differ"}),
+        {k: v[:n_calls].astype(np.int64) for k, v in counts.items()},
+        dirty_calls,
+    )
 
 
 def _first_of_list(per_call: Columns, mask: np.ndarray) -> Dict[str, np.ndarray]:

@@ -24,14 +24,14 @@ import numpy as np
 
 from dumpdiff.dumper import format as fmt
 
-from .result import RankVerdict
-from .align import Alignment
-from .callcells import call_cells, codes_of_calls, from_cells, posts_of_b
-from ..index.columns import Columns, distinct, merged_vocabulary, recode
 from ..dump.dtypes import DType, to_float64
+from ..index.columns import Columns, distinct, merged_vocabulary, recode
+from ..index.keyjoin import join, row_key
 from ..index.rows import reader_of
 from ..index.table import Index
-from ..index.keyjoin import join, row_key
+from .align import Alignment
+from .callcells import call_cells, codes_of_calls, from_cells, posts_of_b
+from .result import RankVerdict
 
 MAX_LISTED = 20
 
@@ -41,6 +41,7 @@ class RowTable:
     """One entry per (pair, tensor) present on both sides, with both fingerprints, ordered by pair
     then by the tensor's place in A. Columns are numpy arrays with names as integer codes.
     ``frame`` gives a pandas view of chosen entries (the MoE routing check and the repro builder)."""
+
     pairs: Columns  # the alignment's pairs
     columns: Dict[str, np.ndarray]  # pair, tcode, ccode, entry_a/b (place in each side's rows table), is_in,
     #                                 is_out, comparable, differ; fp_a/b, shape_a/b, nonfinite_a/b once gathered
@@ -96,14 +97,28 @@ class RowTable:
             mask = np.nonzero(mask)[0] if np.asarray(mask).dtype == bool else mask
         c = {name: self.column(name, mask) for name in ENTRY_COLUMNS}
         pick = c["pair"]
-        return Columns({
-            "pair": c["pair"], "pass_a": self.pairs["pass_a"][pick], "row_a": self.pairs["row_a"][pick],
-            "pass_b": self.pairs["pass_b"][pick], "row_b": self.pairs["row_b"][pick],
-            "tensor": self.tensors[c["tcode"]], "fp_a": c["fp_a"], "fp_b": c["fp_b"],
-            "rowshape_a": self.shapes[c["shape_a"]], "rowshape_b": self.shapes[c["shape_b"]],
-            "nonfinite_a": c["nonfinite_a"], "nonfinite_b": c["nonfinite_b"],
-            "call": self.calls[c["ccode"]], "io": self.io_of[c["tcode"]],
-            "comparable": c["comparable"], "differ": c["differ"], "entry_a": c["entry_a"], "entry_b": c["entry_b"]})
+        return Columns(
+            {
+                "pair": c["pair"],
+                "pass_a": self.pairs["pass_a"][pick],
+                "row_a": self.pairs["row_a"][pick],
+                "pass_b": self.pairs["pass_b"][pick],
+                "row_b": self.pairs["row_b"][pick],
+                "tensor": self.tensors[c["tcode"]],
+                "fp_a": c["fp_a"],
+                "fp_b": c["fp_b"],
+                "rowshape_a": self.shapes[c["shape_a"]],
+                "rowshape_b": self.shapes[c["shape_b"]],
+                "nonfinite_a": c["nonfinite_a"],
+                "nonfinite_b": c["nonfinite_b"],
+                "call": self.calls[c["ccode"]],
+                "io": self.io_of[c["tcode"]],
+                "comparable": c["comparable"],
+                "differ": c["differ"],
+                "entry_a": c["entry_a"],
+                "entry_b": c["entry_b"],
+            }
+        )
 
     def frame(self, mask: Optional[np.ndarray] = None):
         """The chosen entries (all when mask is None) as a pandas DataFrame."""
@@ -128,6 +143,7 @@ DENSE_CELLS = 8 << 20  # token rows x tensors up to which joins use dense grids 
 class JoinPlan:
     """What the join needs of the two indexes alone: made before the rows are aligned (the
     verdict makes it on another thread while they are). Used up by one row_table."""
+
     rows: Dict[str, Columns]  # each side's rows table
     shape_codes: Dict[str, tuple]  # each side's (row shape codes, vocabulary)
     tensors: np.ndarray  # both sides' tensor names, sorted: the codes
@@ -144,8 +160,10 @@ def plan_join(a: Index, b: Index) -> JoinPlan:
     in these loops over a million entries."""
     rows = {"a": a.cols("rows"), "b": b.cols("rows")}
     with concurrent.futures.ThreadPoolExecutor(JOIN_THREADS, thread_name_prefix="dumpdiff-join") as pool:
+
         def both(work) -> Dict[str, object]:
             return dict(zip(SIDES, pool.map(work, SIDES)))
+
         tensor_codes = both(lambda s: rows[s].codes("tensor"))
         shape_codes = both(lambda s: rows[s].codes("rowshape"))
         tensors = merged_vocabulary(*(v for _, v in tensor_codes.values()))
@@ -166,8 +184,9 @@ def row_table(alignment: Alignment, a: Index, b: Index, plan: Optional[JoinPlan]
     with concurrent.futures.ThreadPoolExecutor(JOIN_THREADS, thread_name_prefix="dumpdiff-join") as pool:
         grids = _pair_grids(plan.placed, pairs, len(plan.tensors))
         if grids is not None:
-            pieces = list(pool.map(lambda span: _grid_piece(span, grids, tcodes["a"], call_of),
-                                   _spans(len(pairs), JOIN_THREADS)))
+            pieces = list(
+                pool.map(lambda span: _grid_piece(span, grids, tcodes["a"], call_of), _spans(len(pairs), JOIN_THREADS))
+            )
         else:
             pair, tcode, entry_a, entry_b = _join_on_keys(pairs, rows, tcodes, len(plan.tensors))
             keep = call_of[tcode] >= 0
@@ -175,8 +194,9 @@ def row_table(alignment: Alignment, a: Index, b: Index, plan: Optional[JoinPlan]
             pieces = [[column[lo:hi] for column in found] for lo, hi in _spans(len(found[0]), JOIN_THREADS)]
         entry_dtype = grids["a"][0].dtype if grids is not None else pieces[0][2].dtype if pieces else np.int64
         grids = tcodes = plan.tcodes = plan.placed = None  # let go before the columns are made: their memory is reused
-        columns, sources = _columns(pieces, len(pairs), entry_dtype, rows, plan.shape_codes, plan.shapes, call_of,
-                                    plan.io_of, pool)
+        columns, sources = _columns(
+            pieces, len(pairs), entry_dtype, rows, plan.shape_codes, plan.shapes, call_of, plan.io_of, pool
+        )
     return RowTable(pairs, columns, plan.tensors, np.array(plan.calls, dtype=object), plan.shapes, plan.io_of, sources)
 
 
@@ -197,17 +217,34 @@ def _spans(n: int, parts: int):
     return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
-def _columns(pieces, n_pairs: int, entry_dtype, rows: Dict[str, Columns], shape_codes, shapes: np.ndarray,
-             call_of: np.ndarray, io_of: np.ndarray, pool) -> Tuple[Dict[str, np.ndarray], Dict[str, dict]]:
+def _columns(
+    pieces,
+    n_pairs: int,
+    entry_dtype,
+    rows: Dict[str, Columns],
+    shape_codes,
+    shapes: np.ndarray,
+    call_of: np.ndarray,
+    io_of: np.ndarray,
+    pool,
+) -> Tuple[Dict[str, np.ndarray], Dict[str, dict]]:
     """The row table's columns from the joined pieces ([pair, tensor code, entry in A's rows,
     entry in B's rows], in order), each piece filled in by its own thread; and per side, what
     its GATHERED columns are read from when asked."""
     sizes = [len(piece[0]) for piece in pieces]
     starts = np.r_[0, np.cumsum(sizes, dtype=np.int64)].tolist()
     into_shapes = {s: recode(shape_codes[s][1], shapes).astype(_index_kind(len(shapes))) for s in SIDES}
-    kinds = {"pair": _index_kind(n_pairs), "tcode": _index_kind(len(io_of)), "ccode": call_of.dtype,
-             "entry_a": entry_dtype, "entry_b": entry_dtype,
-             "is_in": bool, "is_out": bool, "comparable": bool, "differ": bool}
+    kinds = {
+        "pair": _index_kind(n_pairs),
+        "tcode": _index_kind(len(io_of)),
+        "ccode": call_of.dtype,
+        "entry_a": entry_dtype,
+        "entry_b": entry_dtype,
+        "is_in": bool,
+        "is_out": bool,
+        "comparable": bool,
+        "differ": bool,
+    }
     out = {name: np.empty(starts[-1], kind) for name, kind in kinds.items()}
     is_in, is_out = io_of == "in", io_of == "out"  # on codes, not strings
 
@@ -223,10 +260,17 @@ def _columns(pieces, n_pairs: int, entry_dtype, rows: Dict[str, Columns], shape_
         np.equal(shape_a, shape_b, out=cell["comparable"])
         np.not_equal(rows["a"]["fp"][entry_a], rows["b"]["fp"][entry_b], out=cell["differ"])
         cell["differ"] &= cell["comparable"]
+
     list(pool.map(fill, range(len(pieces))))
-    sources = {s: {"fp": rows[s]["fp"], "shape": (shape_codes[s][0], into_shapes[s]),
-                   # rows holding NaN or inf are rare: none on a side, nothing to gather there
-                   "nonfinite": rows[s]["nonfinite"] if rows[s]["nonfinite"].any() else None} for s in SIDES}
+    sources = {
+        s: {
+            "fp": rows[s]["fp"],
+            "shape": (shape_codes[s][0], into_shapes[s]),
+            # rows holding NaN or inf are rare: none on a side, nothing to gather there
+            "nonfinite": rows[s]["nonfinite"] if rows[s]["nonfinite"].any() else None,
+        }
+        for s in SIDES
+    }
     return out, sources
 
 
@@ -239,7 +283,9 @@ def _calls_of_tensors(b: Index, tensors: np.ndarray):
     calls, call_code = [], {}
     tensor_code = {t: i for i, t in enumerate(tensors.tolist())}
     first = info.firsts("tensor")
-    for tensor, call, io in zip(info["tensor"][first].tolist(), info["call"][first].tolist(), info["io"][first].tolist()):
+    for tensor, call, io in zip(
+        info["tensor"][first].tolist(), info["call"][first].tolist(), info["io"][first].tolist()
+    ):
         code = tensor_code.get(tensor)
         if code is None:
             continue
@@ -264,8 +310,9 @@ def _join_on_keys(pairs: Columns, rows: Dict[str, Columns], tcodes: Dict[str, np
     return pair, tcode, entries["a"][at_a], entries["b"][at_b]
 
 
-def _placed_grids(indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray],
-                  n_tensors: int, pool) -> Optional[dict]:
+def _placed_grids(
+    indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: Dict[str, np.ndarray], n_tensors: int, pool
+) -> Optional[dict]:
     """Per side, a dense grid of (token row, tensor) -> entry: the join without sorting a million
     keys, filled by spans of entries on the pool's threads. None when a grid would be too large or
     a cell holds two entries (then the general join does it)."""
@@ -281,8 +328,13 @@ def _placed_grids(indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: D
         slot = np.full(int(passes[-1]) + 2, len(passes), np.int32)  # pass number -> place; unknown: one past
         slot[passes] = np.arange(len(passes))
         grid = np.full(n_gid * n_tensors, -1, _index_kind(len(rows[side])))
-        made[side] = (slot, np.r_[np.cumsum(counts) - counts, -1].astype(np.int32), np.r_[counts, 0].astype(np.int32),
-                      grid, n_gid)
+        made[side] = (
+            slot,
+            np.r_[np.cumsum(counts) - counts, -1].astype(np.int32),
+            np.r_[counts, 0].astype(np.int32),
+            grid,
+            n_gid,
+        )
 
     def place(task):
         side, lo, hi = task
@@ -293,6 +345,7 @@ def _placed_grids(indexes: Dict[str, Index], rows: Dict[str, Columns], tcodes: D
         placed += lo
         made[side][3][cells] = placed
         return side, cells, placed
+
     tasks = [(side, lo, hi) for side in SIDES for lo, hi in _spans(len(rows[side]), JOIN_THREADS)]
     placed = list(pool.map(place, tasks))
     # a (row, tensor) twice: one of its writes was lost
@@ -384,6 +437,7 @@ def _per_call(table: RowTable, b: Index) -> Columns:
             flags["present"][key] = True
             flags["in"][key[differ & table["is_in"][at]]] = True
             flags["out"][key[differ & table["is_out"][at]]] = True
+
         with concurrent.futures.ThreadPoolExecutor(JOIN_THREADS, thread_name_prefix="dumpdiff-calls") as pool:
             list(pool.map(mark, _spans(n_entries, JOIN_THREADS)))
         pair, ccode = np.nonzero(flags["present"].reshape(-1, n_calls))  # (pair, call) cells: no division
@@ -404,8 +458,17 @@ def _per_call(table: RowTable, b: Index) -> Columns:
     order_of = _order_of(calls, b)
     if not np.array_equal(at, np.arange(len(pair))):  # cells B's calls table lacks (or holds twice)
         pair, pass_b, ccode, in_differ, out_differ = pair[at], pass_b[at], ccode[at], in_differ[at], out_differ[at]
-    return Columns({"pair": pair, "pass_b": pass_b, "ccode": ccode, "in_differ": in_differ, "out_differ": out_differ,
-                    "post": b.cols("calls")["post"][at_calls], "order": order_of[ccode]})
+    return Columns(
+        {
+            "pair": pair,
+            "pass_b": pass_b,
+            "ccode": ccode,
+            "in_differ": in_differ,
+            "out_differ": out_differ,
+            "post": b.cols("calls")["post"][at_calls],
+            "order": order_of[ccode],
+        }
+    )
 
 
 def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray):
@@ -414,8 +477,10 @@ def calls_of_b(table: RowTable, b: Index, pass_b: np.ndarray, ccode: np.ndarray)
     calls_b = b.cols("calls")
     n_calls = max(len(table.calls), 1)
     codes_b, known = codes_of_calls(calls_b, table.calls)
-    at_calls, at = join(calls_b["pass"][known].astype(np.int64) * n_calls + codes_b[known],
-                        np.asarray(pass_b, np.int64) * n_calls + ccode)
+    at_calls, at = join(
+        calls_b["pass"][known].astype(np.int64) * n_calls + codes_b[known],
+        np.asarray(pass_b, np.int64) * n_calls + ccode,
+    )
     return known[at_calls], at
 
 
@@ -428,8 +493,13 @@ def _call_info(b: Index, names) -> Dict[str, tuple]:
     return info
 
 
-def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[RowTable] = None,
-                   uncompared: Optional[Dict[str, str]] = None) -> RankVerdict:
+def strict_verdict(
+    alignment: Alignment,
+    a: Index,
+    b: Index,
+    table: Optional[RowTable] = None,
+    uncompared: Optional[Dict[str, str]] = None,
+) -> RankVerdict:
     """``uncompared``: uncompared_calls' first answer, when the caller has it."""
     table = row_table(alignment, a, b) if table is None else table
     uncompared = uncompared_calls(table, a, b)[0] if uncompared is None else uncompared
@@ -445,10 +515,16 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     row_culprit = Columns({"pair": origin["pair"], "ccode": origin["ccode"], "order": order_of[origin["ccode"]]})
 
     compared = int(np.count_nonzero(np.diff(table["pair"])) + 1) if len(table["pair"]) else 0  # ordered by pair
-    verdict = {"rows_compared": compared, "rows_unstored": int(len(pairs)) - compared, "rows_differing": int(len(first_dirty)),
-               "not_comparable": [{"call": c, "why": w} for c, w in list(uncompared.items())[:MAX_LISTED * 5]],
-               "nonfinite": nonfinite(table),
-               "culprit": None, "per_row": [], "groups": []}
+    verdict = {
+        "rows_compared": compared,
+        "rows_unstored": int(len(pairs)) - compared,
+        "rows_differing": int(len(first_dirty)),
+        "not_comparable": [{"call": c, "why": w} for c, w in list(uncompared.items())[: MAX_LISTED * 5]],
+        "nonfinite": nonfinite(table),
+        "culprit": None,
+        "per_row": [],
+        "groups": [],
+    }
     verdict.update(calls_timeline(cells.counts, order_of, calls, b))
     if not len(row_culprit):
         if len(first_dirty):
@@ -461,17 +537,32 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     if len(orphans):  # differing rows no culprit accounts for: say so, never drop them silently
         decode = int(np.count_nonzero(pairs["mode_b"][orphans] == "decode"))
         per_call = _per_call(table, b) if per_call is None else per_call
-        verdict["unattributed"] = (f"{len(orphans)} of the {len(first_dirty)} differing rows ({decode} decode) meet no "
-                                   "culprit: " + _no_origin_note(per_call.take(np.isin(per_call["pair"], orphans)), table, a, b))
+        verdict["unattributed"] = (
+            f"{len(orphans)} of the {len(first_dirty)} differing rows ({decode} decode) meet no "
+            "culprit: " + _no_origin_note(per_call.take(np.isin(per_call["pair"], orphans)), table, a, b)
+        )
     at = row_culprit["pair"]  # pair numbers are positions in pairs
-    rows = Columns({"pair": at, "call": calls[row_culprit["ccode"]], "order": row_culprit["order"],
-                    **{k: pairs[k][at] for k in ("seq", "pos", "mode_a", "mode_b", "pass_a", "row_a", "pass_b", "row_b")}})
+    rows = Columns(
+        {
+            "pair": at,
+            "call": calls[row_culprit["ccode"]],
+            "order": row_culprit["order"],
+            **{k: pairs[k][at] for k in ("seq", "pos", "mode_a", "mode_b", "pass_a", "row_a", "pass_b", "row_b")},
+        }
+    )
     info = _call_info(b, set(rows["call"].tolist()))
     by_place = np.lexsort((rows["pos"], rows["seq"].astype(str)))
-    verdict["per_row"] = [{"seq": s, "pos": int(p), "id": int(i), "kind": k, "ref_kind": rk, "culprit": c}
-                          for s, p, i, k, rk, c in zip(rows["seq"][by_place].tolist(), rows["pos"][by_place].tolist(),
-                                                       pairs["id"][at][by_place].tolist(), rows["mode_b"][by_place].tolist(),
-                                                       rows["mode_a"][by_place].tolist(), rows["call"][by_place].tolist())]
+    verdict["per_row"] = [
+        {"seq": s, "pos": int(p), "id": int(i), "kind": k, "ref_kind": rk, "culprit": c}
+        for s, p, i, k, rk, c in zip(
+            rows["seq"][by_place].tolist(),
+            rows["pos"][by_place].tolist(),
+            pairs["id"][at][by_place].tolist(),
+            rows["mode_b"][by_place].tolist(),
+            rows["mode_a"][by_place].tolist(),
+            rows["call"][by_place].tolist(),
+        )
+    ]
     group_order: Dict[str, int] = {}
     group_rows: Dict[str, int] = {}
     for call, order in zip(rows["call"].tolist(), rows["order"].tolist()):
@@ -481,10 +572,16 @@ def strict_verdict(alignment: Alignment, a: Index, b: Index, table: Optional[Row
     verdict["groups"] = [{"call": c, "module": info[c][0], "cls": info[c][1], "rows": group_rows[c]} for c in ranked]
     first = ranked[0]
     mine = rows.take(rows["call"] == first)
-    culprit = {"call": first, "module": info[first][0], "cls": info[first][1],
-               "rows": [{"seq": s, "pos": int(p), "kind": k} for s, p, k in
-                        zip(*(mine[n][:MAX_LISTED].tolist() for n in ("seq", "pos", "mode_b")))],
-               "n_rows": int(len(mine))}
+    culprit = {
+        "call": first,
+        "module": info[first][0],
+        "cls": info[first][1],
+        "rows": [
+            {"seq": s, "pos": int(p), "kind": k}
+            for s, p, k in zip(*(mine[n][:MAX_LISTED].tolist() for n in ("seq", "pos", "mode_b")))
+        ],
+        "n_rows": int(len(mine)),
+    }
     culprit["note"] = _own_code_note(first, int(mine["pair"][0]), first_dirty, calls, verdict["not_comparable"])
     culprit["victims"] = int(np.count_nonzero(cells.dirty_calls & (order_of > group_order[first])))
     culprit.update(_error_figures(first, mine, table, a, b))
@@ -503,8 +600,15 @@ def calls_timeline(counts: Dict[str, np.ndarray], order: np.ndarray, calls: np.n
     present = np.nonzero(counts["rows"])[0]
     present = present[np.argsort(order[present], kind="stable")]
     info = _call_info(b, calls[present[:MAX_TIMELINE]].tolist())
-    timeline = [{"call": calls[c], "cls": info[calls[c]][1], "order": int(order[c]),
-                 **{k: int(v[c]) for k, v in counts.items()}} for c in present[:MAX_TIMELINE]]
+    timeline = [
+        {
+            "call": calls[c],
+            "cls": info[calls[c]][1],
+            "order": int(order[c]),
+            **{k: int(v[c]) for k, v in counts.items()},
+        }
+        for c in present[:MAX_TIMELINE]
+    ]
     return {"calls_timeline": timeline, "calls_timeline_total": int(len(present))}
 
 
@@ -518,11 +622,15 @@ def _own_code_note(call: str, pair: int, first_dirty: Columns, calls: np.ndarray
     module = call.split("#")[0]
     unseen = [s for s in skipped if s["call"].startswith(module + ".")]
     if unseen:  # a child walked past may be the origin: do not blame the parent's own code
-        return (f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
-                f"arises in {module}'s own code or in a child that could not be compared ({unseen[0]['call']}: "
-                f"{unseen[0]['why']})")
-    return (f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
-            f"arises in {module}'s own code (not a hooked submodule) before that call")
+        return (
+            f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
+            f"arises in {module}'s own code or in a child that could not be compared ({unseen[0]['call']}: "
+            f"{unseen[0]['why']})"
+        )
+    return (
+        f"its hooked children ran clean up to {first_call}, whose input already differs: the difference "
+        f"arises in {module}'s own code (not a hooked submodule) before that call"
+    )
 
 
 def _no_origin_note(per_call: Columns, table: RowTable, a: Index, b: Index) -> str:
@@ -545,13 +653,20 @@ def _no_origin_note(per_call: Columns, table: RowTable, a: Index, b: Index) -> s
     if owner is None:
         where = "in code outside every hooked module" + (f" (DUMPER_FILTER={filters[0]!r})" if filters else "")
     elif filters:
-        where = f"inside {owner or fmt.ROOT_PATH}, in its own code or a submodule DUMPER_FILTER={filters[0]!r} " \
-                "leaves unhooked"
+        where = (
+            f"inside {owner or fmt.ROOT_PATH}, in its own code or a submodule DUMPER_FILTER={filters[0]!r} "
+            "leaves unhooked"
+        )
     else:
-        where = f"in {owner}'s own code (not a hooked submodule)" if owner else \
-            f"in the root module's own forward ({fmt.ROOT_PATH}), not in a hooked submodule"
-    note = f"no hooked call has clean inputs and a differing output; the first difference is {call}'s input " \
-           f"({n_rows} row{'s' * (n_rows != 1)}), made {where}"
+        where = (
+            f"in {owner}'s own code (not a hooked submodule)"
+            if owner
+            else f"in the root module's own forward ({fmt.ROOT_PATH}), not in a hooked submodule"
+        )
+    note = (
+        f"no hooked call has clean inputs and a differing output; the first difference is {call}'s input "
+        f"({n_rows} row{'s' * (n_rows != 1)}), made {where}"
+    )
     if not per_call["out_differ"].any():
         note += "; no compared hooked output differs: the difference was absorbed (rounded away) before any of them"
     if filters:
@@ -564,6 +679,7 @@ FIGURE_PASSES = 32  # pass files of B read for the culprit's error figures, at m
 
 def _error_figures(call: str, mine: Columns, table: RowTable, a: Index, b: Index) -> dict:
     from .prints import blind_figures
+
     figures = blind_figures(a, b)  # a fingerprint dump holds no values: none are made up
     at = np.nonzero(table.call_mask(call))[0]  # its entries first: np.isin over all makes a pass per pair sought
     outs = table.entries(at[table["is_out"][at] & table["differ"][at] & np.isin(table["pair"][at], mine["pair"])])
@@ -571,7 +687,9 @@ def _error_figures(call: str, mine: Columns, table: RowTable, a: Index, b: Index
     chosen = outs.take(np.nonzero(outs["tensor"] == tensor)[0][:512])  # bounded read: enough rows for the figures
     passes = distinct(chosen["pass_b"])
     if len(passes) > FIGURE_PASSES:  # hundreds of decode steps: a file each; an even sample of them is enough
-        chosen = chosen.take(np.isin(chosen["pass_b"], passes[np.linspace(0, len(passes) - 1, FIGURE_PASSES).astype(int)]))
+        chosen = chosen.take(
+            np.isin(chosen["pass_b"], passes[np.linspace(0, len(passes) - 1, FIGURE_PASSES).astype(int)])
+        )
     figures = figures or _figures_of_uniform_rows(tensor, chosen, a, b) or _figures_row_by_row(tensor, chosen, a, b)
     figures["tensor"] = tensor
     figures["shapes"] = _shapes(call, int(chosen["pass_a"][0]), int(chosen["pass_b"][0]), a, b)
@@ -583,13 +701,17 @@ def _figures_of_uniform_rows(tensor: str, chosen: Columns, a: Index, b: Index) -
     read at the offsets the index holds: no pass file's header is parsed. None otherwise."""
     if len(set(chosen["rowshape_a"].tolist()) | set(chosen["rowshape_b"].tolist())) != 1:
         return None
-    forms = {reader_of(side).row_form(p, tensor) for side, passes in ((a, chosen["pass_a"]), (b, chosen["pass_b"]))
-             for p in distinct(passes).tolist()}
+    forms = {
+        reader_of(side).row_form(p, tensor)
+        for side, passes in ((a, chosen["pass_a"]), (b, chosen["pass_b"]))
+        for p in distinct(passes).tolist()
+    }
     if len(forms) != 1:  # e.g. one pass's metadata gives the tensor other token dims: rows of [1, D] and [D]
         return None
     from ..index.batches import read_batches
-    (ref, kind), = read_batches(a, [tensor], [chosen["entry_a"]])
-    (test, other), = read_batches(b, [tensor], [chosen["entry_b"]])
+
+    ((ref, kind),) = read_batches(a, [tensor], [chosen["entry_a"]])
+    ((test, other),) = read_batches(b, [tensor], [chosen["entry_b"]])
     return error_stats(ref, test, kind) if kind == other and ref.shape == test.shape else None
 
 
@@ -602,13 +724,22 @@ def _figures_row_by_row(tensor: str, chosen: Columns, a: Index, b: Index) -> dic
     alike = [(r, t, kind) for (r, kind), (t, other) in zip(ref, test) if r.shape == t.shape and kind == other]
     alike = [(r, t, kind) for r, t, kind in alike if r.shape == alike[0][0].shape and kind == alike[0][2]]
     if not alike:
-        return {"max_abs": None, "max_ulp": None, "rel": None, "dtype": ref[0][1].name,
-                "error_note": f"the dumps hold its rows in other shapes or types ({list(ref[0][0].shape[1:])} "
-                              f"{ref[0][1].name} vs {list(test[0][0].shape[1:])} {test[0][1].name}): no element-wise error"}
-    figures = error_stats(np.concatenate([r for r, _, _ in alike]), np.concatenate([t for _, t, _ in alike]), alike[0][2])
+        return {
+            "max_abs": None,
+            "max_ulp": None,
+            "rel": None,
+            "dtype": ref[0][1].name,
+            "error_note": f"the dumps hold its rows in other shapes or types ({list(ref[0][0].shape[1:])} "
+            f"{ref[0][1].name} vs {list(test[0][0].shape[1:])} {test[0][1].name}): no element-wise error",
+        }
+    figures = error_stats(
+        np.concatenate([r for r, _, _ in alike]), np.concatenate([t for _, t, _ in alike]), alike[0][2]
+    )
     if len(alike) < len(ref):
-        figures["error_note"] = (f"from {len(alike)} of the {len(ref)} rows read: the others are held in other "
-                                 "shapes or types by one of the dumps")
+        figures["error_note"] = (
+            f"from {len(alike)} of the {len(ref)} rows read: the others are held in other "
+            "shapes or types by one of the dumps"
+        )
     return figures
 
 
@@ -618,9 +749,13 @@ def _shapes(call: str, pass_a: int, pass_b: int, a: Index, b: Index) -> dict:
         tensors = index.cols("tensors")
         mine = (tensors["pass"] == pass_id) & (tensors["call"] == call)
         tokens = index.cols("tokens")
-        out[side] = {"pass": pass_id, "M": int(((tokens["pass"] == pass_id) & tokens["valid"].astype(bool)).sum()),
-                     "tensors": {t[len(call) + 1:]: s for t, s in zip(tensors["tensor"][mine].tolist(),
-                                                                      tensors["shape"][mine].tolist())}}
+        out[side] = {
+            "pass": pass_id,
+            "M": int(((tokens["pass"] == pass_id) & tokens["valid"].astype(bool)).sum()),
+            "tensors": {
+                t[len(call) + 1 :]: s for t, s in zip(tensors["tensor"][mine].tolist(), tensors["shape"][mine].tolist())
+            },
+        }
     return out
 
 
@@ -630,15 +765,28 @@ def error_stats(ref: np.ndarray, test: np.ndarray, dtype: DType) -> dict:
     differ = int((ref != test).sum())
     if not dtype.floating:
         values_r, values_t = (x.view(dtype.native).astype(np.int64) for x in (ref, test))
-        return {"max_abs": float(np.abs(values_r - values_t).max()) if ref.size else 0.0, "max_ulp": None,
-                "rel": None, "elements_differ": differ, "elements": int(ref.size), "dtype": dtype.name}
+        return {
+            "max_abs": float(np.abs(values_r - values_t).max()) if ref.size else 0.0,
+            "max_ulp": None,
+            "rel": None,
+            "elements_differ": differ,
+            "elements": int(ref.size),
+            "dtype": dtype.name,
+        }
     r64, t64 = to_float64(ref, dtype), to_float64(test, dtype)
     finite = np.isfinite(r64) & np.isfinite(t64)
     diff = np.abs(r64 - t64)[finite]
     max_abs = float(diff.max()) if diff.size else 0.0
     scale = float(np.abs(r64[finite]).max()) if finite.any() else 0.0
-    return {"max_abs": max_abs, "max_ulp": ulp_distance(ref, test, dtype, finite), "rel": max_abs / scale if scale else None,
-            "elements_differ": differ, "elements": int(ref.size), "dtype": dtype.name, "ref_absmax": scale}
+    return {
+        "max_abs": max_abs,
+        "max_ulp": ulp_distance(ref, test, dtype, finite),
+        "rel": max_abs / scale if scale else None,
+        "elements_differ": differ,
+        "elements": int(ref.size),
+        "dtype": dtype.name,
+        "ref_absmax": scale,
+    }
 
 
 def ulp_distance(ref: np.ndarray, test: np.ndarray, dtype: DType, finite: np.ndarray) -> int:
@@ -651,6 +799,7 @@ def ulp_distance(ref: np.ndarray, test: np.ndarray, dtype: DType, finite: np.nda
         bits = bits[finite]
         magnitude = (bits & dtype.bits(sign - 1)).astype(np.int64)
         return np.where(bits & dtype.bits(sign), -magnitude, magnitude)
+
     if dtype.size < 8:
         return int(np.abs(ordered(ref) - ordered(test)).max())
     return max(abs(int(x) - int(y)) for x, y in zip(ordered(ref), ordered(test)))  # beyond int64: Python ints
@@ -666,6 +815,7 @@ def uncompared_calls(table: RowTable, a: Index, b: Index) -> Tuple[Dict[str, str
         found.setdefault(call, f"{tensor}: {why}")
         if tensor.startswith(call + ".out."):
             outputs.add(call)
+
     mismatched = table.entries(~table["comparable"])
     seen = set()
     for tensor, call, shape_a, shape_b in mismatched.rows(("tensor", "call", "rowshape_a", "rowshape_b")):
@@ -691,5 +841,7 @@ def nonfinite(table: RowTable) -> List[dict]:
         entry[0] += 1
         entry[1] += in_a
         entry[2] += in_b
-    return [{"tensor": t, "rows": r, "nonfinite_a": int(x), "nonfinite_b": int(y)}
-            for t, (r, x, y) in sorted(summary.items())[:MAX_LISTED]]
+    return [
+        {"tensor": t, "rows": r, "nonfinite_a": int(x), "nonfinite_b": int(y)}
+        for t, (r, x, y) in sorted(summary.items())[:MAX_LISTED]
+    ]

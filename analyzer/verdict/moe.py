@@ -22,10 +22,10 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from .align import Alignment
-from .compare import RowTable, call_order
 from ..index.rows import reader_of
 from ..index.table import Index
+from .align import Alignment
+from .compare import RowTable, call_order
 
 MAX_EXAMPLES = 8
 ROUTER_LEAF = re.compile(r"(^|\.)(gate|router)$")  # HF mlp.gate, block_sparse_moe.gate, ...router
@@ -34,8 +34,14 @@ CONFIG_K = ("num_experts_per_tok", "moe_topk", "num_selected_experts", "top_k", 
 _LAYER = re.compile(r"\.(\d+)(?=[.#]|$)")
 
 
-def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run: Optional[dict] = None,
-                  flipped_rows: Optional[list] = None) -> List[dict]:
+def routing_flips(
+    alignment: Alignment,
+    a: Index,
+    b: Index,
+    table: RowTable,
+    run: Optional[dict] = None,
+    flipped_rows: Optional[list] = None,
+) -> List[dict]:
     """One entry per router call whose output differs on some paired rows, in execution order.
     ``flipped_rows``, when given, receives (router call, its MoE block's module, pair numbers of
     the flipped rows where each side picked a top k of its own logits, those logits' relative
@@ -64,10 +70,20 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
         k, k_from = (router["k"], ids_from) if router["indices"] else (config_k, "model config")
         if k is None:
             k, k_from = _experts_k(b, router), "expert calls"
-        entry = {"layer": layer_of(router["module"]), "call": router["call"], "module": router["module"],
-                 "cls": router["cls"], "k": k, "k_from": k_from if k else None, "num_experts": router["num_experts"],
-                 "rows_compared": int(mine["pair"].nunique()), "rows_differing": int(differing["pair"].nunique()),
-                 "rows_flipped": None, "kinds": {}, "examples": []}
+        entry = {
+            "layer": layer_of(router["module"]),
+            "call": router["call"],
+            "module": router["module"],
+            "cls": router["cls"],
+            "k": k,
+            "k_from": k_from if k else None,
+            "num_experts": router["num_experts"],
+            "rows_compared": int(mine["pair"].nunique()),
+            "rows_differing": int(differing["pair"].nunique()),
+            "rows_flipped": None,
+            "kinds": {},
+            "examples": [],
+        }
         if not k:
             entry["note"] = "top-k unknown (no expert ids in the router output, no model config, no expert calls)"
             found.append(entry)
@@ -84,9 +100,13 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
                 flipped.append((int(pair), row_a.tolist(), row_b.tolist()))
             if router["logits"] is not None and pairs_changed:
                 rows_a, rows_b = group["row_a"][changed.numpy()].tolist(), group["row_b"][changed.numpy()].tolist()
-                near, err = _near_ties(reader_a.rows(int(pass_a), router["logits"], rows_a),
-                                       reader_b.rows(int(pass_b), router["logits"], rows_b), sel_a[changed],
-                                       sel_b[changed], k)
+                near, err = _near_ties(
+                    reader_a.rows(int(pass_a), router["logits"], rows_a),
+                    reader_b.rows(int(pass_b), router["logits"], rows_b),
+                    sel_a[changed],
+                    sel_b[changed],
+                    k,
+                )
                 ties += [(int(p), float(e)) for p, ok, e in zip(pairs_changed, near.tolist(), err.tolist()) if ok]
         flipped.sort()
         entry["rows_flipped"] = len(flipped)
@@ -94,9 +114,16 @@ def routing_flips(alignment: Alignment, a: Index, b: Index, table: RowTable, run
             flipped_rows.append((router["call"], router["parent"], [p for p, _ in ties], [e for _, e in ties]))
         info = pairs.loc[[p for p, _, _ in flipped]] if flipped else pairs.iloc[:0]
         entry["kinds"] = {str(kind): int(n) for kind, n in info["mode_b"].value_counts().items()}
-        entry["examples"] = [{"seq": str(pairs.loc[p, "seq"]), "pos": int(pairs.loc[p, "pos"]),
-                              "kind": str(pairs.loc[p, "mode_b"]), "experts_a": ea, "experts_b": eb}
-                             for p, ea, eb in flipped[:MAX_EXAMPLES]]
+        entry["examples"] = [
+            {
+                "seq": str(pairs.loc[p, "seq"]),
+                "pos": int(pairs.loc[p, "pos"]),
+                "kind": str(pairs.loc[p, "mode_b"]),
+                "experts_a": ea,
+                "experts_b": eb,
+            }
+            for p, ea, eb in flipped[:MAX_EXAMPLES]
+        ]
         found.append(entry)
     return found
 
@@ -106,20 +133,27 @@ def find_routers(index: Index) -> List[dict]:
     experts, an integer output of chosen expert ids, or both."""
     calls = index.cols("calls")
     firsts = calls.firsts("call")
-    first = {call: (module, cls) for call, module, cls in  # call -> (module, cls), as first seen
-             zip(calls["call"][firsts].tolist(), calls["module"][firsts].tolist(), calls["cls"][firsts].tolist())}
+    first = {
+        call: (module, cls)
+        for call, module, cls in zip(  # call -> (module, cls), as first seen
+            calls["call"][firsts].tolist(), calls["module"][firsts].tolist(), calls["cls"][firsts].tolist()
+        )
+    }
     modules = {module for module, _ in first.values()}
     candidates = {}  # call -> (module, cls, parent) of a gate/router module
     for call, (module, cls) in first.items():
         parent = module.rsplit(".", 1)[0] if "." in module else ""
-        if ROUTER_CLASS.search(cls) or (ROUTER_LEAF.search(module) and any(m.startswith(f"{parent}.expert") for m in modules)):
+        if ROUTER_CLASS.search(cls) or (
+            ROUTER_LEAF.search(module) and any(m.startswith(f"{parent}.expert") for m in modules)
+        ):
             candidates[call] = (module, cls, parent)
     if not candidates:  # a dense model: its tensors table is not walked
         return []
     outs_of: Dict[str, list] = {}  # candidate call -> its token-row outputs (tensor, shape, dtype), each tensor once
     seen = set()
-    for tensor, call, io, dims, shape, dtype in index.cols("tensors").rows(("tensor", "call", "io", "token_dims", "shape",
-                                                                           "dtype")):
+    for tensor, call, io, dims, shape, dtype in index.cols("tensors").rows(
+        ("tensor", "call", "io", "token_dims", "shape", "dtype")
+    ):
         if call in candidates and io == "out" and dims != "null" and tensor not in seen:
             seen.add(tensor)
             outs_of.setdefault(call, []).append((tensor, shape, dtype))
@@ -139,14 +173,25 @@ def find_routers(index: Index) -> List[dict]:
             indices, k = None, None  # not a top-k of these experts
         if logits is None and indices is None:
             continue
-        routers.append({"call": call, "module": module, "cls": cls, "parent": parent, "logits": logits,
-                        "indices": indices, "k": k, "num_experts": num_experts})
+        routers.append(
+            {
+                "call": call,
+                "module": module,
+                "cls": cls,
+                "parent": parent,
+                "logits": logits,
+                "indices": indices,
+                "k": k,
+                "num_experts": num_experts,
+            }
+        )
     return routers
 
 
 def _selection(rows, k: int, are_ids: bool):
     """[n, k] sorted expert ids per row (torch tensors: its top-k breaks ties as the engines do)."""
     import torch  # only for a dump with routers: a dense model's verdict does not pay its start-up
+
     flat = rows.reshape(rows.shape[0], -1)
     ids = flat.long() if are_ids else torch.topk(flat.float(), min(k, flat.shape[1]), dim=1).indices
     return ids.sort(dim=1).values
@@ -159,6 +204,7 @@ def _near_ties(logits_a, logits_b, sel_a, sel_b, k: int):
     noise-aware verdict holds against its line. (When both sides picked their own top k, the
     swapped experts' margin is at most twice the logits' difference: that test adds nothing.)"""
     import torch
+
     n = sel_a.shape[0]
     la, lb = logits_a.reshape(n, -1).double(), logits_b.reshape(n, -1).double()
     both = torch.isfinite(la) & torch.isfinite(lb)  # masked experts (-inf on both sides) move nothing
@@ -171,6 +217,7 @@ def _near_ties(logits_a, logits_b, sel_a, sel_b, k: int):
 def _is_top_k(logits, chosen):
     """Whether ``chosen`` ([n, k] ids) are a top k of each row's logits, ties allowed."""
     import torch
+
     picked = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True)
     lowest_picked = logits.gather(1, chosen).amin(dim=1)
     best_left = logits.masked_fill(picked, float("-inf")).amax(dim=1)
@@ -204,8 +251,12 @@ def _experts_ids(index: Index, router: dict):
     mine = tensors[tensors["call"].str.startswith(f"{router['parent']}.expert") & (tensors["io"] == "in")]
     for t in mine.drop_duplicates("tensor").itertuples(index=False):
         shape = json.loads(t.shape)
-        if "int" in t.dtype and t.token_dims != "null" and len(shape) >= 2 and \
-                (router["num_experts"] is None or shape[-1] < router["num_experts"]):
+        if (
+            "int" in t.dtype
+            and t.token_dims != "null"
+            and len(shape) >= 2
+            and (router["num_experts"] is None or shape[-1] < router["num_experts"])
+        ):
             return t.tensor, shape[-1]
     return None
 

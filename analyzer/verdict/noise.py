@@ -29,16 +29,24 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from .result import NoiseVerdict
-from .align import Alignment
+from ..dump.dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
 from ..index.batches import chunks, in_file_order, read_batches, row_bytes
 from ..index.columns import Columns, distinct
-from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
-from ..dump.dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
 from ..index.rows import reader_of
 from ..index.table import Index
-from .peers import (MIN_PEER_JUMP, MIN_PEERS, MIN_SUSPECT_JUMP, PEER_FACTOR, SUSPECT_FACTOR, op_classes, peer_line,
-                    peer_maxima)
+from .align import Alignment
+from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
+from .peers import (
+    MIN_PEER_JUMP,
+    MIN_PEERS,
+    MIN_SUSPECT_JUMP,
+    PEER_FACTOR,
+    SUSPECT_FACTOR,
+    op_classes,
+    peer_line,
+    peer_maxima,
+)
+from .result import NoiseVerdict
 
 MIN_AMPLIFICATION = 30.0  # never call a 30x jump or less an introduced error
 MAD_FACTOR = 8.0
@@ -62,6 +70,8 @@ def clean_input_line(line, out_eps):
     inputs is no reordering. (Against the line for carried noise, 30 x eps(bfloat16) ~ 23%, a
     13% state bug passed for noise.) For float32 outputs the line stays."""
     return np.maximum(MIN_ULPS, line * EPS_ACCUMULATE / out_eps)
+
+
 MAX_PAIRS = 512  # rows whose bytes are read for the noise-aware walk (sampled evenly beyond this)
 
 
@@ -98,8 +108,11 @@ def _culprit_rows(pairs: Columns, per_row: Sequence[dict]) -> np.ndarray:
     where = {key: i for i, key in enumerate(zip(pairs["seq"].tolist(), pairs["pos"].tolist()))}
     picked = []
     for rows in by_call.values():
-        picked += [where[rows[i]] for i in np.linspace(0, len(rows) - 1, min(PER_CULPRIT, len(rows))).astype(int).tolist()
-                   if rows[i] in where]
+        picked += [
+            where[rows[i]]
+            for i in np.linspace(0, len(rows) - 1, min(PER_CULPRIT, len(rows))).astype(int).tolist()
+            if rows[i] in where
+        ]
     return np.asarray(picked, np.int64)
 
 
@@ -118,12 +131,21 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
     at = chosen[differ]
     floor = np.array([typical[c] for c in table["tcode"][at].tolist()], dtype=np.float64)
     shape = table.column("shape_a", at)
-    same = np.stack([table.column("fp_a", at), table.column("fp_b", at), shape.astype(np.int64),
-                     floor.view(np.int64)], axis=1) if len(at) else np.zeros((0, 4), np.int64)
+    same = (
+        np.stack(
+            [table.column("fp_a", at), table.column("fp_b", at), shape.astype(np.int64), floor.view(np.int64)], axis=1
+        )
+        if len(at)
+        else np.zeros((0, 4), np.int64)
+    )
     _, first, copy_of = np.unique(same, axis=0, return_index=True, return_inverse=True)
     at, shape = at[first], shape[first]
-    errors = {"rel": np.zeros(len(at)), "abs": np.zeros(len(at)), "exceeds": np.zeros(len(at), bool),
-              "eps": np.full(len(at), np.nan)}
+    errors = {
+        "rel": np.zeros(len(at)),
+        "abs": np.zeros(len(at)),
+        "exceeds": np.zeros(len(at), bool),
+        "eps": np.full(len(at), np.nan),
+    }
     # One batch per (tensor, row shape), its rows read pass by pass with the other batches'.
     key = table["tcode"][at].astype(np.int64) * max(len(table.shapes), 1) + shape
     order = np.argsort(key, kind="stable")
@@ -137,14 +159,23 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
         ref_rows = read_batches(a, names, [table["entry_a"][at[batches[i]]] for i in chunk])
         test_rows = read_batches(b, names, [table["entry_b"][at[batches[i]]] for i in chunk])
         for i, (ref, ref_type), (test, test_type) in zip(chunk, ref_rows, test_rows):
-            rel, absolute, exceeds, epsilon = _compare_rows(ref, test, ref_type, atol, rtol, test_type, typical[codes[i]])
+            rel, absolute, exceeds, epsilon = _compare_rows(
+                ref, test, ref_type, atol, rtol, test_type, typical[codes[i]]
+            )
             batch = batches[i]
             errors["rel"][batch], errors["abs"][batch], errors["exceeds"][batch] = rel, absolute, exceeds
             errors["eps"][batch] = epsilon
     for name, values in errors.items():
         found[name][differ] = values[copy_of.reshape(-1)]
-    return Columns({"pair": table["pair"][chosen], "ccode": table["ccode"][chosen], "is_in": table["is_in"][chosen],
-                    "is_out": table["is_out"][chosen], **found})
+    return Columns(
+        {
+            "pair": table["pair"][chosen],
+            "ccode": table["ccode"][chosen],
+            "is_in": table["is_in"][chosen],
+            "is_out": table["is_out"][chosen],
+            **found,
+        }
+    )
 
 
 def _typical_magnitudes(table: RowTable, a: Index, chosen: np.ndarray, tcodes: np.ndarray) -> Dict[int, float]:
@@ -167,8 +198,15 @@ def _typical_magnitudes(table: RowTable, a: Index, chosen: np.ndarray, tcodes: n
     return typical
 
 
-def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, test_dtype: Optional[DType] = None,
-                  scale_floor: float = 0.0):
+def _compare_rows(
+    ref: np.ndarray,
+    test: np.ndarray,
+    dtype: DType,
+    atol,
+    rtol,
+    test_dtype: Optional[DType] = None,
+    scale_floor: float = 0.0,
+):
     """Per row of two same-shaped arrays of elements held as bits (numpy: no torch start-up):
     relative error, absolute error, whether a tolerance is exceeded, and the dtype's epsilon.
     ``test_dtype``: the test side's element type when it is not ``dtype`` (values are compared).
@@ -176,8 +214,9 @@ def _compare_rows(ref: np.ndarray, test: np.ndarray, dtype: DType, atol, rtol, t
     n = ref.shape[0]
     test_dtype = test_dtype or dtype
     if not (dtype.floating and test_dtype.floating):
-        differ = _int_rows_differ(ref.reshape(n, -1), test.reshape(n, -1)) if dtype == test_dtype \
-            else np.ones(n, dtype=bool)
+        differ = (
+            _int_rows_differ(ref.reshape(n, -1), test.reshape(n, -1)) if dtype == test_dtype else np.ones(n, dtype=bool)
+        )
         return differ.astype(float), differ.astype(float), differ, 0.0
     tolerances = atol is not None or rtol is not None
     if dtype.size <= 4 and test_dtype.size <= 4 and not tolerances:
@@ -241,8 +280,9 @@ def noise_floor_by_call(errors: Columns, calls: np.ndarray) -> Dict[str, float]:
     return {str(calls[c]): float(floor[c]) for c in np.nonzero(seen)[0]}
 
 
-def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, traits: tuple,
-                    floor_by_call: Dict[str, float]) -> Columns:
+def per_call_errors(
+    errors: Columns, table: RowTable, pairs: Columns, traits: tuple, floor_by_call: Dict[str, float]
+) -> Columns:
     """One entry per (pair, call): largest input and output error, tolerance flags, the floor
     and the amplification.
 
@@ -272,18 +312,29 @@ def per_call_errors(errors: Columns, table: RowTable, pairs: Columns, traits: tu
     # A call taking token ids only (the model itself) gets earlier rows' errors through the state
     # it keeps, made by its submodules: the largest error of any call on an earlier row (its own
     # outputs may cover the last row only, as generate's logits do).
-    in_err = np.where(float_inputs[ccode], _running_max(in_err, ccode, seq, pos),
-                      np.maximum(in_err, _earlier_rows_max(out_err, seq, pos)))
+    in_err = np.where(
+        float_inputs[ccode],
+        _running_max(in_err, ccode, seq, pos),
+        np.maximum(in_err, _earlier_rows_max(out_err, seq, pos)),
+    )
     float_out = ~np.isnan(out_eps)
     out_eps = np.fmax(np.where(float_out, out_eps, eps(BY_NAME["float32"])), precision[ccode])
     floors = np.array([floor_by_call.get(c, 0.0) for c in table.calls.tolist()] or [0.0])
     floor = np.maximum(out_eps, floors[ccode])
-    return Columns({
-        "pair": pair, "ccode": ccode, "in_err": in_err, "out_err": out_err,
-        "in_exceeds": np.bincount(cell_of[is_in & errors["exceeds"]], minlength=n) > 0,
-        "out_exceeds": np.bincount(cell_of[is_out & errors["exceeds"]], minlength=n) > 0,
-        "eps": out_eps, "float_out": float_out, "floor": floor,
-        "amplification": _ratio(out_err, np.maximum(in_err, floor))})
+    return Columns(
+        {
+            "pair": pair,
+            "ccode": ccode,
+            "in_err": in_err,
+            "out_err": out_err,
+            "in_exceeds": np.bincount(cell_of[is_in & errors["exceeds"]], minlength=n) > 0,
+            "out_exceeds": np.bincount(cell_of[is_out & errors["exceeds"]], minlength=n) > 0,
+            "eps": out_eps,
+            "float_out": float_out,
+            "floor": floor,
+            "amplification": _ratio(out_err, np.maximum(in_err, floor)),
+        }
+    )
 
 
 def _ratio(out_err: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -307,8 +358,9 @@ def _earlier_rows_max(values: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> n
     return before[row_of.reshape(-1)]
 
 
-def _running_max(values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray,
-                 exclusive: bool = False) -> np.ndarray:
+def _running_max(
+    values: np.ndarray, ccode: np.ndarray, seq: np.ndarray, pos: np.ndarray, exclusive: bool = False
+) -> np.ndarray:
     """Per (call, sequence), the running maximum of values in position order (``exclusive``: over
     the earlier rows only; 0 on a sequence's first row). ``seq``: names, or integer codes."""
     if not len(values):
@@ -348,10 +400,16 @@ def call_traits(table: RowTable, b: Index) -> tuple:
     call_codes, call_names = tensors.codes("call")
     io_codes, io_names = tensors.codes("io")
     dims_codes, dims_names = tensors.codes("token_dims")
-    has_rows = np.array([d not in (None, "null") for d in dims_names.tolist()], dtype=bool)[dims_codes] \
-        if len(dims_names) else np.zeros(len(tensors), bool)
-    combos = np.unique(np.stack([call_codes, dtype_codes, io_codes, has_rows.astype(np.int64)], axis=1), axis=0) \
-        if len(tensors) else np.zeros((0, 4), np.int64)
+    has_rows = (
+        np.array([d not in (None, "null") for d in dims_names.tolist()], dtype=bool)[dims_codes]
+        if len(dims_names)
+        else np.zeros(len(tensors), bool)
+    )
+    combos = (
+        np.unique(np.stack([call_codes, dtype_codes, io_codes, has_rows.astype(np.int64)], axis=1), axis=0)
+        if len(tensors)
+        else np.zeros((0, 4), np.int64)
+    )
     float_input = set()
     for c, d, i, rows in combos.tolist():
         call, kind, io = call_names[c], BY_NAME.get(dtype_names[d]), io_names[i]
@@ -369,8 +427,10 @@ def call_traits(table: RowTable, b: Index) -> tuple:
             ancestor = ".".join(parts[:depth])
             subtree[ancestor] = max(subtree.get(ancestor, 0.0), value)
     calls = table.calls.tolist()
-    return (np.array([subtree.get(module_of.get(c, ""), 0.0) for c in calls] or [0.0]),
-            np.array([c in float_input for c in calls] or [True]))
+    return (
+        np.array([subtree.get(module_of.get(c, ""), 0.0) for c in calls] or [0.0]),
+        np.array([c in float_input for c in calls] or [True]),
+    )
 
 
 def derive_threshold(calls: Columns, sampled: Optional[np.ndarray] = None) -> dict:
@@ -387,12 +447,22 @@ def derive_threshold(calls: Columns, sampled: Optional[np.ndarray] = None) -> di
     median = float(np.median(logs))
     mad = float(np.median(np.abs(logs - median))) or 0.05
     threshold = max(MIN_AMPLIFICATION, 10 ** (median + MAD_FACTOR * mad))
-    return {"amplification": threshold, "median": 10 ** median, "mad": mad, "samples": int(len(active))}
+    return {"amplification": threshold, "median": 10**median, "mad": mad, "samples": int(len(active))}
 
 
-def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, atol=None, rtol=None,
-                  floor_by_call: Optional[Dict[str, float]] = None, flips=(), uncompared=frozenset(),
-                  per_row: Sequence[dict] = (), model_dtype: Optional[str] = None) -> NoiseVerdict:
+def noise_verdict(
+    alignment: Alignment,
+    a: Index,
+    b: Index,
+    table: RowTable,
+    atol=None,
+    rtol=None,
+    floor_by_call: Optional[Dict[str, float]] = None,
+    flips=(),
+    uncompared=frozenset(),
+    per_row: Sequence[dict] = (),
+    model_dtype: Optional[str] = None,
+) -> NoiseVerdict:
     """``model_dtype``: the dtype of the model's weights, as the dumps record it: no call computes
     more precisely than its weights, whatever dtype it outputs (a bfloat16 model's final norm
     over a float32 residual returns float32 made with bfloat16 weights: its clean noise reached
@@ -406,7 +476,9 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     pairs = alignment.cols
     traits = call_traits(table, b)
     weights = BY_NAME.get(model_dtype or "")
-    if weights is not None and weights.floating and weights.size >= 2:  # a float8 model still computes in 16 bits or more
+    if (
+        weights is not None and weights.floating and weights.size >= 2
+    ):  # a float8 model still computes in 16 bits or more
         traits = (np.maximum(traits[0], eps(weights)), traits[1])
     calls = per_call_errors(errors, table, pairs, traits, floor_by_call or {})
     at_calls, at = calls_of_b(table, b, pairs["pass_b"][calls["pair"]], calls["ccode"])
@@ -417,8 +489,12 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     modules = calls_b["module"][at_calls]
     first = calls_b.firsts("call")
     kind_of = dict(zip(calls_b["call"][first].tolist(), calls_b["cls"][first].tolist()))
-    calls = with_peers(calls, table, _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION),
-                       [str(kind_of.get(c, "")) for c in table.calls.tolist()])
+    calls = with_peers(
+        calls,
+        table,
+        _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION),
+        [str(kind_of.get(c, "")) for c in table.calls.tolist()],
+    )
     if atol is not None or rtol is not None:
         rule = {"atol": atol, "rtol": rtol}
         explained = _flipped_by_noise(calls, table, modules, flips, MIN_AMPLIFICATION)
@@ -439,8 +515,13 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     firsts, first_gap = chosen[first], is_gap[first]
     names = table.calls[calls["ccode"]]
     order = call_order(b)
-    verdict = {"rule": rule, "rows_examined": int(len(pair_ids)), "rows_total": int(len(pairs)),
-               "culprits": [], "per_row": []}
+    verdict = {
+        "rule": rule,
+        "rows_examined": int(len(pair_ids)),
+        "rows_total": int(len(pairs)),
+        "culprits": [],
+        "per_row": [],
+    }
     seq, pos, kind = pairs["seq"], pairs["pos"], pairs["mode_b"]
     # A gap's figures are the error of what its code was given ('before') and of what it made
     # (the input of the call that follows it).
@@ -450,13 +531,23 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
     # A gap is owned by the parent it was measured in (an attention module whose own forward
     # reads the KV cache between v_proj and o_proj), else by the innermost dumped call around
     # it; a call's error, by the call.
-    owner = np.array([f if not g else calls["parent"][f] if calls["parent"][f] >= 0 else
-                      _enclosing(calls["pair"], pre, calls["done"], f, calls["after"][f])
-                      for f, g in zip(firsts.tolist(), first_gap.tolist())], dtype=np.int64)
+    owner = np.array(
+        [
+            f
+            if not g
+            else calls["parent"][f]
+            if calls["parent"][f] >= 0
+            else _enclosing(calls["pair"], pre, calls["done"], f, calls["after"][f])
+            for f, g in zip(firsts.tolist(), first_gap.tolist())
+        ],
+        dtype=np.int64,
+    )
     after = np.where(first_gap, calls["after"][firsts], -1)
     label = [names[o] if o >= 0 else names[f] for o, f in zip(owner.tolist(), firsts.tolist())]
-    place = [(c, bool(g), names[x] if g and x >= 0 else None, names[f] if g else None)
-             for c, g, x, f in zip(label, first_gap.tolist(), after.tolist(), firsts.tolist())]
+    place = [
+        (c, bool(g), names[x] if g and x >= 0 else None, names[f] if g else None)
+        for c, g, x, f in zip(label, first_gap.tolist(), after.tolist(), firsts.tolist())
+    ]
     for key in sorted(set(place), key=lambda p: (order.get(p[3] or p[0], 0), not p[1])):
         member = np.array([p == key for p in place], dtype=bool)
         group, shown = firsts[member], np.where(owner[member] >= 0, owner[member], firsts[member])
@@ -464,14 +555,20 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
         kinds, first_seen, counts = np.unique(kind[rows].astype(str), return_index=True, return_counts=True)
         by_count = np.lexsort((first_seen, -counts))  # most rows first, ties as they come
         culprit = {
-            "call": key[0], "module": calls_b["module"][at_calls[shown[0]]], "cls": calls_b["cls"][at_calls[shown[0]]],
-            "rows": int(len(group)), "kinds": {str(kinds[k]): int(counts[k]) for k in by_count},
-            "in_err": float(in_err[member].max()), "out_err": float(out_err[member].max()),
+            "call": key[0],
+            "module": calls_b["module"][at_calls[shown[0]]],
+            "cls": calls_b["cls"][at_calls[shown[0]]],
+            "rows": int(len(group)),
+            "kinds": {str(kinds[k]): int(counts[k]) for k in by_count},
+            "in_err": float(in_err[member].max()),
+            "out_err": float(out_err[member].max()),
             "amplification": float(amplification[member].min()),
             "sample_rows": [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p]} for p in rows[:6].tolist()],
         }
         judged, best = ("gap_peer_judged", "gap_peer_best") if key[1] else ("peer_judged", "peer_best")
-        if "amplification" in rule and calls[judged][group].any():  # its line was drawn from the same op in other layers
+        if (
+            "amplification" in rule and calls[judged][group].any()
+        ):  # its line was drawn from the same op in other layers
             culprit["peers"] = float(calls[best][group][calls[judged][group]].max())
         if key[1]:
             culprit.update(gap_after=key[2], gap_before=key[3])
@@ -482,33 +579,56 @@ def noise_verdict(alignment: Alignment, a: Index, b: Index, table: RowTable, ato
             culprit["inside_err"] = float(calls["inside"][group].max())
         verdict["culprits"].append(culprit)
     rows = calls["pair"][firsts]
-    by_place = np.lexsort((pos[rows], seq[rows].astype(str)))[:MAX_LISTED * 10]
-    verdict["per_row"] = [{"seq": seq[p], "pos": int(pos[p]), "kind": kind[p], "culprit": label[k],
-                           **({"gap_after": place[k][2], "gap_before": place[k][3]} if place[k][1] else {}),
-                           "in_err": float(in_err[k]), "out_err": float(out_err[k]), "amplification": float(amplification[k])}
-                          for p, k in zip(rows[by_place].tolist(), by_place.tolist())]
+    by_place = np.lexsort((pos[rows], seq[rows].astype(str)))[: MAX_LISTED * 10]
+    verdict["per_row"] = [
+        {
+            "seq": seq[p],
+            "pos": int(pos[p]),
+            "kind": kind[p],
+            "culprit": label[k],
+            **({"gap_after": place[k][2], "gap_before": place[k][3]} if place[k][1] else {}),
+            "in_err": float(in_err[k]),
+            "out_err": float(out_err[k]),
+            "amplification": float(amplification[k]),
+        }
+        for p, k in zip(rows[by_place].tolist(), by_place.tolist())
+    ]
     verdict["bytes_read"] = int(reader_of(a).bytes_read + reader_of(b).bytes_read - read_before)
     # a noise flip's O(1) jump is no margin; a gap's jump is listed before the call whose input shows it
     kept = ~explained & (calls["gap_amplification"] > 0)
     # each jump with the line it stayed under (none under --atol/--rtol), so the summary's largest
     # jump is the list's first, judged as the verdict judged it
     line, gap_line = cell_lines(calls, rule["amplification"]) if "amplification" in rule else (None, None)
-    gap_cells = Columns({"amplification": calls["gap_amplification"][kept], "in_err": calls["before"][kept],
-                         "out_err": calls["in_err"][kept]})
+    gap_cells = Columns(
+        {
+            "amplification": calls["gap_amplification"][kept],
+            "in_err": calls["before"][kept],
+            "out_err": calls["in_err"][kept],
+        }
+    )
     gap_names = np.array([f"before {n}" for n in names[kept].tolist()], dtype=object)
     lined = "amplification" in rule  # under --atol/--rtol no line was drawn, from peers or otherwise
     peers = np.where(calls["peer_judged"] & lined, calls["peer_best"], np.nan)
     gap_peers = np.where(calls["gap_peer_judged"] & lined, calls["gap_peer_best"], np.nan)
-    call_jumps = top_jumps(calls.take(~explained), names[~explained], None if line is None else line[~explained],
-                           peers[~explained])
+    call_jumps = top_jumps(
+        calls.take(~explained), names[~explained], None if line is None else line[~explained], peers[~explained]
+    )
     gap_jumps = top_jumps(gap_cells, gap_names, None if gap_line is None else gap_line[kept], gap_peers[kept])
     jumps = call_jumps + [{**jump, "gap": True} for jump in gap_jumps]
     verdict["top_jumps"] = sorted(jumps, key=_nearest_first)[:8]
     if line is not None:
         # a row with a named error holds its victims (the culprit's parent carries its error, diluted)
         named_rows = np.isin(calls["pair"], calls["pair"][introduced | gaps])
-        verdict["suspects"] = suspects(calls, names, line, gap_line, peers, gap_peers,
-                                       introduced | explained | named_rows, gaps | explained | named_rows)
+        verdict["suspects"] = suspects(
+            calls,
+            names,
+            line,
+            gap_line,
+            peers,
+            gap_peers,
+            introduced | explained | named_rows,
+            gaps | explained | named_rows,
+        )
     return verdict
 
 
@@ -533,17 +653,24 @@ def suspects(calls: Columns, names: np.ndarray, line, gap_line, peers, gap_peers
     small = (calls["out_err"] <= least) & (calls["out_err"] >= least / SUSPECT_ULPS)
     gap_small = (calls["in_err"] <= least) & (calls["in_err"] >= least / SUSPECT_ULPS)
     for gap, amp, lines, best, done, tiny_err in (
-            (False, calls["amplification"], line, peers, named, small),
-            (True, calls["gap_amplification"], gap_line, gap_peers, gap_named, gap_small)):
+        (False, calls["amplification"], line, peers, named, small),
+        (True, calls["gap_amplification"], gap_line, gap_peers, gap_named, gap_small),
+    ):
         over = (amp > lines) & tiny_err
         far = (amp >= SUSPECT_FACTOR * np.nan_to_num(best, nan=np.inf)) & (amp >= MIN_SUSPECT_JUMP)
         for i in np.nonzero((over | far) & ~done & np.isfinite(best))[0].tolist():
             key = (f"before {names[i]}" if gap else names[i], gap)
             if key not in found or amp[i] > found[key]["amplification"]:
-                found[key] = {"call": key[0], "gap": gap, "amplification": float(amp[i]), "line": float(lines[i]),
-                              "peers": float(best[i]), "out_err": float(calls["in_err"][i] if gap else calls["out_err"][i]),
-                              "precision_eps": float(calls["eps"][i]),
-                              "why": "error under the epsilon floor" if amp[i] > lines[i] else "under its line"}
+                found[key] = {
+                    "call": key[0],
+                    "gap": gap,
+                    "amplification": float(amp[i]),
+                    "line": float(lines[i]),
+                    "peers": float(best[i]),
+                    "out_err": float(calls["in_err"][i] if gap else calls["out_err"][i]),
+                    "precision_eps": float(calls["eps"][i]),
+                    "why": "error under the epsilon floor" if amp[i] > lines[i] else "under its line",
+                }
     ranked = sorted(found.values(), key=lambda s: -s["amplification"] / max(s["peers"], 1e-30))
     return ranked[:MAX_SUSPECTS]
 
@@ -614,12 +741,16 @@ def cell_lines(calls: Columns, line_amp: float):
     # carried noise gets the line; bit-identical inputs (and children within an epsilon of
     # them: a bfloat16 attention whose o_proj moved under an ulp) the line in epsilons, 8 for a
     # 16-bit output, MIN_CLEAN_FLOAT32 for a float32 one
-    clean_line = np.where(calls["eps"] > EPS_ACCUMULATE, np.minimum(line_amp, clean_input_line(line_amp, calls["eps"])),
-                          max(line_amp, MIN_CLEAN_FLOAT32))
+    clean_line = np.where(
+        calls["eps"] > EPS_ACCUMULATE,
+        np.minimum(line_amp, clean_input_line(line_amp, calls["eps"])),
+        max(line_amp, MIN_CLEAN_FLOAT32),
+    )
     line = np.where(calls["carries"], line_amp, clean_line)
     # a 16-bit gap from bit-identical values: the rounding argument of clean_input_line holds
-    gap_line = np.where(calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE), clean_line,
-                        max(line_amp, MIN_GAP_AMPLIFICATION))
+    gap_line = np.where(
+        calls["clean_gap"] & (calls["eps"] > EPS_ACCUMULATE), clean_line, max(line_amp, MIN_GAP_AMPLIFICATION)
+    )
     # an error carried in, where the same op in other layers carried one too: their jumps draw the line
     line = np.where(calls["peer_judged"], peer_line(calls["peer_best"]), line)
     gap_line = np.where(calls["gap_peer_judged"], peer_line(calls["gap_peer_best"]), gap_line)
@@ -634,15 +765,29 @@ def with_peers(calls: Columns, table: RowTable, explained: np.ndarray, kinds: Se
     classes = op_classes(table.calls, kinds)
     carried = (calls["in_err"] > 0) & ~explained
     # a jump of inf or NaN (downstream of a NaN) says nothing of a peer's noise
-    best, count = peer_maxima(calls["amplification"], calls["ccode"],
-                              carried & (calls["out_err"] > 0) & np.isfinite(calls["amplification"]), classes)
+    best, count = peer_maxima(
+        calls["amplification"],
+        calls["ccode"],
+        carried & (calls["out_err"] > 0) & np.isfinite(calls["amplification"]),
+        classes,
+    )
     gap_open = (calls["gap_amplification"] > 0) & ~calls["clean_gap"] & ~explained
-    gap_best, gap_count = peer_maxima(calls["gap_amplification"], calls["ccode"],
-                                      gap_open & (calls["in_err"] > 0) & np.isfinite(calls["gap_amplification"]), classes)
+    gap_best, gap_count = peer_maxima(
+        calls["gap_amplification"],
+        calls["ccode"],
+        gap_open & (calls["in_err"] > 0) & np.isfinite(calls["gap_amplification"]),
+        classes,
+    )
     code = calls["ccode"]
-    return Columns({**{name: calls[name] for name in calls.names},
-                    "peer_best": best[code], "peer_judged": (count[code] >= MIN_PEERS) & (calls["in_err"] > 0),
-                    "gap_peer_best": gap_best[code], "gap_peer_judged": (gap_count[code] >= MIN_PEERS) & gap_open})
+    return Columns(
+        {
+            **{name: calls[name] for name in calls.names},
+            "peer_best": best[code],
+            "peer_judged": (count[code] >= MIN_PEERS) & (calls["in_err"] > 0),
+            "gap_peer_best": gap_best[code],
+            "gap_peer_judged": (gap_count[code] >= MIN_PEERS) & gap_open,
+        }
+    )
 
 
 def _uncompared_in_gap(calls_b: Columns, pass_b: int, culprit: dict, uncompared) -> list:
@@ -667,7 +812,9 @@ def _uncompared_in_gap(calls_b: Columns, pass_b: int, culprit: dict, uncompared)
     return [name for name, i in at.items() if name in uncompared and start < pre[i] and 0 <= post[i] < end][:MAX_LISTED]
 
 
-def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Columns, float_inputs: np.ndarray) -> Columns:
+def with_nesting(
+    calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Columns, float_inputs: np.ndarray
+) -> Columns:
     """Judge each call by what the dumped calls around it show, on its row (and, as for inputs,
     on the earlier rows of its sequence):
 
@@ -731,10 +878,21 @@ def with_nesting(calls: Columns, pre: np.ndarray, post: np.ndarray, pairs: Colum
     clean_gap = float_inputs[ccode] & local & (before == 0)
     judged = float_inputs[ccode] & ((before > 0) | clean_gap)
     gap = np.where(judged, _ratio(calls["in_err"], np.maximum(before, calls["floor"])), 0.0)
-    return Columns({**{name: calls[name] for name in calls.names}, "inside": inside, "before": before, "after": after,
-                    "carried": carried, "amplification": _ratio(out_err, np.maximum(carried, calls["floor"])),
-                    "gap_amplification": gap, "clean_gap": clean_gap, "parent": np.where(local, parent, -1),
-                    "carries": carries, "done": done})
+    return Columns(
+        {
+            **{name: calls[name] for name in calls.names},
+            "inside": inside,
+            "before": before,
+            "after": after,
+            "carried": carried,
+            "amplification": _ratio(out_err, np.maximum(carried, calls["floor"])),
+            "gap_amplification": gap,
+            "clean_gap": clean_gap,
+            "parent": np.where(local, parent, -1),
+            "carries": carries,
+            "done": done,
+        }
+    )
 
 
 def _parents(pair: np.ndarray, pre: np.ndarray, done: np.ndarray) -> np.ndarray:
@@ -783,20 +941,32 @@ def _flipped_by_noise(calls: Columns, table: RowTable, modules: np.ndarray, flip
     for router, block, flipped, logit_err in flips:
         at = np.nonzero(names == router)[0]
         err_of = dict(zip(flipped, logit_err))
-        noisy = [int(calls["pair"][i]) for i in at if calls["in_err"][i] > 0 and int(calls["pair"][i]) in err_of
-                 and err_of[int(calls["pair"][i])] <= line * max(calls["in_err"][i], calls["floor"][i])]
+        noisy = [
+            int(calls["pair"][i])
+            for i in at
+            if calls["in_err"][i] > 0
+            and int(calls["pair"][i]) in err_of
+            and err_of[int(calls["pair"][i])] <= line * max(calls["in_err"][i], calls["floor"][i])
+        ]
         rows = np.isin(calls["pair"], np.asarray(noisy, np.int64))
         if not rows.any():
             continue
         known, module_of = np.unique(modules, return_inverse=True)
-        near = np.array([m == block or m.startswith(block + ".") or not m or block.startswith(m + ".")
-                         for m in known.tolist()], dtype=bool)  # the block, inside it, or around it
+        near = np.array(
+            [m == block or m.startswith(block + ".") or not m or block.startswith(m + ".") for m in known.tolist()],
+            dtype=bool,
+        )  # the block, inside it, or around it
         explained |= rows & near[module_of.reshape(-1)]
     return explained
 
 
-def top_jumps(calls: Columns, names: np.ndarray, lines: Optional[np.ndarray] = None, peers: Optional[np.ndarray] = None,
-              limit: int = 8) -> list:
+def top_jumps(
+    calls: Columns,
+    names: np.ndarray,
+    lines: Optional[np.ndarray] = None,
+    peers: Optional[np.ndarray] = None,
+    limit: int = 8,
+) -> list:
     """The jumps nearest their lines, introduced or not: context for judging the threshold.
     ``lines``: per cell, the line it was judged against (said as "line"); ``peers``: the largest
     jump of the same op in other layers where that drew the line (NaN elsewhere)."""
@@ -807,10 +977,16 @@ def top_jumps(calls: Columns, names: np.ndarray, lines: Optional[np.ndarray] = N
         if names[at] in seen:
             continue
         seen.add(names[at])
-        best.append({"call": names[at], "in_err": float(calls["in_err"][at]), "out_err": float(calls["out_err"][at]),
-                     "amplification": float(calls["amplification"][at]),
-                     **({"line": float(lines[at])} if lines is not None else {}),
-                     **({"peers": float(peers[at])} if peers is not None and np.isfinite(peers[at]) else {})})
+        best.append(
+            {
+                "call": names[at],
+                "in_err": float(calls["in_err"][at]),
+                "out_err": float(calls["out_err"][at]),
+                "amplification": float(calls["amplification"][at]),
+                **({"line": float(lines[at])} if lines is not None else {}),
+                **({"peers": float(peers[at])} if peers is not None and np.isfinite(peers[at]) else {}),
+            }
+        )
         if len(best) == limit:
             break
     return best

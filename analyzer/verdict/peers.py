@@ -36,13 +36,20 @@ def op_classes(calls: np.ndarray, kinds: Sequence[str] = ()) -> np.ndarray:
     Linear and activation, or a dense first layer's MLP and the MoE blocks after it, are not
     peers. A call with no numeric part is alone in its class."""
     kinds = list(kinds) or [""] * len(calls)
-    keys = [(_NUMBER.sub("*", name) if _NUMBER.search(name) else f"\0{name}") + f"\0{kind}"
-            for name, kind in zip(calls.tolist(), kinds)]
-    return np.unique(np.asarray(keys, dtype=object).astype(str), return_inverse=True)[1].reshape(-1) \
-        if len(keys) else np.zeros(0, np.int64)
+    keys = [
+        (_NUMBER.sub("*", name) if _NUMBER.search(name) else f"\0{name}") + f"\0{kind}"
+        for name, kind in zip(calls.tolist(), kinds)
+    ]
+    return (
+        np.unique(np.asarray(keys, dtype=object).astype(str), return_inverse=True)[1].reshape(-1)
+        if len(keys)
+        else np.zeros(0, np.int64)
+    )
 
 
-def peer_maxima(jump: np.ndarray, ccode: np.ndarray, eligible: np.ndarray, classes: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def peer_maxima(
+    jump: np.ndarray, ccode: np.ndarray, eligible: np.ndarray, classes: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
     """Per call code: (the largest jump among its peers, how many peers carried one). A call's
     own jump: the largest over its eligible cells (rows)."""
     n = len(classes)

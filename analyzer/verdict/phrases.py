@@ -8,15 +8,19 @@ from typing import List, Tuple
 from ..wording import fmt_num, plural
 
 # What a divergence with no call beyond float noise is (the summary and every report say it alike).
-NOISE_ONLY = ("the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
-              "its line (5x the same op's largest jump in other layers and at least 8x, or 30x its input error where "
-              "it has no such peers) or under what a kernel makes from identical inputs (8 epsilons of a 16-bit "
-              "output, 6% of the row in bfloat16; 100 of a float32 one), which cannot be told from noise.")
+NOISE_ONLY = (
+    "the divergence is float noise carried along (batch-variance), not a state bug, unless one stays under "
+    "its line (5x the same op's largest jump in other layers and at least 8x, or 30x its input error where "
+    "it has no such peers) or under what a kernel makes from identical inputs (8 epsilons of a 16-bit "
+    "output, 6% of the row in bfloat16; 100 of a float32 one), which cannot be told from noise."
+)
 
 
 # Where a gap (an error made between dumped calls) can be: said by every report alike.
-GAP_CODE = ("a module's own forward between its children, modules left out by DUMPER_FILTER, or a dumped call "
-            "that could not be compared")
+GAP_CODE = (
+    "a module's own forward between its children, modules left out by DUMPER_FILTER, or a dumped call "
+    "that could not be compared"
+)
 
 
 def noise_place_parts(c: dict) -> List[Tuple[str, bool]]:
@@ -66,11 +70,15 @@ def input_error(culprit: dict) -> str:
 def noise_errors(culprit: dict) -> str:
     """A culprit's figures in words."""
     if culprit.get("gap_before"):
-        return (f"error of what that code was given {fmt_num(culprit['in_err'])}, of what it made "
-                f"{fmt_num(culprit['out_err'])} (the input of {culprit['gap_before']}), "
-                f"amplification >= {fmt_num(culprit['amplification'])}x")
-    return (f"input error {input_error(culprit)}, output error {fmt_num(culprit['out_err'])}, "
-            f"amplification >= {fmt_num(culprit['amplification'])}x")
+        return (
+            f"error of what that code was given {fmt_num(culprit['in_err'])}, of what it made "
+            f"{fmt_num(culprit['out_err'])} (the input of {culprit['gap_before']}), "
+            f"amplification >= {fmt_num(culprit['amplification'])}x"
+        )
+    return (
+        f"input error {input_error(culprit)}, output error {fmt_num(culprit['out_err'])}, "
+        f"amplification >= {fmt_num(culprit['amplification'])}x"
+    )
 
 
 # Said after the count of calls that could not be compared, in every report alike.
@@ -78,5 +86,7 @@ NOT_COMPARABLE_NOTE = "the tensors named are not compared row by row; a call is 
 
 
 def unstored_text(verdict: dict) -> str:
-    return (f"{plural(verdict['rows_unstored'], 'paired row', 'have')} no dumped tensor row on both sides (row selection, "
-            "DUMPER_POSITIONS or DUMPER_LAST_ROWS): not compared")
+    return (
+        f"{plural(verdict['rows_unstored'], 'paired row', 'have')} no dumped tensor row on both sides (row selection, "
+        "DUMPER_POSITIONS or DUMPER_LAST_ROWS): not compared"
+    )

@@ -16,9 +16,11 @@ FOCUS_HINT = "'dumpdiff focus REF TEST' prints the DUMPER_* settings of a second
 
 
 def missing_figures(labels: List[str]) -> str:
-    return (f"{' and '.join(labels)} {'is a fingerprint dump' if len(labels) == 1 else 'are fingerprint dumps'} "
-            "(no tensor bytes): no error figures, no noise-aware verdict (state bug or batch-variance), no routing "
-            f"flips; {FOCUS_HINT}")
+    return (
+        f"{' and '.join(labels)} {'is a fingerprint dump' if len(labels) == 1 else 'are fingerprint dumps'} "
+        "(no tensor bytes): no error figures, no noise-aware verdict (state bug or batch-variance), no routing "
+        f"flips; {FOCUS_HINT}"
+    )
 
 
 def blind_figures(a, b):
@@ -31,6 +33,9 @@ def blind_figures(a, b):
 
 def blind_summary(verdict: dict, labels: List[str]) -> str:
     culprit = verdict.get("culprit")
-    first = (f"The first bit flips at {culprit['call']} ({culprit['cls']}): inputs identical, output not. "
-             if culprit else "")
+    first = (
+        f"The first bit flips at {culprit['call']} ({culprit['cls']}): inputs identical, output not. "
+        if culprit
+        else ""
+    )
     return first + "Whether it is float noise or a state bug is not judged: " + missing_figures(labels) + "."

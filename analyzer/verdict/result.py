@@ -25,6 +25,7 @@ RowKind = str  # a token row's pass mode: prefill, extend, decode, mixed, unknow
 
 class Side(TypedDict):
     """One dump as the report names it (``a``: the reference, ``b``: the run under test)."""
+
     path: str
     label: str
     engine: Optional[str]
@@ -69,6 +70,7 @@ class _CulpritBase(TypedDict):
 
 class StrictCulprit(_CulpritBase, total=False):
     """The first call whose inputs are bit-identical on both sides and whose output is not."""
+
     elements_differ: int
     elements: int
     ref_absmax: float
@@ -119,6 +121,7 @@ class _NoiseRuleBase(TypedDict):
 
 class NoiseRule(_NoiseRuleBase, total=False):
     """The lines this run's verdict drew (derived from its own call errors unless overridden)."""
+
     amplification: float
     median: float
     mad: float
@@ -149,6 +152,7 @@ class _NoiseCulpritBase(TypedDict):
 
 class NoiseCulprit(_NoiseCulpritBase, total=False):
     """A call (or the code between two dumped calls) that adds an error beyond float noise."""
+
     peers: float  # the same op's largest jump in other layers
     inside_err: float  # the largest error of the calls inside it
     gap_after: str
@@ -186,6 +190,7 @@ class Jump(_JumpBase, total=False):
 
 class Suspect(TypedDict):
     """A jump far above its peers that is not named, with what would settle it."""
+
     call: str
     gap: bool
     amplification: float
@@ -235,6 +240,7 @@ class _RoutingFlipBase(TypedDict):
 
 class RoutingFlip(_RoutingFlipBase, total=False):
     """An MoE router whose selected experts changed between the two runs."""
+
     note: str
 
 
@@ -263,6 +269,7 @@ class _RankVerdictBase(TypedDict):
 
 class RankVerdict(_RankVerdictBase, total=False):
     """One tensor-parallel rank's verdict."""
+
     noise: NoiseVerdict  # absent under --strict-only or when no row differs
     summary: str
     routing_flips: List[RoutingFlip]
@@ -273,6 +280,7 @@ class RankVerdict(_RankVerdictBase, total=False):
 
 class FirstDivergence(TypedDict):
     """The whole result. ``format`` and ``version`` come first in the JSON report only."""
+
     a: Side
     b: Side
     ranks: Dict[str, RankVerdict]  # rank (as a string) -> its verdict
@@ -288,15 +296,26 @@ class FirstDivergence(TypedDict):
 
 # Python names that stand for JSON keys Python cannot spell.
 _KEY = {"pass_": "pass"}
-_SCALARS = {str: {"type": "string"}, int: {"type": "integer"}, float: {"type": "number"},
-            bool: {"type": "boolean"}, type(None): {"type": "null"}, object: {}}
+_SCALARS = {
+    str: {"type": "string"},
+    int: {"type": "integer"},
+    float: {"type": "number"},
+    bool: {"type": "boolean"},
+    type(None): {"type": "null"},
+    object: {},
+}
 
 
-def json_schema(root=FirstDivergence, title: str = "dumpdiff first-divergence report",
-                header: Optional[dict] = None, closed: bool = True) -> dict:
+def json_schema(
+    root=FirstDivergence,
+    title: str = "dumpdiff first-divergence report",
+    header: Optional[dict] = None,
+    closed: bool = True,
+) -> dict:
     """The JSON Schema (2020-12) of a TypedDict tree: every TypedDict a $def, required keys as the
     class says; ``closed``: no key beyond those declared (additionalProperties false)."""
     import typing
+
     defs: dict = {}
 
     def of(tp) -> dict:
@@ -334,8 +353,12 @@ def json_schema(root=FirstDivergence, title: str = "dumpdiff first-divergence re
     if header:  # keys the JSON file carries before the result's own
         body["properties"] = {**header, **body["properties"]}
         body["required"] = sorted(set(body["required"]) | set(header))
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": title, **body,
-            "$defs": dict(sorted(defs.items()))}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": title,
+        **body,
+        "$defs": dict(sorted(defs.items())),
+    }
 
 
 def report_schema() -> dict:
@@ -345,5 +368,6 @@ def report_schema() -> dict:
 if __name__ == "__main__":
     import json
     import sys
+
     json.dump(report_schema(), sys.stdout, indent=1)
     sys.stdout.write("\n")

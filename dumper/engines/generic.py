@@ -30,15 +30,31 @@ TOKEN_NAMES = ("input_ids", "ids", "tokens", "token_ids", "idx")
 POSITION_NAMES = ("position_ids", "positions", "cache_position", "input_pos")
 START_NAMES = ("start_pos", "start", "offset")
 # arguments that carry earlier tokens' state (a flag such as use_cache=False does not)
-STATE_NAMES = ("past_key_values", "past_key_value", "past", "cache", "caches", "kv_cache", "kv_caches", "cache_params",
-               "state", "states", "inference_params")
+STATE_NAMES = (
+    "past_key_values",
+    "past_key_value",
+    "past",
+    "cache",
+    "caches",
+    "kv_cache",
+    "kv_caches",
+    "cache_params",
+    "state",
+    "states",
+    "inference_params",
+)
 
 log = logging.getLogger("dumper")
 
 
 def _token_like(value) -> bool:
-    return (isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
-            and value.dtype != torch.bool and value.dim() in (1, 2))
+    return (
+        isinstance(value, torch.Tensor)
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+        and value.dim() in (1, 2)
+    )
 
 
 def first_token_tensor(args, kwargs):
@@ -107,9 +123,11 @@ class GenericAdapter:
         ids = next((named[n] for n in TOKEN_NAMES if _token_like(named.get(n))), None)
         ids = ids if ids is not None else first_token_tensor(named.values(), {})
         if ids is None:
-            raise UndescribedPass(f"no token ids among the arguments of {type(model).__name__}.forward (an integer "
-                                  "tensor named input_ids, ids or tokens); give dumper.install(model, adapter=...) "
-                                  "an adapter whose pass_info returns a PassInfo")
+            raise UndescribedPass(
+                f"no token ids among the arguments of {type(model).__name__}.forward (an integer "
+                "tensor named input_ids, ids or tokens); give dumper.install(model, adapter=...) "
+                "an adapter whose pass_info returns a PassInfo"
+            )
         ids = ids.detach().cpu()
         pos = _positions(named, ids)
         if pos is not None and bool((pos[:, 1:] <= pos[:, :-1]).any()):
@@ -117,8 +135,10 @@ class GenericAdapter:
         if pos is not None:  # one dump's passes continue each row's sequence
             mode = "prefill" if int(pos.min()) == 0 else "decode" if ids.shape[-1] == 1 else "extend"
             return dense_pass(ids, "s", mode, pos=pos)
-        state = next((n for n in STATE_NAMES if named.get(n) is not None
-                      and not isinstance(named[n], (bool, int, float, str))), None)
+        state = next(
+            (n for n in STATE_NAMES if named.get(n) is not None and not isinstance(named[n], (bool, int, float, str))),
+            None,
+        )
         if state is not None:
             return self._unplaced(model, ids, f"gets {state!r} but no positions")
         return dense_pass(ids, f"p{self._passes}", "prefill")
@@ -127,9 +147,12 @@ class GenericAdapter:
         """A pass whose rows cannot be placed: dumped with no alignable row, never at guessed positions."""
         if not self._warned:
             self._warned = True
-            log.warning("dumper: %s.forward %s: its token rows cannot be placed and are dumped unaligned; pass "
-                        "position_ids= (or start_pos=) to forward, or give dumper.install(model, adapter=...)",
-                        type(model).__name__, why)
+            log.warning(
+                "dumper: %s.forward %s: its token rows cannot be placed and are dumped unaligned; pass "
+                "position_ids= (or start_pos=) to forward, or give dumper.install(model, adapter=...)",
+                type(model).__name__,
+                why,
+            )
         ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
         return dense_pass(ids, f"p{self._passes}", "unknown", valid=torch.zeros(ids2.shape, dtype=torch.bool))
 
@@ -146,7 +169,11 @@ def _positions(named: dict, ids: torch.Tensor) -> Optional[torch.Tensor]:
     ids2 = ids if ids.dim() == 2 else ids.unsqueeze(0)
     for name in POSITION_NAMES:
         value = named.get(name)
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() in (ids2.shape[1], ids2.numel()):
+        if (
+            isinstance(value, torch.Tensor)
+            and not value.is_floating_point()
+            and value.numel() in (ids2.shape[1], ids2.numel())
+        ):
             return value.detach().cpu().reshape(-1, ids2.shape[1]).expand(ids2.shape).to(torch.int64)
     for name in START_NAMES:
         value = named.get(name)

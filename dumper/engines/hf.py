@@ -34,13 +34,15 @@ from .generic import _param_device, _param_dtype, dense_pass
 
 
 def is_hf_model(model) -> bool:
-    return any(cls.__module__.startswith("transformers.") and cls.__name__ == "PreTrainedModel"
-               for cls in type(model).__mro__)
+    return any(
+        cls.__module__.startswith("transformers.") and cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__
+    )
 
 
 @dataclasses.dataclass
 class _CacheState:
     """What the adapter knows of one cache object (one sequence group)."""
+
     group: str
     fed: int = 0  # tokens that went through it
     next_pos: Optional[torch.Tensor] = None  # each batch row's next position
@@ -82,8 +84,13 @@ class _CacheState:
         for row, known in enumerate(self.history):
             keep = valid[row] if valid is not None else slice(None)
             row_ids, row_pos = ids[row][keep].tolist(), pos[row][keep].tolist()
-            if known is not None and row_pos and row_pos[0] == len(known) and min(row_ids) >= 0 and row_pos == list(
-                    range(row_pos[0], row_pos[0] + len(row_pos))):  # (-1: from inputs_embeds, ids unknown)
+            if (
+                known is not None
+                and row_pos
+                and row_pos[0] == len(known)
+                and min(row_ids) >= 0
+                and row_pos == list(range(row_pos[0], row_pos[0] + len(row_pos)))
+            ):  # (-1: from inputs_embeds, ids unknown)
                 known.extend(row_ids)
             elif row_pos:
                 self.history[row] = None
@@ -104,8 +111,9 @@ class HFAdapter:
     def __init__(self, model) -> None:
         self._signature = inspect.signature(model.forward)
         # the **catch-all's own name (a patched forward may call it **kw): names passed through it
-        self._var_keyword = next((p.name for p in self._signature.parameters.values()
-                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        self._var_keyword = next(
+            (p.name for p in self._signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+        )
         self._caches = weakref.WeakKeyDictionary()  # cache object -> _CacheState
         self._counter = itertools.count(1)
         self._last: Optional[_CacheState] = None  # the state of the pass being dumped
@@ -154,8 +162,9 @@ class HFAdapter:
         keys, prefixes = state.rows(batch)
         state.extend(ids, pos, valid)
         self._last = state
-        info = dense_pass(ids, state.group, mode_of(past, past, seq_len), pos=pos, valid=valid, prefix_ids=prefixes,
-                          keys=keys)
+        info = dense_pass(
+            ids, state.group, mode_of(past, past, seq_len), pos=pos, valid=valid, prefix_ids=prefixes, keys=keys
+        )
         info.extra = {"past_len": past, "new_len": seq_len}
         return info
 
@@ -181,9 +190,14 @@ class HFAdapter:
         known = sorted(self._caches.items(), key=lambda item: not all(item[1].history or [None]))  # known ids first
         for other, state in known:
             if state.history and _cache_length(other) == length and _same_keys(other, cache):
-                copied = _CacheState(f"g{next(self._counter)}", fed=state.fed, reports=True, inherited=True,
-                                     next_pos=None if state.next_pos is None else state.next_pos.clone(),
-                                     history=state.history_copy())
+                copied = _CacheState(
+                    f"g{next(self._counter)}",
+                    fed=state.fed,
+                    reports=True,
+                    inherited=True,
+                    next_pos=None if state.next_pos is None else state.next_pos.clone(),
+                    history=state.history_copy(),
+                )
                 copied.names = [f"{copied.group}.{b}" for b in range(len(copied.history))]
                 return self._register(cache, copied)
         return None
@@ -204,8 +218,11 @@ class HFAdapter:
 
     def _positions(self, bound, mask, past, batch, seq_len, next_pos=None):
         mask = _full_attention_mask(mask)
-        valid = _own_slot_visible(mask, bound, past, batch, seq_len) if isinstance(mask, torch.Tensor) and \
-            mask.dim() == 4 else None
+        valid = (
+            _own_slot_visible(mask, bound, past, batch, seq_len)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4
+            else None
+        )
         if valid is not None and not past:  # a prefill: the padding the 4D mask hides is all the history there is
             mask = valid.to(torch.long)
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] >= seq_len:
@@ -230,16 +247,23 @@ class HFAdapter:
         cache = None if isinstance(output, tuple) else _first(output, CACHE_NAMES, getattr)
         last, self._last = self._last, None
         if cache is not None and info.seq and self._known(cache) is None and last is not None:
-            self._register(cache, dataclasses.replace(  # its sequences go on in the returned cache
-                last, names=None if last.names is None else list(last.names),
-                history=last.history_copy()))
+            self._register(
+                cache,
+                dataclasses.replace(  # its sequences go on in the returned cache
+                    last, names=None if last.names is None else list(last.names), history=last.history_copy()
+                ),
+            )
 
     def run_info(self, model) -> dict:
         config = getattr(model, "config", None)
-        return {"model": getattr(config, "_name_or_path", "") or type(model).__name__,
-                "model_type": getattr(config, "model_type", None),
-                "num_layers": getattr(config, "num_hidden_layers", None),
-                "dtype": _param_dtype(model), "device": _param_device(model), "tp_size": 1}
+        return {
+            "model": getattr(config, "_name_or_path", "") or type(model).__name__,
+            "model_type": getattr(config, "model_type", None),
+            "num_layers": getattr(config, "num_hidden_layers", None),
+            "dtype": _param_dtype(model),
+            "device": _param_device(model),
+            "tp_size": 1,
+        }
 
 
 # transformers renamed past_key_values to cache (5.2x); both spellings are read, and Mamba's.
@@ -272,8 +296,11 @@ def _own_slot_visible(mask: torch.Tensor, bound, past: int, batch: int, seq_len:
     if not seq_len or mask.shape[-2] != seq_len or mask.shape[1] != 1 or mask.shape[0] not in (1, batch):
         return None
     slots = bound.get("cache_position")
-    slots = slots.detach().cpu().to(torch.long).reshape(-1) if isinstance(slots, torch.Tensor) and \
-        slots.numel() == seq_len else torch.arange(seq_len) + past
+    slots = (
+        slots.detach().cpu().to(torch.long).reshape(-1)
+        if isinstance(slots, torch.Tensor) and slots.numel() == seq_len
+        else torch.arange(seq_len) + past
+    )
     if int(slots.max()) >= mask.shape[-1]:
         return None
     rows = mask[:, 0, torch.arange(seq_len).to(mask.device), slots.to(mask.device)].detach().cpu()
@@ -285,8 +312,11 @@ def _same_keys(first, second) -> bool:
     sliding-window layer alone holds only the last tokens, so one layer is not enough)."""
     try:
         layers = list(zip(first.layers, second.layers))
-        return bool(layers) and len(first.layers) == len(second.layers) and all(
-            a.keys.shape == b.keys.shape and bool(torch.equal(a.keys, b.keys)) for a, b in layers)
+        return (
+            bool(layers)
+            and len(first.layers) == len(second.layers)
+            and all(a.keys.shape == b.keys.shape and bool(torch.equal(a.keys, b.keys)) for a, b in layers)
+        )
     except (AttributeError, TypeError, RuntimeError):
         return False
 

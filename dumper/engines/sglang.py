@@ -73,14 +73,26 @@ class SglangAdapter:
             last_rows.append(len(seq) - 1)
         if len(seq) != len(ids):  # padded buffers (graphs, DP) carry rows no request owns
             seq += [""] * (len(ids) - len(seq))
-        info = PassInfo(mode=mode, token_shape=[len(ids)], ids=ids, pos=pos, seq=seq[:len(ids)],
-                        valid=[bool(s) for s in seq[:len(ids)]], last_rows=last_rows)
-        info.extra = {"seq_lens": _as_list(batch.seq_lens), "prefix_lens": prefix, "extend_lens": lengths,
-                      "rids": rids, "forward_mode": str(getattr(batch.forward_mode, "name", batch.forward_mode))}
+        info = PassInfo(
+            mode=mode,
+            token_shape=[len(ids)],
+            ids=ids,
+            pos=pos,
+            seq=seq[: len(ids)],
+            valid=[bool(s) for s in seq[: len(ids)]],
+            last_rows=last_rows,
+        )
+        info.extra = {
+            "seq_lens": _as_list(batch.seq_lens),
+            "prefix_lens": prefix,
+            "extend_lens": lengths,
+            "rids": rids,
+            "forward_mode": str(getattr(batch.forward_mode, "name", batch.forward_mode)),
+        }
         for rid in rids:
             req = _latest_requests.get(rid)
             if req is not None:
-                info.history[rid] = (lambda r=req: list(r.origin_input_ids) + list(r.output_ids))
+                info.history[rid] = lambda r=req: list(r.origin_input_ids) + list(r.output_ids)
         return info
 
     def after_pass(self, model, info, output) -> None:
@@ -100,16 +112,18 @@ class SglangAdapter:
             return info
         args = getattr(runner, "server_args", None)
         config = getattr(getattr(runner, "model_config", None), "hf_config", None)
-        info.update({
-            "model": getattr(args, "model_path", None) or type(model).__name__,
-            "model_type": getattr(config, "model_type", None),
-            "num_layers": getattr(config, "num_hidden_layers", None),
-            "dtype": str(getattr(getattr(runner, "model_config", None), "dtype", "")).replace("torch.", "") or None,
-            "device": str(getattr(runner, "device", "")),
-            "tp_size": getattr(runner, "tp_size", None),
-            "tp_rank": getattr(runner, "tp_rank", None),
-            "flags": {k: str(getattr(args, k, None)) for k in FLAGS_OF_INTEREST if hasattr(args, k)},
-        })
+        info.update(
+            {
+                "model": getattr(args, "model_path", None) or type(model).__name__,
+                "model_type": getattr(config, "model_type", None),
+                "num_layers": getattr(config, "num_hidden_layers", None),
+                "dtype": str(getattr(getattr(runner, "model_config", None), "dtype", "")).replace("torch.", "") or None,
+                "device": str(getattr(runner, "device", "")),
+                "tp_size": getattr(runner, "tp_size", None),
+                "tp_rank": getattr(runner, "tp_rank", None),
+                "flags": {k: str(getattr(args, k, None)) for k in FLAGS_OF_INTEREST if hasattr(args, k)},
+            }
+        )
         return info
 
 
@@ -120,14 +134,24 @@ def _graph_backend(server_args, phase: str) -> str:
     if backend is None:
         backend = getattr(server_args, f"cuda_graph_backend_{phase}", None)
     if backend is None:
-        off = getattr(server_args, "disable_cuda_graph", False) or getattr(server_args, f"disable_{phase}_cuda_graph", False)
+        off = getattr(server_args, "disable_cuda_graph", False) or getattr(
+            server_args, f"disable_{phase}_cuda_graph", False
+        )
         backend = "disabled" if off else "default (on)"
     return str(getattr(backend, "value", backend))
 
 
-FLAGS_OF_INTEREST = ("attention_backend", "sampling_backend", "chunked_prefill_size", "disable_radix_cache",
-                     "enable_deterministic_inference", "cuda_graph_config", "kv_cache_dtype", "quantization",
-                     "random_seed")
+FLAGS_OF_INTEREST = (
+    "attention_backend",
+    "sampling_backend",
+    "chunked_prefill_size",
+    "disable_radix_cache",
+    "enable_deterministic_inference",
+    "cuda_graph_config",
+    "kv_cache_dtype",
+    "quantization",
+    "random_seed",
+)
 
 
 def cuda_graph_problem(server_args, device: str) -> str | None:
@@ -135,12 +159,16 @@ def cuda_graph_problem(server_args, device: str) -> str | None:
     if not str(device).startswith("cuda"):
         return None
     on = [phase for phase in ("decode", "prefill") if _graph_backend(server_args, phase) != "disabled"]
-    if getattr(server_args, "enable_piecewise_cuda_graph", False) and not getattr(server_args, "disable_piecewise_cuda_graph", False):
+    if getattr(server_args, "enable_piecewise_cuda_graph", False) and not getattr(
+        server_args, "disable_piecewise_cuda_graph", False
+    ):
         on.append("piecewise")
     if not on:
         return None
-    return ("dumpdiff: dumping needs every forward pass to run eagerly, but CUDA graphs are on for "
-            f"{', '.join(on)} (Python hooks do not run inside graph replay, the dump would hold only "
-            "the embedding); restart the server with --cuda-graph-backend-decode disabled "
-            "--cuda-graph-backend-prefill disabled (older sglang: --disable-cuda-graph "
-            "--disable-prefill-cuda-graph --disable-piecewise-cuda-graph), or unset DUMPER_*")
+    return (
+        "dumpdiff: dumping needs every forward pass to run eagerly, but CUDA graphs are on for "
+        f"{', '.join(on)} (Python hooks do not run inside graph replay, the dump would hold only "
+        "the embedding); restart the server with --cuda-graph-backend-decode disabled "
+        "--cuda-graph-backend-prefill disabled (older sglang: --disable-cuda-graph "
+        "--disable-prefill-cuda-graph --disable-piecewise-cuda-graph), or unset DUMPER_*"
+    )

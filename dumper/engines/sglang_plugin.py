@@ -26,6 +26,7 @@ _dumpers = []  # the dumpers installed in this process (one per ModelRunner)
 
 def load_plugin() -> None:
     from ..config import DumperConfig, any_dumper_variable
+
     if not any_dumper_variable():
         return
     config = DumperConfig.from_env()  # a bad value fails start-up with its one-line message
@@ -33,12 +34,16 @@ def load_plugin() -> None:
         return
     _silence_builtin_dumper()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model",
-                          _after_load_model, HookType.AFTER)
-    HookRegistry.register("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
-                          _after_init_new, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.handle_dumper_control",
-                          _handle_dumper_control, HookType.REPLACE)
+
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model", _after_load_model, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_init_new, HookType.AFTER
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.handle_dumper_control", _handle_dumper_control, HookType.REPLACE
+    )
 
 
 def _silence_builtin_dumper() -> None:
@@ -59,10 +64,16 @@ def _after_load_model(result, model_runner, *args, **kwargs):
         raise RuntimeError(problem)
     dumper = install(model_runner.model, DumperConfig.from_env(), adapter=SglangAdapter(model_runner))
     _dumpers.append(dumper)
-    log.warning("dumpdiff: dumper installed on %s (tp rank %s), %s", type(model_runner.model).__name__,
-                getattr(model_runner, "tp_rank", 0), "enabled" if dumper.config.enable
-                else "idle until /dumper/configure" if dumper.config.server_port_parsed
-                else "idle, and with no DUMPER_SERVER_PORT nothing can enable it (set DUMPER_SERVER_PORT=reuse)")
+    log.warning(
+        "dumpdiff: dumper installed on %s (tp rank %s), %s",
+        type(model_runner.model).__name__,
+        getattr(model_runner, "tp_rank", 0),
+        "enabled"
+        if dumper.config.enable
+        else "idle until /dumper/configure"
+        if dumper.config.server_port_parsed
+        else "idle, and with no DUMPER_SERVER_PORT nothing can enable it (set DUMPER_SERVER_PORT=reuse)",
+    )
     return result
 
 
@@ -73,6 +84,7 @@ def _after_init_new(result, *args, **kwargs):
         # The model may see a copy of this ForwardBatch, so the requests are kept by request
         # id (only the latest batch's: no request outlives its batch here).
         from .sglang import remember_requests
+
         remember_requests(reqs)
     return result
 
@@ -81,6 +93,7 @@ def _handle_dumper_control(scheduler, recv_req) -> None:
     from sglang.srt.managers.io_struct import DumperControlReqOutput
 
     from ..control import handle
+
     try:
         responses = [handle(d, recv_req.method, recv_req.body or {}) for d in _dumpers]
         rank0 = not _distributed() or _rank() == 0
@@ -92,10 +105,11 @@ def _handle_dumper_control(scheduler, recv_req) -> None:
 
 def _distributed() -> bool:
     import torch
+
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _rank() -> int:
     import torch
-    return torch.distributed.get_rank()
 
+    return torch.distributed.get_rank()

@@ -48,32 +48,48 @@ class VllmAdapter:
             raise WarmupPass("no request in this forward")
         ids_tensor, pos_tensor = _ids_and_positions(args, kwargs)
         if ids_tensor is None or pos_tensor is None:
-            raise UndescribedPass("the forward got no input_ids/positions (prompt embeddings or a pipeline "
-                                  "stage after the first: its rows cannot be tied to token ids)")
+            raise UndescribedPass(
+                "the forward got no input_ids/positions (prompt embeddings or a pipeline "
+                "stage after the first: its rows cannot be tied to token ids)"
+            )
         ids, pos = int_list(ids_tensor), int_list(pos_tensor)
         rids = list(batch.req_ids[:n_reqs])
-        starts = [int(v) for v in runner.query_start_loc.np[:n_reqs + 1]]
+        starts = [int(v) for v in runner.query_start_loc.np[: n_reqs + 1]]
         lengths = [b - a for a, b in zip(starts, starts[1:])]
         computed = [int(v) for v in batch.num_computed_tokens_cpu[:n_reqs]]
         prompt_lens = [int(v) for v in batch.num_prompt_tokens[:n_reqs]]
         if starts[-1] > len(ids) or any(pos[start] != c for start, c, n in zip(starts, computed, lengths) if n):
             # The runner's state is not this forward's (speculative drafts, a runner we do not know)
-            raise UndescribedPass(f"the model runner's batch ({sum(lengths)} rows, computed tokens {computed}) "
-                                  f"does not match this forward's {len(ids)} rows")
+            raise UndescribedPass(
+                f"the model runner's batch ({sum(lengths)} rows, computed tokens {computed}) "
+                f"does not match this forward's {len(ids)} rows"
+            )
         seq, last_rows = [], []
         for rid, n in zip(rids, lengths):
             seq += [rid] * n
             last_rows.append(len(seq) - 1)
         seq += [""] * (len(ids) - len(seq))  # padding rows no request owns
-        info = PassInfo(mode=pass_mode(computed, prompt_lens, lengths), token_shape=[len(ids)], ids=ids, pos=pos,
-                        seq=seq, valid=[bool(s) for s in seq], last_rows=last_rows)
-        info.extra = {"rids": rids, "prefix_lens": computed, "extend_lens": lengths,
-                      "seq_lens": [c + n for c, n in zip(computed, lengths)], "prompt_lens": prompt_lens}
+        info = PassInfo(
+            mode=pass_mode(computed, prompt_lens, lengths),
+            token_shape=[len(ids)],
+            ids=ids,
+            pos=pos,
+            seq=seq,
+            valid=[bool(s) for s in seq],
+            last_rows=last_rows,
+        )
+        info.extra = {
+            "rids": rids,
+            "prefix_lens": computed,
+            "extend_lens": lengths,
+            "seq_lens": [c + n for c, n in zip(computed, lengths)],
+            "prompt_lens": prompt_lens,
+        }
         requests = getattr(runner, "requests", {})
         for rid in rids:
             state = requests.get(rid)
             if state is not None and state.prompt_token_ids is not None:
-                info.history[rid] = (lambda s=state: list(s.prompt_token_ids) + list(s.output_token_ids))
+                info.history[rid] = lambda s=state: list(s.prompt_token_ids) + list(s.output_token_ids)
         return info
 
     def after_pass(self, model, info, output):
@@ -108,6 +124,7 @@ class VllmAdapter:
 def _tp_rank():
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
+
         return get_tensor_model_parallel_rank()
     except Exception:  # noqa: BLE001 - not initialized (a single process): rank 0
         return 0
@@ -127,5 +144,7 @@ def compile_problem(vllm_config) -> str | None:
         on.append(f"CUDA graphs ({getattr(graphs, 'name', graphs)})")
     if not on:
         return None
-    return (f"dumpdiff: dumping needs every forward pass to run eagerly, but {' and '.join(on)} "
-            "would hide the model's modules from Python hooks; restart vLLM with --enforce-eager, or unset DUMPER_*")
+    return (
+        f"dumpdiff: dumping needs every forward pass to run eagerly, but {' and '.join(on)} "
+        "would hide the model's modules from Python hooks; restart vLLM with --enforce-eager, or unset DUMPER_*"
+    )

@@ -25,15 +25,19 @@ _state = {"hook": None, "model": None}
 
 def load_plugin():
     from ..config import ConfigError, DumperConfig, any_dumper_variable
+
     if not any_dumper_variable():
         return
     config = DumperConfig.from_env()  # a bad value fails start-up with its one-line message
     if config.non_intrusive_mode == "off" or _state["hook"] is not None:
         return
     if config.server_port_parsed == "reuse":
-        raise ConfigError("DUMPER_SERVER_PORT=reuse needs a /dumper route on the engine's own port, which vLLM's "
-                          "API server does not have: set DUMPER_SERVER_PORT to a free port number (e.g. 40000)")
+        raise ConfigError(
+            "DUMPER_SERVER_PORT=reuse needs a /dumper route on the engine's own port, which vLLM's "
+            "API server does not have: set DUMPER_SERVER_PORT to a free port number (e.g. 40000)"
+        )
     import torch
+
     _state["hook"] = torch.nn.modules.module.register_module_module_registration_hook(_on_child_registered)
 
 
@@ -55,6 +59,7 @@ def _refuse_compiled():
     from vllm.config.vllm import get_current_vllm_config_or_none
 
     from .vllm import compile_problem
+
     problem = compile_problem(get_current_vllm_config_or_none())
     if problem:
         log.error(problem)
@@ -66,6 +71,7 @@ def _after_load_weights(model):
         loaded = type(model).load_weights(model, *args, **kwargs)
         _install_once(model)
         return loaded
+
     return load_weights
 
 
@@ -73,6 +79,7 @@ def _first_forward(model):
     def forward(*args, **kwargs):
         _install_once(model)
         return model.forward(*args, **kwargs)
+
     return forward
 
 
@@ -93,10 +100,16 @@ def _install_once(model):
         return
     dumper = install(model, DumperConfig.from_env(), adapter=VllmAdapter(runner))
     port = dumper.config.server_port_parsed
-    log.warning("dumpdiff: dumper installed on %s (rank %s), %s", type(model).__name__, dumper.rank,
-                "enabled" if dumper.config.enable
-                else f"idle until http://127.0.0.1:{port + dumper.rank}/dumper/configure" if port
-                else "idle, and with no DUMPER_SERVER_PORT nothing can enable it (set DUMPER_SERVER_PORT=<port>)")
+    log.warning(
+        "dumpdiff: dumper installed on %s (rank %s), %s",
+        type(model).__name__,
+        dumper.rank,
+        "enabled"
+        if dumper.config.enable
+        else f"idle until http://127.0.0.1:{port + dumper.rank}/dumper/configure"
+        if port
+        else "idle, and with no DUMPER_SERVER_PORT nothing can enable it (set DUMPER_SERVER_PORT=<port>)",
+    )
 
 
 def _calling_runner(depth: int = 32):

@@ -24,18 +24,24 @@ def load():
         return
     kind, _, layer = spec.partition(":")
     if kind not in ("prefix_kv", "batch_variant", "q_norm") or not layer.isdigit():
-        raise ValueError(f"DUMPDIFF_PLANT={spec!r}: expected prefix_kv:<layer>, batch_variant:<layer> or q_norm:<layer>")
+        raise ValueError(
+            f"DUMPDIFF_PLANT={spec!r}: expected prefix_kv:<layer>, batch_variant:<layer> or q_norm:<layer>"
+        )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     def after_load(result, model_runner, *args, **kwargs):
         model_layer = model_runner.model.model.layers[int(layer)]
         if kind == "prefix_kv":
-            model_layer.self_attn.attn.register_forward_pre_hook(_corrupt_restored_prefix(model_runner, int(layer)),
-                                                                 with_kwargs=True)
+            model_layer.self_attn.attn.register_forward_pre_hook(
+                _corrupt_restored_prefix(model_runner, int(layer)), with_kwargs=True
+            )
         elif kind == "q_norm":
-            decoding = _decode_flag(model_runner.model.model)  # the runner calls the outer model's forward: no hooks run
+            decoding = _decode_flag(
+                model_runner.model.model
+            )  # the runner calls the outer model's forward: no hooks run
             model_layer.self_attn.q_norm.register_forward_hook(
-                lambda module, args, output: output * (1 + 2 ** -7) if decoding[0] else None)
+                lambda module, args, output: output * (1 + 2**-7) if decoding[0] else None
+            )
         else:
             model_layer.mlp.down_proj.register_forward_hook(_batch_variant)
         return result
@@ -73,6 +79,7 @@ def _decode_flag(model):
     def hook(module, args, kwargs):
         batch = kwargs.get("forward_batch") or next((a for a in args if hasattr(a, "forward_mode")), None)
         flag[0] = batch is not None and batch.forward_mode.is_decode()
+
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return flag
 
@@ -80,6 +87,6 @@ def _decode_flag(model):
 def _batch_variant(module, args, output):
     out = output[0] if isinstance(output, tuple) else output
     if out.shape[0] == 1:
-        scaled = out * (1 + 2 ** -9)
+        scaled = out * (1 + 2**-9)
         return (scaled,) + tuple(output[1:]) if isinstance(output, tuple) else scaled
     return None

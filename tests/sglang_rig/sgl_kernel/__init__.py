@@ -13,8 +13,18 @@ import types
 # Submodules sglang imports from on the way to a dense model on CPU.  Anything else stays an
 # ImportError, so sglang's own "kernel missing" fallbacks still trigger for it.
 _SUBMODULES = (
-    "mamba", "kvcacheio", "elementwise", "speculative", "sampling", "top_k", "moe",
-    "gemm", "attention", "allreduce", "memory", "flash_attn",
+    "mamba",
+    "kvcacheio",
+    "elementwise",
+    "speculative",
+    "sampling",
+    "top_k",
+    "moe",
+    "gemm",
+    "attention",
+    "allreduce",
+    "memory",
+    "flash_attn",
 )
 
 
@@ -37,9 +47,7 @@ def _module_getattr(prefix):
     return __getattr__
 
 
-def assign_req_to_token_pool_cpu(
-    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
-):
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """For each request r (in order) with slots [s, e), write the next e - s entries of
     out_cache_loc into req_to_token[r, s:e].  pool_len is the row length of req_to_token
     (the C kernel's stride); here it only bounds-checks."""

@@ -45,6 +45,7 @@ def load():
 
 def _metadata():
     from vllm.forward_context import get_forward_context, is_forward_context_available
+
     if not is_forward_context_available():
         return None
     metadata = get_forward_context().attn_metadata
@@ -58,8 +59,8 @@ def _scale_in_decode(module, args, output):
     if meta is None or int(meta.max_query_len) != 1:
         return None
     if isinstance(output, tuple):  # vLLM's parallel linear layers return (output, bias)
-        return (output[0] * (1 + 2 ** -7),) + tuple(output[1:])
-    return output * (1 + 2 ** -7)
+        return (output[0] * (1 + 2**-7),) + tuple(output[1:])
+    return output * (1 + 2**-7)
 
 
 def _corrupt_restored_prefix():
@@ -74,7 +75,7 @@ def _corrupt_restored_prefix():
         seq_lens = meta.seq_lens.tolist()
         blocks, heads, block_size = kv.shape[0], kv.shape[1], kv.shape[2]
         keys = kv.view(blocks, heads, block_size * 2, -1)
-        for i, seq_len in enumerate(seq_lens[:len(starts) - 1]):
+        for i, seq_len in enumerate(seq_lens[: len(starts) - 1]):
             new = starts[i + 1] - starts[i]
             prefix = seq_len - new
             if prefix <= 0 or new <= 1:  # no restored prefix, or a decode step
