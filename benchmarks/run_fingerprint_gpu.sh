@@ -6,7 +6,7 @@ set -u
 out=${1:-fingerprint-gpu}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD
+# (dumpdiff installed: pip install -e .)
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$out/device.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_rowprint.py tests/test_fingerprint_mode.py -k "cuda or rowprint" \
   2>&1 | tail -15 | tee "$out/tests.txt"
