@@ -538,12 +538,13 @@ def entry() -> None:
     glibc may keep freed memory for the next arrays (analyzer/index/memtune.py); ``main`` called from
     someone else's code leaves their process's allocator as it is."""
     from ..index import memtune
-    from ..index.settings import index_processes
+    from ..index.settings import hash_threads, index_processes
 
     memtune.allow()
     try:
         try:
             index_processes()
+            hash_threads()
         except DumpError:  # a bad DUMPDIFF_* setting: said by every command, but not by --help or --version
             if not {"-h", "--help", "--version"} & set(sys.argv[1:]) and len(sys.argv) > 1:
                 raise

@@ -10,7 +10,6 @@ import concurrent.futures
 import json
 import logging
 import math
-import os
 import queue
 import sys
 import threading
@@ -29,7 +28,7 @@ from .fingerprint import row_stats
 from .passtables import ENCODED, pass_tables, stored_tensors
 from .rowplan import may_hold_token_ids, pass_rows, row_columns
 from .rows import FileEnded, read_exactly
-from .settings import env_count, index_processes
+from .settings import hash_threads, index_processes
 from .smallpass import small_pass_tables
 from .workers import WorkerPool
 
@@ -330,7 +329,7 @@ def _stored_rows(
     stored_rows: Dict[str, tuple] = {}
     in_order = sorted(streamed, key=lambda n: layout.get(n)[2])
     try:
-        if HASH_THREADS <= 1:
+        if hash_threads() <= 1:
             for name in in_order:
                 stored_rows[name] = stream(name)
             for stored, tensor, dtype, begin, release in read_tensors(pf, whole, on_bytes, layout):
@@ -444,8 +443,6 @@ def _repeat(value: Optional[int], n: int) -> np.ndarray:
 READ_AHEAD_BYTES = 256 << 20  # tensor bytes read ahead of the hashing (one tensor is always allowed)
 POOLED_BYTES = READ_AHEAD_BYTES // 4  # larger read buffers are not kept for reuse
 INLINE_PASS_BYTES = 32 << 20  # smaller pass files are hashed by the calling thread alone
-# Tensors hashed at once (DUMPDIFF_HASH_THREADS; default: the CPU count, at most 8).
-HASH_THREADS = max(1, env_count("DUMPDIFF_HASH_THREADS") or min(os.cpu_count() or 1, 8))
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
 
@@ -454,7 +451,9 @@ def _tensor_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="dumpdiff-index")
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=hash_threads(), thread_name_prefix="dumpdiff-index"
+            )
         return _pool
 
 

@@ -33,3 +33,9 @@ def index_processes() -> int:
         return INDEX_PROCESSES
     setting = env_count("DUMPDIFF_INDEX_PROCESSES")
     return setting if setting is not None else min(max((os.cpu_count() or 1) - 1, 0), 8)
+
+
+def hash_threads() -> int:
+    """Tensors hashed at once by an index build: DUMPDIFF_HASH_THREADS, else the CPU count, at most
+    8. Read when a build starts (not at import), so a setting made later is seen."""
+    return max(1, env_count("DUMPDIFF_HASH_THREADS") or min(os.cpu_count() or 1, 8))
