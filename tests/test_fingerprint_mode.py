@@ -335,7 +335,7 @@ def test_an_moe_models_fingerprint_dump_gives_the_full_dumps_verdict(tmp_path):
 
 
 def test_focus_selects_an_op_in_every_layer_and_the_positions_that_differ():
-    from analyzer.focus import module_filter, positions_text
+    from dumpdiff.analyzer.report.focus import module_filter, positions_text
 
     pattern = re.compile(
         module_filter(["model.layers.3.mlp.experts.7.down_proj", "model.layers.3.mlp"], "model.embed_tokens")

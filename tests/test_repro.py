@@ -17,12 +17,12 @@ from test_core_loop import plant_batch_variant
 from dumpdiff.analyzer.report import repro
 from helpers import dump_pair, dumpdiff, first_divergence_json, load_model, make_tiny_llama, prompt_ids
 
+pytestmark = pytest.mark.slow  # minutes of CPU: left out of make test-fast
+
 # Runs a script with a meta-path finder that refuses dumpdiff's packages (and transformers, for the
 # standalone kinds), from a folder outside the repository, in isolated mode (no PYTHONPATH, no cwd).
 BLOCKED_RUNNER = """
 import runpy, sys
-
-pytestmark = pytest.mark.slow  # minutes of CPU: left out of make test-fast
 BLOCKED = set(sys.argv[2].split(","))
 class Blocker:
     def find_spec(self, name, path=None, target=None):
