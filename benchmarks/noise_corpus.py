@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import itertools
 import json
 import math
@@ -35,7 +34,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -46,6 +44,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
+from byte_llama import python_source, train  # noqa: E402
 from helpers import dump_padded_batch, load_model, prompt_ids  # noqa: E402
 from plants import PLANTS, expected_module, plant  # noqa: E402
 
@@ -190,7 +189,7 @@ def build(spec: Spec, args):
     if spec.arch == "trained":
         folder = trained_llama(args.models or os.path.join(args.out, "models"), args.device)
         model = load_model(folder, dtype).to(args.device)
-        data, pick = byte_data(), torch.Generator().manual_seed(spec.seed)
+        data, pick = python_source(), torch.Generator().manual_seed(spec.seed)
         starts = torch.randint(0, len(data) - 256, (len(lengths),), generator=pick).tolist()
         return model, [data[s : s + n].tolist() for s, n in zip(starts, lengths)]
     torch.manual_seed(spec.seed)
@@ -204,64 +203,17 @@ def build(spec: Spec, args):
 
 # ---------------------------------------------------------------- the trained model
 
-BYTE_OFFSET = 3  # ids 0, 1, 2: pad, bos, eos; a byte b is id b + 3
-_BYTES = []
-
-
-def byte_data() -> torch.Tensor:
-    """The standard library's sources (then installed packages'), as byte ids."""
-    if not _BYTES:
-        paths = sysconfig.get_paths()
-        files = sorted(glob.glob(os.path.join(paths["stdlib"], "*.py"))) + sorted(
-            glob.glob(os.path.join(paths["purelib"], "*", "*.py"))
-        )
-        text = b"".join(open(path, "rb").read() for path in files)[:4_000_000]
-        _BYTES.append(torch.frombuffer(bytearray(text), dtype=torch.uint8).long() + BYTE_OFFSET)
-    return _BYTES[0]
-
 
 def trained_llama(models: str, device: str) -> str:
-    """tests/test_trained_weights.py's recipe: a byte-level Llama (hidden 128, 3 layers) trained
-    600 AdamW steps until its attention is peaky, which amplifies float noise more than random
-    weights do (40 s on two idle CPU cores, 15 minutes on two busy ones). Saved once under
-    ``models`` (--models, default OUT/models) and reused."""
+    """tests/byte_llama.py's model (40 s on two idle CPU cores, 15 minutes on two busy ones), saved
+    once under ``models`` (--models, default OUT/models) and reused."""
     folder = os.path.join(models, "trained-llama")
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     log(f"training the byte-level Llama into {folder} (minutes on a CPU) ...")
-    data = byte_data()
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=256 + BYTE_OFFSET,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
-    pick, steps = torch.Generator().manual_seed(1), 600
-    for step in range(steps):
-        for group in optimizer.param_groups:  # warm-up, then cosine down to a tenth
-            group["lr"] = 3e-3 * min(1, (step + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
-        starts = torch.randint(0, len(data) - 64, (32,), generator=pick)
-        batch = torch.stack([data[s : s + 64] for s in starts]).to(device)
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    log(f"trained: loss {loss.item():.2f} (uniform bytes would be 5.6)")
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.cpu().eval().save_pretrained(folder)
+    model, loss = train(python_source(), torch.Generator().manual_seed(1), device)
+    log(f"trained: loss {loss:.2f} (uniform bytes would be 5.6)")
+    model.cpu().save_pretrained(folder)
     return folder
 
 

@@ -131,6 +131,15 @@ def first_divergence_json(a, b, *extra):
     return code, result
 
 
+def assert_every_row_aligned(verdict: dict, rows_b: int):
+    """A server workflow's rank verdict: all ``rows_b`` token rows of the run under test paired by
+    token ids and positions, none unkeyed, and the embedding output proved bit-identical."""
+    align = verdict["alignment"]
+    assert align["unaligned_b"] == 0 and align["unkeyed_b"] == 0
+    assert align["rows_b"] == rows_b
+    assert "bit-identical" in align["proof"][1]
+
+
 _VALIDATORS: dict = {}
 
 

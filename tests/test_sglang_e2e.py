@@ -16,7 +16,7 @@ import os
 import pytest
 from test_dumper_units import read_pass
 
-from helpers import dumpdiff, first_divergence_json, make_tiny_llama, prompt_ids
+from helpers import assert_every_row_aligned, dumpdiff, first_divergence_json, make_tiny_llama, prompt_ids
 from sglang_server import sglang_fixture
 from tiny_models import make_tiny_qwen3
 
@@ -71,10 +71,7 @@ def test_workflow_clean_engine_batched_and_chunked(sglang, model_dir, tmp_path):
     dump_decode_and_reference(server, prompts, logprobs=True)
     code, result = first_divergence_json(dumps / "ref", dumps / "dec")
     verdict = result["ranks"]["0"]
-    align = verdict["alignment"]
-    assert align["unaligned_b"] == 0 and align["unkeyed_b"] == 0
-    assert align["rows_b"] == sum(map(len, prompts)) + 3 * 5
-    assert "bit-identical" in align["proof"][1]
+    assert_every_row_aligned(verdict, rows_b=sum(map(len, prompts)) + 3 * 5)
     assert result["b"]["engine"] == "sglang" and result["b"]["dtype"] == "float32"
     kinds = {r["kind"] for r in verdict["per_row"]} | {"prefill"}
     assert code == (1 if verdict["rows_differing"] else 0)

@@ -6,69 +6,24 @@ stale cache slot."""
 
 from __future__ import annotations
 
-import glob
-import math
-import os
-import sysconfig
-
 import pytest
 import torch
 
+from byte_llama import python_source, train
 from helpers import dump_padded_batch, first_divergence_json, load_model
 
 pytestmark = pytest.mark.slow  # minutes of CPU: left out of make test-fast
 
-BYTE_OFFSET = 3  # ids 0, 1, 2: pad, bos, eos; a byte b is id b + 3
 LENGTHS = (33, 53, 96)  # left-padded to 96: slot 80 holds a real token in every row
-
-
-def python_source() -> torch.Tensor:
-    paths = (
-        sysconfig.get_paths()
-    )  # the standard library's sources, then the installed packages' (an image may strip one)
-    files = sorted(glob.glob(os.path.join(paths["stdlib"], "*.py"))) + sorted(
-        glob.glob(os.path.join(paths["purelib"], "*", "*.py"))
-    )
-    text = b"".join(open(path, "rb").read() for path in files)[:4_000_000]
-    assert len(text) > 1_000_000, "too little Python source on this machine to train on"
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long() + BYTE_OFFSET
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(model folder, prompts): 3 layers, hidden 128, 600 AdamW steps of 32 x 64 bytes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """(model folder, prompts): byte_llama's recipe."""
     data = python_source()
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=256 + BYTE_OFFSET,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        hidden_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
     pick = torch.Generator().manual_seed(1)
-    steps = 600
-    for step in range(steps):
-        for group in optimizer.param_groups:  # warm-up, then cosine down to a tenth
-            group["lr"] = 3e-3 * min(1, (step + 1) / 30) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
-        starts = torch.randint(0, len(data) - 64, (32,), generator=pick)
-        batch = torch.stack([data[s : s + 64] for s in starts])
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 2.2, loss.item()  # it learned something: uniform bytes would be 5.6
-    model.eval()
+    model, loss = train(data, pick)
+    assert loss < 2.2, loss  # it learned something: uniform bytes would be 5.6
     model.config._attn_implementation = "eager"  # attention weights, to check it is peaky
     windows = torch.stack([data[s : s + 128] for s in torch.randint(0, len(data) - 128, (8,), generator=pick)])
     with torch.no_grad():
@@ -77,8 +32,6 @@ def trained(tmp_path_factory):
     assert (top > 0.9).float().mean() > 0.1, "too few rows attend mostly to one key for this test to mean anything"
     folder = tmp_path_factory.mktemp("trained") / "model"
     model.config._attn_implementation = "sdpa"
-    model.generation_config.eos_token_id = None  # generate the asked number of tokens
-    model.generation_config.pad_token_id = 0
     model.save_pretrained(folder)
     starts = torch.randint(0, len(data) - 100, (len(LENGTHS),), generator=pick)
     prompts = [data[s : s + n].tolist() for s, n in zip(starts.tolist(), LENGTHS)]

@@ -17,7 +17,7 @@ import pytest
 from test_sglang_e2e import ctl
 from test_sglang_e2e import workflow_env as sglang_workflow_env
 
-from helpers import first_divergence_json, prompt_ids
+from helpers import assert_every_row_aligned, first_divergence_json, prompt_ids
 from tiny_models import make_tiny_llama
 from vllm_server import vllm_fixture
 
@@ -69,10 +69,7 @@ def test_workflow_clean_engine_batched_and_chunked(vllm, model_dir, tmp_path):
     dump_decode_and_reference(server, prompts)
     code, result = first_divergence_json(dumps / "ref", dumps / "dec")
     verdict = result["ranks"]["0"]
-    align = verdict["alignment"]
-    assert align["unaligned_b"] == 0 and align["unkeyed_b"] == 0
-    assert align["rows_b"] == sum(map(len, prompts)) + 3 * 5
-    assert "bit-identical" in align["proof"][1]
+    assert_every_row_aligned(verdict, rows_b=sum(map(len, prompts)) + 3 * 5)
     assert result["b"]["engine"] == "vllm" and result["b"]["dtype"] == "float32"
     assert code == (1 if verdict["rows_differing"] else 0)
     assert verdict.get("noise", {}).get("culprits", []) == []  # natural float32 noise is not a state bug
