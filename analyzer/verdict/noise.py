@@ -37,6 +37,7 @@ from ..index.table import Index
 from .align import Alignment
 from .compare import MAX_LISTED, RowTable, call_order, calls_of_b
 from .peers import (
+    MIN_GAP_PEERS,
     MIN_PEER_JUMP,
     MIN_PEERS,
     MIN_SUSPECT_JUMP,
@@ -174,8 +175,19 @@ def row_errors(table: RowTable, a: Index, b: Index, pair_ids: np.ndarray, atol=N
             "is_in": table["is_in"][chosen],
             "is_out": table["is_out"][chosen],
             **found,
+            "own": _own_scale_errors(found, a.cols("rows")["amax"][table["entry_a"][chosen]]),
         }
     )
+
+
+def _own_scale_errors(found: dict, amax: np.ndarray) -> np.ndarray:
+    """Each row's error relative to its own largest |x| (A's), not floored at the typical row:
+    at least ``rel``. A row far smaller than the typical one (the first tokens of a state-space
+    model, whose residual grows along the sequence) carries its error at its own scale into a
+    norm that scales it back up; floored, its input error would look 70x smaller than it is."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own = np.where(np.isfinite(amax) & (amax > 0) & (found["eps"] != 0), found["abs"] / amax, found["rel"])
+    return np.maximum(own, found["rel"])
 
 
 def _typical_magnitudes(table: RowTable, a: Index, chosen: np.ndarray, tcodes: np.ndarray) -> Dict[int, float]:
@@ -284,7 +296,8 @@ def per_call_errors(
     errors: Columns, table: RowTable, pairs: Columns, traits: tuple, floor_by_call: Dict[str, float]
 ) -> Columns:
     """One entry per (pair, call): largest input and output error, tolerance flags, the floor
-    and the amplification.
+    and the amplification. ``arrived``: the input error at the typical row's scale, running
+    over the sequence: what the code ahead of the call made, so what a gap is judged by.
 
     A call's output on a token row may depend on its inputs on every earlier row of the sequence
     (attention, a recurrent scan): its input error on a row is the largest over the sequence up
@@ -305,6 +318,8 @@ def per_call_errors(
     # by design): an error enters a call through its float inputs only.
     floating = is_in & ~(errors["eps"] == 0)
     np.maximum.at(in_err, cell_of[floating], rel[floating])
+    in_own = np.zeros(n)
+    np.maximum.at(in_own, cell_of[floating], errors["own"][floating])
     np.maximum.at(out_err, cell_of[is_out], rel[is_out])
     np.fmax.at(out_eps, cell_of[is_out], errors["eps"][is_out])  # NaN (not read) never wins
     pair, ccode = np.divmod(cells, n_calls)
@@ -312,11 +327,15 @@ def per_call_errors(
     # A call taking token ids only (the model itself) gets earlier rows' errors through the state
     # it keeps, made by its submodules: the largest error of any call on an earlier row (its own
     # outputs may cover the last row only, as generate's logits do).
-    in_err = np.where(
+    arrived = np.where(
         float_inputs[ccode],
         _running_max(in_err, ccode, seq, pos),
         np.maximum(in_err, _earlier_rows_max(out_err, seq, pos)),
     )
+    # A call is judged against its input's error on its own row at that row's own scale too (a
+    # norm scales a small row back up); earlier rows' errors at the typical scale only, or one
+    # small early row would hide every later row's jump.
+    in_err = np.maximum(arrived, in_own)
     float_out = ~np.isnan(out_eps)
     out_eps = np.fmax(np.where(float_out, out_eps, eps(BY_NAME["float32"])), precision[ccode])
     floors = np.array([floor_by_call.get(c, 0.0) for c in table.calls.tolist()] or [0.0])
@@ -326,6 +345,7 @@ def per_call_errors(
             "pair": pair,
             "ccode": ccode,
             "in_err": in_err,
+            "arrived": arrived,
             "out_err": out_err,
             "in_exceeds": np.bincount(cell_of[is_in & errors["exceeds"]], minlength=n) > 0,
             "out_exceeds": np.bincount(cell_of[is_out & errors["exceeds"]], minlength=n) > 0,
@@ -526,7 +546,7 @@ def noise_verdict(
     # A gap's figures are the error of what its code was given ('before') and of what it made
     # (the input of the call that follows it).
     in_err = np.where(first_gap, calls["before"][firsts], calls["in_err"][firsts])
-    out_err = np.where(first_gap, calls["in_err"][firsts], calls["out_err"][firsts])
+    out_err = np.where(first_gap, calls["arrived"][firsts], calls["out_err"][firsts])
     amplification = np.where(first_gap, calls["gap_amplification"][firsts], calls["amplification"][firsts])
     # A gap is owned by the parent it was measured in (an attention module whose own forward
     # reads the KV cache between v_proj and o_proj), else by the innermost dumped call around
@@ -603,7 +623,7 @@ def noise_verdict(
         {
             "amplification": calls["gap_amplification"][kept],
             "in_err": calls["before"][kept],
-            "out_err": calls["in_err"][kept],
+            "out_err": calls["arrived"][kept],
         }
     )
     gap_names = np.array([f"before {n}" for n in names[kept].tolist()], dtype=object)
@@ -625,7 +645,7 @@ def noise_verdict(
             line,
             gap_line,
             peers,
-            gap_peers,
+            np.where(calls["gap_peer_seen"] & lined, calls["gap_peer_best"], np.nan),
             introduced | explained | named_rows,
             gaps | explained | named_rows,
         )
@@ -651,7 +671,7 @@ def suspects(calls: Columns, names: np.ndarray, line, gap_line, peers, gap_peers
     # epsilons) is, a float32 kernel's own few epsilons are not
     least = least_error(calls)
     small = (calls["out_err"] <= least) & (calls["out_err"] >= least / SUSPECT_ULPS)
-    gap_small = (calls["in_err"] <= least) & (calls["in_err"] >= least / SUSPECT_ULPS)
+    gap_small = (calls["arrived"] <= least) & (calls["arrived"] >= least / SUSPECT_ULPS)
     for gap, amp, lines, best, done, tiny_err in (
         (False, calls["amplification"], line, peers, named, small),
         (True, calls["gap_amplification"], gap_line, gap_peers, gap_named, gap_small),
@@ -667,7 +687,7 @@ def suspects(calls: Columns, names: np.ndarray, line, gap_line, peers, gap_peers
                     "amplification": float(amp[i]),
                     "line": float(lines[i]),
                     "peers": float(best[i]),
-                    "out_err": float(calls["in_err"][i] if gap else calls["out_err"][i]),
+                    "out_err": float(calls["arrived"][i] if gap else calls["out_err"][i]),
                     "precision_eps": float(calls["eps"][i]),
                     "why": "error under the epsilon floor" if amp[i] > lines[i] else "under its line",
                 }
@@ -721,7 +741,7 @@ def _judged(calls: Columns, table: RowTable, modules: np.ndarray, flips, rule: d
     line, gap_line = cell_lines(calls, line_amp)
     least = least_error(calls)
     introduced = (calls["amplification"] > line) & (calls["out_err"] > least)
-    gaps = (calls["gap_amplification"] > gap_line) & (calls["in_err"] > least)
+    gaps = (calls["gap_amplification"] > gap_line) & (calls["arrived"] > least)
     explained = _flipped_by_noise(calls, table, modules, flips, line_amp)
     return introduced & ~explained, gaps & ~explained, explained
 
@@ -785,7 +805,9 @@ def with_peers(calls: Columns, table: RowTable, explained: np.ndarray, kinds: Se
             "peer_best": best[code],
             "peer_judged": (count[code] >= MIN_PEERS) & (calls["in_err"] > 0),
             "gap_peer_best": gap_best[code],
-            "gap_peer_judged": (gap_count[code] >= MIN_PEERS) & gap_open,
+            "gap_peer_judged": (gap_count[code] >= MIN_GAP_PEERS) & gap_open,
+            # too few to draw a line from, enough to make a jump far above them a suspect
+            "gap_peer_seen": (gap_count[code] >= MIN_PEERS) & gap_open,
         }
     )
 
@@ -877,7 +899,7 @@ def with_nesting(
     # (a filter that leaves out layers under a root that takes only ids).
     clean_gap = float_inputs[ccode] & local & (before == 0)
     judged = float_inputs[ccode] & ((before > 0) | clean_gap)
-    gap = np.where(judged, _ratio(calls["in_err"], np.maximum(before, calls["floor"])), 0.0)
+    gap = np.where(judged, _ratio(calls["arrived"], np.maximum(before, calls["floor"])), 0.0)
     return Columns(
         {
             **{name: calls[name] for name in calls.names},
