@@ -62,14 +62,16 @@ def compare_cmd(
     positions equal, and the embedding output bit-identical (same dtype) or, across dtypes,
     the finer run's embedding rounded to the coarser type equal to the coarser one's bits.
 
-    Tensors are paired by name after the mapping rules: built in, an engine's fused qkv_proj
-    and gate_up_proj are cut into HF's q/k/v_proj and gate/up_proj (by the widths the other run
-    holds, or 'sizes' in a mapping file), its attention core's output is o_proj's input, its
-    norms that return (out, residual) give HF's norm input as the residual, and a call's single
-    float input (output) pairs with the other's whatever the slot is called. Tensor-parallel
-    shards are joined in rank order where the ranks hold different values, read from the first
-    rank where they hold the same. A module with no counterpart on the other side stops the
-    command with a line naming it: write a mapping file (docs/compare.md).
+    Tensors are paired by name after the mapping rules: built in, an engine's
+    fused qkv_proj and gate_up_proj are cut into HF's q/k/v_proj and gate/up_proj
+    (by the widths the dump records, else those the other run holds, or 'sizes' in
+    a mapping file), its attention core's output is o_proj's input, its norms that
+    return (out, residual) give HF's norm input as the residual, and a call's single
+    float input (output) pairs with the other's whatever the slot is called. Ranks
+    are read together: a tensor every rank holds alike is read from the first, shards
+    are laid side by side in rank order, partial sums (a row-parallel output reduced
+    after its hook) are summed. A module with no counterpart on the other side stops
+    the command with a line naming it: write a mapping file (docs/compare.md).
 
     \b
     Exit status:

@@ -14,8 +14,9 @@ from ..dump.dtypes import BY_NAME, eps, tiny
 from ..dump.load import open_dump, show
 from ..errors import DumpError
 from ..index.store import load_indexes
+from ..wording import plural
 from .align import align, embedding_call, prove
-from .canon import Piece, call_of, io_of, map_rank
+from .canon import Piece, call_of, io_of, map_rank, module_of
 from .crossproof import prove_embeddings
 from .diverge import describe, differing_key
 from .mapping import load_rules
@@ -61,10 +62,14 @@ def compare(
     else:
         alignment.proof.append(prove_embeddings(alignment, ia, ib, dump_a.label, dump_b.label))
     engine_a, engine_b = dump_a.run.get("engine") or "", dump_b.run.get("engine") or ""
-    side_a = Side(dump_a, {r: index_a.rank(r) for r in ranks_a}, {})
-    side_b = Side(dump_b, {r: index_b.rank(r) for r in ranks_b}, {})
-    for side, which, engine, other in ((side_a, "reference", engine_a, engine_b), (side_b, "test", engine_b, engine_a)):
-        side.mapped = {r: map_rank(side.indexes[r], rules, which, engine, other) for r in side.ranks}
+    sides = []
+    for dump, index, ranks, which, engine, other in (
+        (dump_a, index_a, ranks_a, "reference", engine_a, engine_b),
+        (dump_b, index_b, ranks_b, "test", engine_b, engine_a),
+    ):
+        indexes = {r: index.rank(r) for r in ranks}
+        sides.append(Side(dump, indexes, {r: map_rank(indexes[r], rules, which, engine, other) for r in ranks}))
+    side_a, side_b = sides
     compared, unmapped, renamed = pair_names(side_a, side_b)
     if unmapped:
         raise DumpError(unmapped)
@@ -107,6 +112,7 @@ def compare(
             "renamed": renamed,
             "not_comparable": not_comparable,
             "shards": _shard_notes(side_a) + _shard_notes(side_b),
+            "joined": {"reference": dict(sorted(side_a.joined.items())), "test": dict(sorted(side_b.joined.items()))},
         },
         "ops": ops,
         "culprits": [op["call"] for op in named],
@@ -172,41 +178,40 @@ def _by_call(names: Dict[str, Piece]) -> Dict[str, List[str]]:
 
 
 def _sizes_resolver(side_a: Side, side_b: Side):
-    """Widths of a fused tensor's parts on one rank: the rule's sizes, else the other run's widths
-    of the same parts, in proportion to this tensor's width."""
-    names = {id(side_a): side_b.names(), id(side_b): side_a.names()}
+    """Widths of a fused tensor's parts on one rank: the rule's sizes, else those the dump
+    recorded for its module (run.json "parts"), else the other run's widths of the same parts,
+    in proportion to this tensor's width."""
     cache: Dict[tuple, Tuple[int, ...]] = {}
 
-    def sizes_of(name: str, piece: Piece, ranks: int, side=None) -> Tuple[int, ...]:
+    def sizes_of(piece: Piece, side: Side) -> Tuple[int, ...]:
         if piece.sizes:
             return piece.sizes
+        recorded = (side.dump.run.get("parts") or {}).get(module_of(piece.call))
+        if recorded:
+            return tuple(recorded)
         key = (piece.tensor, piece.width)
         if key not in cache:
-            parts = _parts_of(piece, side_a, side_b)
-            other = {**names[id(side_a)], **names[id(side_b)]}
+            parts = _parts_of(piece, side)
+            other = (side_b if side is side_a else side_a).names()
             widths = [other[p].width if p in other and other[p].part < 0 else None for p in parts]
-            if None in widths or not sum(widths) or piece.width * sum(widths) % sum(widths):
+            if None in widths or any(piece.width * w % sum(widths) for w in widths):
                 raise DumpError(
-                    f"cannot cut {piece.tensor} into {', '.join(parts)}: the other run holds no unfused widths of them; "
-                    "give the widths on one rank with 'sizes' in a mapping file (--map)"
+                    f"cannot cut {piece.tensor} into {', '.join(parts)}: neither its dump's run.json records the widths "
+                    "of its parts nor does the other run hold them unfused; give the widths on one rank with 'sizes' in a "
+                    "mapping file (--map)"
                 )
-            total = sum(widths)
-            cache[key] = tuple(piece.width * w // total for w in widths)
+            cache[key] = tuple(piece.width * w // sum(widths) for w in widths)
         return cache[key]
 
     return sizes_of
 
 
-def _parts_of(piece: Piece, side_a: Side, side_b: Side) -> List[str]:
+def _parts_of(piece: Piece, side: Side) -> List[str]:
     """The names a fused tensor is cut into, in order."""
-    for side in (side_a, side_b):
-        for mapped in side.mapped.values():
-            for named in mapped.passes.values():
-                found = sorted(
-                    (p.part, n) for n, p in named.items() if p.tensor == piece.tensor and p.call == piece.call
-                )
-                if found:
-                    return [n for _, n in found]
+    for named in side.first.passes.values():
+        found = sorted((p.part, n) for n, p in named.items() if p.tensor == piece.tensor)
+        if found:
+            return [n for _, n in found]
     return []
 
 
@@ -227,8 +232,10 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
             got_b = side_b.values(int(pass_b), name_b, [int(row_b[i]) for i in at], sizes_of)
             if got_a is None or got_b is None:
                 continue
-            (va, type_a), (vb, type_b) = got_a, got_b
+            (ranks_a, type_a), (ranks_b, type_b) = got_a, got_b
             dtypes[name] = (type_a, type_b)
+            va = side_a.join(name, ranks_a, ranks_b[0].shape[1] if len(ranks_b) == 1 else None)
+            vb = side_b.join(name, ranks_b, ranks_a[0].shape[1] if len(ranks_a) == 1 else None)
             if va.shape != vb.shape:
                 why = why or f"row widths differ ({va.shape[1]} and {vb.shape[1]})"
                 continue
@@ -353,13 +360,15 @@ def _first_difference(calls, in_err, out_err, info, rows) -> Optional[dict]:
 def _shard_notes(side: Side) -> List[str]:
     if len(side.ranks) < 2:
         return []
-    joined = sorted(n for n, s in side.sharded.items() if s)
-    kept = len(side.sharded) - len(joined)
-    shown = ", ".join(joined[:4]) + (f" and {len(joined) - 4} more" if len(joined) > 4 else "")
+    notes = []
+    for how, said in (("shards", "joined from their shards in rank order"), ("sum", "summed from partial sums")):
+        names = sorted(n for n, h in side.joined.items() if h == how)
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            notes.append(f"{plural(len(names), 'tensor')} {said} ({shown})")
     return [
-        f"{show(side.dump.label)}: {len(side.ranks)} ranks; {len(joined)} tensors joined from their shards in rank order"
-        + (f" ({shown})" if joined else "")
-        + f", {kept} held whole by every rank (read from rank {side.ranks[0]})"
+        f"{show(side.dump.label)}: {len(side.ranks)} ranks; "
+        + "; ".join(notes + [f"the others held whole by every rank (read from rank {side.ranks[0]})"])
     ]
 
 

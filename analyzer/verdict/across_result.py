@@ -43,7 +43,8 @@ class Mapping(TypedDict):
     tensors: int  # tensors compared
     renamed: Dict[str, str]  # test tensor -> reference tensor, paired by role where slot names differ
     not_comparable: List[NotComparableTensor]
-    shards: List[str]  # how tensor-parallel shards were joined, per run with several ranks
+    shards: List[str]  # how tensor-parallel shards were joined, per run with several ranks, in words
+    joined: Dict[str, Dict[str, str]]  # reference|test -> tensor -> "shards" (side by side) or "sum" (partial sums)
 
 
 class Op(TypedDict):

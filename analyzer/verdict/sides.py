@@ -1,12 +1,13 @@
 """One run of a comparison as a whole model: its ranks' tensors under the mapped names, with
 tensor-parallel shards put back together.
 
-A tensor that every rank holds bit for bit (an all-reduced output: o_proj, down_proj, the
-embedding, the norms) is read from the first rank; one whose ranks hold different values is a
-shard of each (q, k and v of a column-parallel qkv_proj, the input of a row-parallel o_proj),
-and its ranks' rows are laid side by side in rank order, as the model without tensor
-parallelism holds them. A fused tensor is cut in its parts on each rank first, so rank 0's q,
-rank 1's q, ... make the whole q."""
+A tensor that every rank holds bit for bit (an all-reduced output, the embedding, the norms) is
+read from the first rank. One whose ranks hold different values is either a shard of each (q, k
+and v of a column-parallel qkv_proj, the input of a row-parallel o_proj: laid side by side in
+rank order, as the model without tensor parallelism holds them) or a partial sum (a row-parallel
+o_proj or down_proj whose all-reduce comes after its hook: summed); the other run's width tells
+which. A fused tensor is cut in its parts on each rank first, so rank 0's q, rank 1's q, ...
+make the whole q."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..index.rows import reader_of
 from ..index.table import Index
 from .canon import Mapped, Piece
 
-SizesOf = Callable[[str, Piece, int], Tuple[int, ...]]  # (name, piece, ranks) -> widths of its parts on one rank
+SizesOf = Callable[[Piece, "Side"], Tuple[int, ...]]  # (piece, its run) -> widths of its parts on one rank
 
 
 class Side:
@@ -30,7 +31,8 @@ class Side:
         self.ranks = sorted(indexes)
         self.indexes = indexes
         self.mapped = mapped
-        self.sharded: Dict[str, bool] = {}  # name -> whether its ranks held shards (as last read)
+        self._names: Optional[Dict[str, Piece]] = None
+        self.joined: Dict[str, str] = {}  # name -> how its ranks' values were joined: "shards" or "sum"
 
     @property
     def first(self) -> Mapped:
@@ -38,15 +40,17 @@ class Side:
 
     def names(self) -> Dict[str, Piece]:
         """Every mapped name of the first rank, with the piece of the first pass that holds it."""
-        found: Dict[str, Piece] = {}
-        for pass_id in sorted(self.first.passes):
-            for name, piece in self.first.passes[pass_id].items():
-                found.setdefault(name, piece)
-        return found
+        if self._names is None:
+            self._names = {}
+            for pass_id in sorted(self.first.passes):
+                for name, piece in self.first.passes[pass_id].items():
+                    self._names.setdefault(name, piece)
+        return self._names
 
-    def values(self, pass_id: int, name: str, rows: List[int], sizes_of: SizesOf) -> Optional[Tuple[np.ndarray, str]]:
-        """([len(rows), width] float64 values, element type) of a mapped tensor on these token
-        rows of a pass, its shards joined; None where the pass or a row does not hold it."""
+    def values(self, pass_id: int, name: str, rows: List[int], sizes_of: SizesOf) -> Optional[Tuple[list, str]]:
+        """([len(rows), width] float64 values per rank, element type) of a mapped tensor on these
+        token rows of a pass, one array when every rank holds the same bits; None where the pass or
+        a row does not hold it. ``join`` makes one tensor of them."""
         per_rank, dtype = [], None
         for rank in self.ranks:
             piece = self.mapped[rank].passes.get(pass_id, {}).get(name)
@@ -60,7 +64,7 @@ class Side:
             bits, kind = reader.stored_bits(pass_id, piece.tensor, [srows[int(r)] for r in rows])
             values = to_float64(bits.reshape(len(rows), -1), kind)
             if piece.part >= 0:
-                sizes = sizes_of(name, piece, len(self.ranks))
+                sizes = sizes_of(piece, self)
                 if sum(sizes) != values.shape[1]:
                     raise DumpError(
                         f"cannot cut {piece.tensor} of {self.dump.label} (width {values.shape[1]}) into "
@@ -71,12 +75,22 @@ class Side:
                 values = values[:, start : start + sizes[piece.part]]
             per_rank.append(values)
             dtype = kind.name
-        if len(per_rank) == 1:
-            return per_rank[0], dtype
         first = per_rank[0]
-        replicated = all(v.shape == first.shape and np.array_equal(v, first, equal_nan=True) for v in per_rank[1:])
-        self.sharded[name] = not replicated
-        return (first if replicated else np.concatenate(per_rank, axis=1)), dtype
+        if all(v.shape == first.shape and np.array_equal(v, first, equal_nan=True) for v in per_rank[1:]):
+            return [first], dtype
+        return per_rank, dtype
+
+    def join(self, name: str, per_rank: list, width: Optional[int]) -> np.ndarray:
+        """One tensor of a rank's arrays: the one array every rank holds; else the shards side by
+        side in rank order (a column-parallel output, a row-parallel input), or their sum where
+        that gives the other run's width (a row-parallel output reduced after its hook: partial
+        sums). ``width``: the other run's row width, None where it is sharded too (then the
+        shards are compared shard by shard, side by side)."""
+        if len(per_rank) == 1:
+            return per_rank[0]
+        how = "sum" if width is not None and width == per_rank[0].shape[1] else "shards"
+        self.joined[name] = how
+        return np.sum(per_rank, axis=0) if how == "sum" else np.concatenate(per_rank, axis=1)
 
 
 def check_ranks_alike(index: Index, ranks: List[int], label: str) -> None:
