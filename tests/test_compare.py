@@ -20,13 +20,17 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model", num_hidden_layers=LAYERS)
 
 
-def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None):
+def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None, plant_input=None):
     """Dump `generate` of the prompt with the model loaded in ``dtype``; ``plant``: (module path,
-    factor) scales that module's output in every pass, as a wrong port would."""
+    factor) scales that module's output in every pass, as a wrong port would; ``plant_input``
+    scales its input (code between modules, which no hook sees)."""
     model = load_model(model_path, dtype)
     if plant:
-        module = model.get_submodule(plant[0])
-        module.register_forward_hook(lambda mod, args, out: out * plant[1])
+        model.get_submodule(plant[0]).register_forward_hook(lambda mod, args, out: out * plant[1])
+    if plant_input:
+        model.get_submodule(plant_input[0]).register_forward_pre_hook(
+            lambda mod, args: (args[0] * plant_input[1],) + tuple(args[1:])
+        )
     handle = dumper.install(
         model, dumper.DumperConfig(dir=str(root), enable=True, exp_name=name, cleanup_previous=True)
     )
@@ -51,6 +55,9 @@ def runs(model_dir, tmp_path_factory):
         "bf16": dump_run(model_dir, root, "bf16", torch.bfloat16, prompt),
         "bf16-bug": dump_run(
             model_dir, root, "bf16-bug", torch.bfloat16, prompt, plant=("model.layers.2.mlp.down_proj", 1.25)
+        ),
+        "bf16-gap": dump_run(
+            model_dir, root, "bf16-gap", torch.bfloat16, prompt, plant_input=("model.layers.1.mlp.down_proj", 1.25)
         ),
     }
 
@@ -80,6 +87,21 @@ def test_a_planted_error_in_the_bfloat16_run_is_named_at_its_op(runs):
     assert result["adds_most"]["call"] in ("model.layers.2.mlp.down_proj#0", "model.layers.2.mlp#0")
     assert all(".layers.2." in call for call in result["culprits"])  # what follows carries it, adds nothing
     assert "model.layers.2.mlp.down_proj#0" in result["summary"]
+
+
+def test_an_error_in_code_between_modules_is_placed_between_them(runs):
+    """act_fn(gate) * up is code of LlamaMLP's forward, no module's: an error there shows first
+    at down_proj's input, and is placed between the last op compared before it and down_proj."""
+    code, result = compare_json(runs["f32"], runs["bf16-gap"])
+    assert code == 1
+    first = result["first"]
+    assert first["kind"] == "gap" and first["call"] == "model.layers.1.mlp.down_proj#0"
+    assert first["after"] == "model.layers.1.mlp.up_proj#0"
+    assert (
+        result["culprits"][0]
+        == "code not compared between model.layers.1.mlp.up_proj#0 and model.layers.1.mlp.down_proj#0"
+    )
+    assert all(".layers.1." in place for place in result["culprits"])
 
 
 @pytest.mark.parametrize("fmt, mark", [("text", "WITHIN PRECISION"), ("md", "## Ops"), ("html", "<table>")])

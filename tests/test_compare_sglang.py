@@ -82,8 +82,10 @@ def test_a_porting_bug_in_sglang_is_named_at_its_layer(sglang, model_dir, prompt
     planted = sglang_run(sglang, model_dir, prompt, tmp_path, "planted", DUMPDIFF_PLANT="gate_up_swap:1")
     code, result = compare_json(hf_run, planted)
     assert code == 1 and result["kind"] == "beyond-precision"
-    assert result["first"]["call"].startswith("model.layers.1.mlp")
-    assert all(call.startswith("model.layers.1.") for call in result["culprits"])
+    first = result["first"]  # the engine's activation is compared nowhere: the code before down_proj's input
+    assert first["kind"] == "gap" and first["call"] == "model.layers.1.mlp.down_proj#0"
+    assert first["after"] == "model.layers.1.mlp.up_proj#0"
+    assert all("model.layers.1." in place for place in result["culprits"])
     assert result["adds_most"]["call"].startswith("model.layers.1.mlp")
 
 

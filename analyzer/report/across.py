@@ -26,7 +26,9 @@ def render(result: Comparison, fmt: str) -> str:
 
 def headline(result: dict) -> str:
     first = result["first"]
-    return f"beyond precision at {first['call']}" if first else "within precision"
+    if not first:
+        return "within precision"
+    return f"beyond precision at {first['call']}" + (" (in code before its input)" if first["kind"] == "gap" else "")
 
 
 def _classes(op: dict) -> str:
@@ -48,14 +50,24 @@ def _op_cells(op: dict) -> List[str]:
 
 def _op_lines(op: dict, what: str) -> List[str]:
     row = op["row"]
-    return [
-        f"{what}: {op['call']}  [{_classes(op)}]",
-        f"  test run's call: {op['source_b']}"
-        + (f" (outputs {', '.join(op['outputs_b'])})" if op["outputs_b"] else ""),
+    if op["kind"] == "gap":
+        where = (
+            f"code not compared between {op['after']} and {op['call']}" if op["after"] else f"code before {op['call']}"
+        )
+        head = [f"{what}: {where}", f"  (the error of {op['call']}'s input jumps beyond all compared before it)"]
+        errors = f"  error before it {fmt_num(op['in_eps'])} eps, at the input {fmt_num(op['out_eps'])} eps"
+    else:
+        head = [
+            f"{what}: {op['call']}  [{_classes(op)}]",
+            f"  test run's call: {op['source_b']}"
+            + (f" (outputs {', '.join(op['outputs_b'])})" if op["outputs_b"] else ""),
+        ]
+        errors = f"  input error {fmt_num(op['in_eps'])} eps, output error {fmt_num(op['out_eps'])} eps"
+    return head + [
         f"  worst row: {row['seq']}@{row['pos']} ({row['kind']}); {op['rows_over']} of {plural(op['rows'], 'row')} "
         "beyond the line",
-        f"  input error {fmt_num(op['in_eps'])} eps, output error {fmt_num(op['out_eps'])} eps (eps {op['eps']:.3g}); "
-        f"jump {fmt_num(op['jump'])}x against a line of {fmt_num(op['line'])}x ({op['line_from']})",
+        f"{errors} (eps {op['eps']:.3g}); jump {fmt_num(op['jump'])}x against a line of {fmt_num(op['line'])}x "
+        f"({op['line_from']})",
     ]
 
 
@@ -76,8 +88,8 @@ def _facts(result: dict) -> List[str]:
 
 def to_text(result: Comparison) -> str:
     lines = [
-        f"dumpdiff compare: {'BEYOND PRECISION' if result['divergence'] else 'WITHIN PRECISION'}"
-        + (f" at {result['first']['call']}" if result["first"] else ""),
+        "dumpdiff compare: "
+        + ("BEYOND PRECISION" + headline(result)[16:] if result["divergence"] else "WITHIN PRECISION"),
         f"  A (reference):  {describe_side(result['a'])}",
         f"  B (under test): {describe_side(result['b'])}",
         "",
@@ -86,7 +98,7 @@ def to_text(result: Comparison) -> str:
         *_facts(result),
     ]
     if result["first"]:
-        lines += _op_lines(result["first"], "first op beyond its precision")
+        lines += _op_lines(result["first"], "first beyond its precision")
         if len(result["culprits"]) > 1:
             lines.append(
                 f"  then: {', '.join(result['culprits'][1:6])}" + (" ..." if len(result["culprits"]) > 6 else "")
@@ -119,7 +131,7 @@ def to_markdown(result: Comparison) -> str:
     lines += ["## Alignment proof", ""] + [f"- {rm.text(p, line_start=True)}" for p in result["alignment"]["proof"]]
     lines += ["", "## Mapping and precision", ""] + [f"- {rm.text(f, line_start=True)}" for f in _facts(result)]
     for op, what in (
-        (result["first"], "First op beyond its precision"),
+        (result["first"], "First beyond its precision"),
         (result["adds_most"], "Op that adds the most"),
     ):
         if op:
@@ -151,7 +163,7 @@ def to_html(result: Comparison) -> str:
         "<h2>Mapping and precision</h2><ul>" + "".join(f"<li>{esc(f)}</li>" for f in _facts(result)) + "</ul>",
     ]
     for op, what in (
-        (result["first"], "First op beyond its precision"),
+        (result["first"], "First beyond its precision"),
         (result["adds_most"], "Op that adds the most"),
     ):
         if op:

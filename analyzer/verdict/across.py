@@ -21,7 +21,7 @@ from .crossproof import prove_embeddings
 from .diverge import describe, differing_key
 from .mapping import load_rules
 from .noise import sample_pairs
-from .precision import adds_most, judge
+from .precision import adds_most, judge, judge_gaps
 from .sides import Side, check_ranks_alike, float_kind
 
 MAX_ROWS = 512  # token row pairs whose values are read (an even sample per row kind beyond this)
@@ -84,10 +84,13 @@ def compare(
     calls, in_err, out_err, eps_of, wide, int_only = _call_errors(compared, errors, dtypes, side_a, side_b)
     in_err = _fill_missing_inputs(in_err, out_err, int_only)
     judged = judge(calls, in_err, out_err, eps_of, wide)
+    gap_judged = judge_gaps(calls, in_err, out_err, eps_of, wide)
     info = {name: _describe_call(name, side_a, side_b) for name in calls}
     rows = _row_refs(pairs)
     ops = [_op(j, info[j["call"]], rows, compared) for j in judged]
-    named = [op for op in ops if op["over"]]
+    gaps = [_op(j, info[j["call"]], rows, compared, "gap") for j in gap_judged if j["over"]]
+    order = {call: at for at, call in enumerate(calls)}  # code before a call's input comes before the call
+    named = sorted([op for op in ops if op["over"]] + gaps, key=lambda op: (order[op["call"]], op["kind"] == "op"))
     most = adds_most(judged)
     same_types = dump_a.run.get("dtype") == dump_b.run.get("dtype")
     first_difference = _first_difference(calls, in_err, out_err, info, rows) if same_types else None
@@ -115,7 +118,8 @@ def compare(
             "joined": {"reference": dict(sorted(side_a.joined.items())), "test": dict(sorted(side_b.joined.items()))},
         },
         "ops": ops,
-        "culprits": [op["call"] for op in named],
+        "gaps": gaps,
+        "culprits": [_place(op) for op in named],
         "first": named[0] if named else None,
         "adds_most": next((op for op in ops if most and op["call"] == most["call"]), None),
         "first_difference": first_difference,
@@ -318,10 +322,12 @@ def _row_refs(pairs) -> List[dict]:
     ]
 
 
-def _op(judged: dict, info: dict, rows: List[dict], compared) -> dict:
+def _op(judged: dict, info: dict, rows: List[dict], compared, kind: str = "op") -> dict:
     outputs = [name_b for name, name_b, call, io in compared if call == judged["call"] and io == "out"]
     return {
+        "kind": kind,
         "call": judged["call"],
+        "after": judged.get("after"),
         "module": info["module"],
         "cls": info["cls"],
         "cls_b": info["cls_b"],
@@ -339,6 +345,13 @@ def _op(judged: dict, info: dict, rows: List[dict], compared) -> dict:
         "max_out_eps": judged["max_out_eps"],
         "eps": judged["eps"],
     }
+
+
+def _place(op: dict) -> str:
+    """An op's call, or where code not compared sits: 'code not compared between A and B'."""
+    if op["kind"] == "op":
+        return op["call"]
+    return f"code not compared between {op['after']} and {op['call']}" if op["after"] else f"code before {op['call']}"
 
 
 def _first_difference(calls, in_err, out_err, info, rows) -> Optional[dict]:
@@ -400,12 +413,16 @@ def summarize(result: dict) -> str:
     )
     if result["first"]:
         first = result["first"]
+        what = (
+            f"{first['call']} ({first['cls'] or first['cls_b']}) strays beyond its precision"
+            if first["kind"] == "op"
+            else f"An error beyond precision is introduced in {_place(first)}"
+        )
         return (
-            f"{first['call']} ({first['cls'] or first['cls_b']}) strays beyond its precision ({kinds}): it adds "
-            f"{_fmt(first['jump'])}x the error it was given, over its line of {_fmt(first['line'])}x ({first['line_from']}), "
-            f"{_fmt(first['out_eps'])} epsilons on {first['rows_over']} of {first['rows']} rows. It is the first of "
-            f"{len(result['culprits'])} such ops: look there for a wrong port, a planted bug or a kernel that loses "
-            f"precision. {most_text[0].upper()}{most_text[1:]}."
+            f"{what} ({kinds}): it adds {_fmt(first['jump'])}x the error it was given, over its line of "
+            f"{_fmt(first['line'])}x ({first['line_from']}), {_fmt(first['out_eps'])} epsilons on {first['rows_over']} "
+            f"of {first['rows']} rows. It is the first of {len(result['culprits'])} such places: look there for a wrong "
+            f"port, a planted bug or a kernel that loses precision. {most_text[0].upper()}{most_text[1:]}."
         )
     return (
         f"No op strays beyond its precision ({kinds}): every op's error is what its inputs' error and its own "

@@ -48,9 +48,12 @@ class Mapping(TypedDict):
 
 
 class Op(TypedDict):
-    """One op (a call, under the reference's name) judged by the error it adds."""
+    """One op (a call, under the reference's name) judged by the error it adds; or (kind gap) the
+    code no compared tensor shows between the call before it (after) and its input."""
 
+    kind: Literal["op", "gap"]
     call: str
+    after: Optional[str]  # kind gap: the call compared before that code (null: none)
     module: str
     cls: str  # the reference's class ("" where only the test run has the call)
     cls_b: str  # the test run's class of the call the tensors come from
@@ -90,8 +93,9 @@ class Comparison(TypedDict):
     precision: Precision
     mapping: Mapping
     ops: List[Op]  # every op compared, in the reference's completion order
-    culprits: List[str]  # the ops beyond their precision, in order
-    first: Optional[Op]  # the first of them
+    gaps: List[Op]  # code between compared tensors that adds an error beyond precision
+    culprits: List[str]  # the ops (and code not compared) beyond their precision, in order
+    first: Optional[Op]  # the first of them (an op or a gap)
     adds_most: Optional[Op]  # the op with the largest jump
     first_difference: Optional[FirstDifference]
     warnings: List[str]

@@ -22,6 +22,9 @@ output is at least MIN_EPS epsilons off:
 - an op with no such peers: MIN_JUMP;
 - an op whose inputs are bit-identical: a float32 output must err by CLEAN_FLOAT32 epsilons
   (another summation order moves a reduction by tens), a 16-bit one by MIN_EPS.
+
+The code between compared tensors is judged the same way (judge_gaps): an op's input error
+against the largest error compared before it.
 """
 
 from __future__ import annotations
@@ -43,20 +46,38 @@ def peer_key(call: str) -> str:
     return _NUMBER.sub("*", call)
 
 
-def judge(
-    calls: List[str],
-    in_err: np.ndarray,
-    out_err: np.ndarray,
-    eps: np.ndarray,
-    wide: np.ndarray,
-) -> List[dict]:
+def judge(calls: List[str], in_err: np.ndarray, out_err: np.ndarray, eps: np.ndarray, wide: np.ndarray) -> List[dict]:
     """Per call (in reference order; ``in_err``/``out_err``: [calls, rows], NaN where a row was not
     compared; ``eps``: per call; ``wide``: per call, whether its output is a 4-byte float), its
     figures and whether it strays beyond its precision."""
-    floor = eps[:, None]
     with np.errstate(invalid="ignore", divide="ignore"):
-        jump = out_err / np.maximum(np.nan_to_num(in_err, nan=0.0), floor)
-        clean = in_err == 0
+        jump = out_err / np.maximum(np.nan_to_num(in_err, nan=0.0), eps[:, None])
+    return _judged(calls, jump, in_err == 0, np.nan_to_num(in_err, nan=0.0), out_err, eps, wide)
+
+
+def judge_gaps(
+    calls: List[str], in_err: np.ndarray, out_err: np.ndarray, eps: np.ndarray, wide: np.ndarray
+) -> List[dict]:
+    """The code between compared tensors, judged as an op is: per call, its input error against
+    the largest error of everything compared before it on the row (a port's activation that
+    swaps gate and up, compared nowhere, shows as a jump at down_proj's input). Each entry says
+    which call came before (``after``)."""
+    before = np.zeros_like(in_err)
+    running = np.zeros(in_err.shape[1])
+    for c in range(len(calls)):
+        before[c] = running
+        running = np.fmax(running, np.fmax(np.nan_to_num(in_err[c], nan=0.0), np.nan_to_num(out_err[c], nan=0.0)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        jump = in_err / np.maximum(before, eps[:, None])
+    judged = _judged(calls, jump, before == 0, before, in_err, eps, wide)
+    for entry in judged:
+        entry["after"] = calls[entry["at"] - 1] if entry["at"] else None
+    return judged
+
+
+def _judged(calls, jump, clean, came_in, went_out, eps, wide) -> List[dict]:
+    """Per call: its jump (``jump``: [calls, rows]) against its line; ``clean``: rows whose error
+    coming in is nil; ``came_in``/``went_out``: the errors in and out, for the figures."""
     carried = np.where(~clean & np.isfinite(jump), jump, np.nan)
     best = np.array([np.nanmax(row) if np.isfinite(row).any() else np.nan for row in carried])
     groups: Dict[str, List[int]] = {}
@@ -64,21 +85,20 @@ def judge(
         groups.setdefault(peer_key(call), []).append(at)
     judged = []
     for at, call in enumerate(calls):
+        rows = np.isfinite(went_out[at])
+        if not rows.any():
+            continue
         peers = [p for p in groups[peer_key(call)] if p != at and np.isfinite(best[p])]
         if len(peers) >= MIN_PEERS:
             largest = float(np.nanmax(best[peers]))
             line, line_from = max(MIN_PEER_JUMP, PEER_FACTOR * largest), f"{len(peers)} peers, largest {largest:.3g}x"
         else:
             line, line_from = MIN_JUMP, "no peers"
-        clean_line = CLEAN_FLOAT32 if wide[at] else MIN_EPS
-        lines = np.where(clean[at], clean_line, line)
-        out_eps = out_err[at] / eps[at]
+        lines = np.where(clean[at], CLEAN_FLOAT32 if wide[at] else MIN_EPS, line)
+        out_eps = went_out[at] / eps[at]
         with np.errstate(invalid="ignore"):
             over = (jump[at] > lines) & (out_eps >= MIN_EPS)
             ratio = np.where(np.isfinite(jump[at]), jump[at] / lines, np.nan)
-        rows = np.isfinite(out_err[at])
-        if not rows.any():
-            continue
         worst = int(np.nanargmax(ratio)) if np.isfinite(ratio).any() else int(np.nonzero(rows)[0][0])
         judged.append(
             {
@@ -91,7 +111,7 @@ def judge(
                 "jump": _num(jump[at][worst]),
                 "line": float(lines[worst]),
                 "line_from": "bit-identical inputs" if clean[at][worst] else line_from,
-                "in_eps": _num(np.nan_to_num(in_err[at][worst], nan=0.0) / eps[at]),
+                "in_eps": _num(came_in[at][worst] / eps[at]),
                 "out_eps": _num(out_eps[worst]),
                 "max_out_eps": _num(np.nanmax(out_eps)),
                 "eps": float(eps[at]),
