@@ -403,6 +403,9 @@ class Dumper:
             },
             "versions": _versions(),
         }
+        parts = fused_parts(self.model)
+        if parts:
+            info["parts"] = parts
         info.update(self.adapter.run_info(self.model))
         return info
 
@@ -721,3 +724,16 @@ def _versions() -> dict:
         except md.PackageNotFoundError:
             pass
     return found
+
+
+def fused_parts(model) -> dict:
+    """Module path -> the widths, on this rank, of the parts a fused projection's output holds
+    side by side (sglang's and vLLM's qkv_proj: q, k, v; gate_up_proj: gate, up), read from
+    the ``output_partition_sizes`` both engines keep on their column-parallel linears. An
+    analyzer cuts the output into the unfused modules' outputs with them, per rank."""
+    parts = {}
+    for name, module in model.named_modules():
+        sizes = getattr(module, "output_partition_sizes", None)
+        if isinstance(sizes, (list, tuple)) and len(sizes) > 1 and all(isinstance(s, int) for s in sizes):
+            parts[name] = [int(s) for s in sizes]
+    return parts

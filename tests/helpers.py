@@ -122,13 +122,18 @@ def _in_process(args, env):
         return code, out.getvalue().decode("utf-8", "replace"), err.getvalue().decode("utf-8", "replace")
 
 
-def first_divergence_json(a, b, *extra):
-    """The JSON report, checked against its published schema (every key declared, each type right)."""
-    code, out, err = dumpdiff("first-divergence", a, b, "--format", "json", "--no-progress", *extra)
+def report_json(command: str, a, b, *extra):
+    """The JSON report of `dumpdiff COMMAND A B`, checked against its published schema (every key
+    declared, each type right)."""
+    code, out, err = dumpdiff(command, a, b, "--format", "json", "--no-progress", *extra)
     assert code in (0, 1), f"exit {code}: {err}"
     result = json.loads(out)
-    check_schema(result, "first-divergence")
+    check_schema(result, command)
     return code, result
+
+
+def first_divergence_json(a, b, *extra):
+    return report_json("first-divergence", a, b, *extra)
 
 
 def assert_every_row_aligned(verdict: dict, rows_b: int):

@@ -509,6 +509,10 @@ from .kl_commands import add_kl_commands  # noqa: E402  (dumpdiff kl, kl calibra
 
 add_kl_commands(main)
 
+from .compare import compare_cmd  # noqa: E402  (dumpdiff compare)
+
+main.add_command(compare_cmd)
+
 
 @main.command("import-sglang", short_help="Convert a dump of sglang's built-in dumper for dumpdiff.")
 @click.argument("src", type=click.Path(path_type=str))

@@ -68,6 +68,10 @@ class RowReader:
         srow = self._srow_map(pass_id, tensor)
         return self.stored_bits(pass_id, tensor, [srow[int(r)] for r in token_rows])
 
+    def srows(self, pass_id: int, tensor: str) -> Dict[int, int]:
+        """token row -> row of the stored view, for the rows of one tensor of one pass it holds."""
+        return self._srow_map(pass_id, tensor)
+
     def stored_bits(self, pass_id: int, tensor: str, srows) -> Tuple[np.ndarray, DType]:
         """The same, for rows given as rows of the stored view (the rows table's ``srow``)."""
         picks = [int(p) for p in srows]

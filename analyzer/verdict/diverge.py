@@ -28,14 +28,22 @@ from .result import FirstDivergence
 IDENTITY_KEYS = ("model_type", "num_layers", "dtype", "tp_size")
 
 
-def check_same_model(a: Dump, b: Dump, allow: bool) -> None:
-    for key in IDENTITY_KEYS:
+def differing_key(a: Dump, b: Dump, keys=IDENTITY_KEYS) -> Optional[str]:
+    """'key (a vs b)' for the first of these run.json keys both dumps hold with other values."""
+    for key in keys:
         va, vb = a.run.get(key), b.run.get(key)
-        if va is not None and vb is not None and va != vb and not allow:
-            raise DumpError(
-                f"the dumps differ in {key} ({va!r} vs {vb!r}); compare dumps of the same model and "
-                "settings, or pass --allow-mismatch if that is intended"
-            )
+        if va is not None and vb is not None and va != vb:
+            return f"{key} ({va!r} vs {vb!r})"
+    return None
+
+
+def check_same_model(a: Dump, b: Dump, allow: bool) -> None:
+    differ = differing_key(a, b)
+    if differ and not allow:
+        raise DumpError(
+            f"the dumps differ in {differ}; compare dumps of the same model and settings, or pass --allow-mismatch "
+            "if that is intended (dumpdiff compare judges runs of other dtypes, engines or tp sizes)"
+        )
     if set(a.ranks) != set(b.ranks) and not allow:
         raise DumpError(
             f"the dumps have different ranks ({sorted(a.ranks)} vs {sorted(b.ranks)}); dump both runs with the "

@@ -119,7 +119,7 @@ class SglangAdapter:
                 "num_layers": getattr(config, "num_hidden_layers", None),
                 "dtype": str(getattr(getattr(runner, "model_config", None), "dtype", "")).replace("torch.", "") or None,
                 "device": str(getattr(runner, "device", "")),
-                "tp_size": getattr(runner, "tp_size", None),
+                "tp_size": getattr(runner, "tp_size", None) or getattr(args, "tp_size", None),
                 "tp_rank": getattr(runner, "tp_rank", None),
                 "flags": {k: str(getattr(args, k, None)) for k in FLAGS_OF_INTEREST if hasattr(args, k)},
             }

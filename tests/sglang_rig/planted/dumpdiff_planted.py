@@ -9,6 +9,10 @@ DUMPDIFF_PLANT=batch_variant:L   a batch-variant kernel: layer L's mlp.down_proj
 DUMPDIFF_PLANT=q_norm:L          a decode-only error in a per-head norm: layer L's
                                  self_attn.q_norm output (Qwen3: [T*heads, head_dim]) is scaled
                                  by 1 + 2**-7 in decode passes.
+DUMPDIFF_PLANT=gate_up_swap:L    a porting bug in every pass: layer L's gated activation takes
+                                 the up half of gate_up_proj as the gate and the gate half as up
+                                 (act(up) * gate), as a port that loads the fused weight's halves
+                                 the wrong way round would.
 
 Without DUMPDIFF_PLANT the plugin does nothing.
 """
@@ -23,9 +27,10 @@ def load():
     if not spec:
         return
     kind, _, layer = spec.partition(":")
-    if kind not in ("prefix_kv", "batch_variant", "q_norm") or not layer.isdigit():
+    if kind not in ("prefix_kv", "batch_variant", "q_norm", "gate_up_swap") or not layer.isdigit():
         raise ValueError(
-            f"DUMPDIFF_PLANT={spec!r}: expected prefix_kv:<layer>, batch_variant:<layer> or q_norm:<layer>"
+            f"DUMPDIFF_PLANT={spec!r}: expected prefix_kv:<layer>, batch_variant:<layer>, q_norm:<layer> or "
+            "gate_up_swap:<layer>"
         )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -42,6 +47,8 @@ def load():
             model_layer.self_attn.q_norm.register_forward_hook(
                 lambda module, args, output: output * (1 + 2**-7) if decoding[0] else None
             )
+        elif kind == "gate_up_swap":
+            model_layer.mlp.act_fn.register_forward_pre_hook(_swap_halves)
         else:
             model_layer.mlp.down_proj.register_forward_hook(_batch_variant)
         return result
@@ -90,3 +97,11 @@ def _batch_variant(module, args, output):
         scaled = out * (1 + 2**-9)
         return (scaled,) + tuple(output[1:]) if isinstance(output, tuple) else scaled
     return None
+
+
+def _swap_halves(module, args):
+    import torch
+
+    x = args[0]
+    half = x.shape[-1] // 2
+    return (torch.cat([x[..., half:], x[..., :half]], dim=-1),) + tuple(args[1:])

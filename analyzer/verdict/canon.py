@@ -1,0 +1,130 @@
+"""One rank of a dump, its tensors renamed by the mapping rules (mapping.py) to the names the
+other run gives them: per pass, each name's source tensor (and which part of it, for a fused
+tensor cut in parts), its element type and row width; per renamed call, its class and where it
+completes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Dict, List, Optional, Tuple
+
+from ..index.table import Index
+from .mapping import Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    tensor: str  # the tensor as the dump names it
+    part: int  # which part of its last dim (-1: the whole tensor)
+    parts: int  # how many parts it is cut in
+    sizes: Optional[Tuple[int, ...]]  # the parts' widths on one rank, when a rule gives them
+    dtype: str
+    width: int  # elements per token row of the whole tensor
+    call: str  # the call that holds it, as the dump names it
+    rule: str  # why it carries this name ("" : its own name)
+
+
+@dataclasses.dataclass
+class CallInfo:
+    module: str
+    cls: str
+    post: int  # completion order of its source call in the first pass that holds it
+    source: str  # the source call's name
+
+
+@dataclasses.dataclass
+class Mapped:
+    passes: Dict[int, Dict[str, Piece]]  # pass -> renamed tensor -> piece
+    calls: Dict[str, CallInfo]  # renamed call (module#k) -> info
+    leaves: set  # renamed calls whose source module holds no dumped module
+    ignored: set  # source calls every tensor of which a rule left out
+    rules_used: List[str]
+
+
+def call_of(name: str) -> str:
+    """'model.layers.0.mlp#0.out.0' -> 'model.layers.0.mlp#0'."""
+    return name.split(".out.", 1)[0].split(".in.", 1)[0] if "#" in name else name
+
+
+def io_of(name: str) -> str:
+    rest = name[len(call_of(name)) :]
+    return "in" if rest.startswith(".in.") else "out"
+
+
+def module_of(call: str) -> str:
+    module = call.rsplit("#", 1)[0]
+    return "" if module == "<root>" else module
+
+
+def map_rank(index: Index, rules: List[Rule], side: str, engine: str, other: str) -> Mapped:
+    tensors, calls = index.cols("tensors"), index.cols("calls")
+    info = {}  # (pass, call) -> (module, cls, post)
+    for pass_id, call, module, cls, post in calls.rows(("pass", "call", "module", "cls", "post")):
+        info[(int(pass_id), call)] = (module, cls, int(post))
+    slots: Dict[Tuple[int, str], set] = {}
+    for pass_id, call, io, slot in tensors.rows(("pass", "call", "io", "slot")):
+        slots.setdefault((int(pass_id), call), set()).add(f"{io}.{slot}")
+    modules = {module for module, _, _ in info.values()}
+    parents = {m[:at] for m in modules for at in range(len(m)) if m[at] == "."} | ({""} if len(modules) > 1 else set())
+    cache: Dict[tuple, list] = {}
+    passes: Dict[int, Dict[str, Piece]] = {}
+    mapped_calls: Dict[str, CallInfo] = {}
+    leaves, seen_calls, kept_calls, used = set(), set(), set(), {}
+    for pass_id, tensor, call, dtype, shape, dims in tensors.rows(
+        ("pass", "tensor", "call", "dtype", "shape", "token_dims")
+    ):
+        pass_id = int(pass_id)
+        module, cls, post = info.get((pass_id, call), (module_of(call), "", 0))
+        seen_calls.add(call)
+        key = (tensor, cls, frozenset(slots.get((pass_id, call), ())))
+        if key not in cache:
+            cache[key] = _rename(tensor, cls, key[2], rules, side, engine, other)
+        targets = cache[key]
+        if not targets:
+            continue
+        kept_calls.add(call)
+        width = _row_width(shape, dims)
+        for name, part, parts, sizes, why in targets:
+            if why:
+                used[why] = None
+            piece = Piece(tensor, part, parts, sizes, str(dtype), width, call, why)
+            passes.setdefault(pass_id, {}).setdefault(name, piece)
+            renamed = call_of(name)
+            if renamed not in mapped_calls or (renamed == call and mapped_calls[renamed].source != call):
+                mapped_calls[renamed] = CallInfo(module_of(renamed), cls, post, call)
+            if module not in parents:
+                leaves.add(renamed)
+    return Mapped(passes, mapped_calls, leaves, seen_calls - kept_calls, list(used))
+
+
+def _rename(tensor: str, cls: str, slots, rules: List[Rule], side: str, engine: str, other: str) -> list:
+    """[(name, part, parts, sizes, why)] this tensor is known by; [] when a rule leaves it out."""
+    for rule in rules:
+        if not rule.applies(side, engine, other, cls, slots):
+            continue
+        found = re.fullmatch(rule.match, tensor)
+        if found is None:
+            continue
+        if rule.ignore:
+            return []
+        if rule.split:
+            names = [found.expand(t) for t in rule.split]
+            return [(n, i, len(names), rule.sizes, rule.why) for i, n in enumerate(names)]
+        return [(found.expand(t), -1, 1, None, rule.why) for t in rule.to]
+    return [(tensor, -1, 1, None, "")]
+
+
+def _row_width(shape, dims) -> int:
+    shape = json.loads(shape) if isinstance(shape, str) else list(shape)
+    dims = json.loads(dims) if isinstance(dims, str) else dims
+    if not isinstance(shape, list):
+        return 0
+    token = set(dims or ())
+    return int(math.prod(s for d, s in enumerate(shape) if d not in token))
+
+
+def float_type(dtype: str) -> bool:
+    return "float" in dtype

@@ -1,0 +1,99 @@
+"""The alignment proof between two runs of one model that need not agree bit for bit.
+
+Token ids and positions must be equal on every pair, as for prefill against decode. The
+embedding output (a lookup: no arithmetic) must then be bit-identical when both runs hold the
+same element type; across types the finer side's values, rounded to the coarser type (round to
+nearest, ties to even, as a cast does), must be the coarser side's bits: the same weights looked
+up at the same ids. A run whose weights differ fails here, whatever its dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dump.dtypes import BY_NAME, DType, to_float32
+from ..errors import DumpError
+from ..index.rows import reader_of
+from ..index.table import Index
+from .align import Alignment, embedding_call
+
+MAX_PROOF_ROWS = 4096  # embedding rows read for the proof (spread evenly beyond this)
+
+
+def round_bits(bits: np.ndarray, dtype: DType, into: DType) -> np.ndarray:
+    """Elements of ``dtype`` (held as bits) rounded to the coarser ``into``, as ``into``'s bits."""
+    values = to_float32(bits, dtype) if dtype.size <= 4 else bits.view(np.float64).astype(np.float32)
+    if into.name == "float32":
+        return values.view(np.uint32)
+    if into.name == "float16":
+        return values.astype(np.float16).view(np.uint16)
+    if into.name == "bfloat16":
+        word = values.view(np.uint32).astype(np.uint64)
+        return ((word + 0x7FFF + ((word >> 16) & 1)) >> 16).astype(np.uint16)
+    raise DumpError(f"cannot compare embeddings of {dtype.name} and {into.name}")
+
+
+def prove_embeddings(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str) -> str:
+    """The proof line for the embedding output; raises DumpError when it does not hold."""
+    emb_a, emb_b = embedding_call(a), embedding_call(b)
+    if emb_a is None or emb_b is None:
+        raise DumpError(
+            f"cannot prove the alignment: {label_a if emb_a is None else label_b} has no dumped embedding call (a "
+            "module taking the token ids); widen DUMPER_FILTER to include it, or pass --trust-alignment"
+        )
+    pairs = alignment.cols
+    pick = np.arange(len(pairs))
+    if len(pick) > MAX_PROOF_ROWS:
+        pick = np.linspace(0, len(pairs) - 1, MAX_PROOF_ROWS).astype(np.int64)
+    bits_a, type_a = _rows(a, emb_a[1], pairs["pass_a"][pick], pairs["row_a"][pick])
+    bits_b, type_b = _rows(b, emb_b[1], pairs["pass_b"][pick], pairs["row_b"][pick])
+    held = [i for i in range(len(pick)) if bits_a[i] is not None and bits_b[i] is not None]
+    if not held:
+        raise DumpError(
+            "cannot prove the alignment: the embedding output has no token rows in common between the dumps"
+        )
+    if type_a == type_b:
+        coarse, how = type_a, "bit-identical"
+        same = [np.array_equal(bits_a[i], bits_b[i]) for i in held]
+    else:
+        if type_a.size == type_b.size:  # float16 against bfloat16: neither is the other rounded
+            raise DumpError(
+                f"cannot prove the alignment: the embeddings are {type_a.name} and {type_b.name}, neither a rounding of "
+                "the other; pass --trust-alignment"
+            )
+        fine, coarse = (type_a, type_b) if type_a.size > type_b.size else (type_b, type_a)
+        fine_bits, coarse_bits = (bits_a, bits_b) if fine is type_a else (bits_b, bits_a)
+        same = [np.array_equal(round_bits(fine_bits[i], fine, coarse), coarse_bits[i]) for i in held]
+        how = f"equal after rounding {fine.name} to {coarse.name}"
+    bad = len(same) - sum(same)
+    if bad:
+        first = held[same.index(False)]
+        raise DumpError(
+            f"alignment proof failed: the embedding outputs ({emb_a[0]} and {emb_b[0]}) differ on {bad} of {len(held)} "
+            f"paired rows (first: position {pairs['pos'][pick[first]]}), {how.split(' after')[0]} expected: the runs "
+            "use different weights or the rows are misaligned; no verdict is given"
+        )
+    shown = emb_b[0] if emb_a[0] == emb_b[0] else f"{emb_a[0]} and {emb_b[0]}"
+    sampled = "" if len(pick) == len(pairs) else f" (an even sample of {len(pick)})"
+    if how == "bit-identical":
+        return f"embedding output ({shown}) bit-identical on all {len(held)} paired rows read{sampled}"
+    return (
+        f"embedding output ({shown}) {how} on all {len(held)} paired rows read{sampled}: {type_a.name} and "
+        f"{type_b.name} values cannot be bit-identical, so the {coarse.name} side is checked to be the other rounded "
+        "(the same weights looked up at the same token ids)"
+    )
+
+
+def _rows(index: Index, tensor: str, passes, rows):
+    """Per (pass, row), the tensor's row as bits (None where not stored), and its element type."""
+    reader = reader_of(index)
+    out, kind = [None] * len(passes), None
+    for pass_id in np.unique(passes).tolist():
+        srows = reader.srows(int(pass_id), tensor)
+        at = [i for i in np.nonzero(passes == pass_id)[0].tolist() if int(rows[i]) in srows]
+        if not at:
+            continue
+        bits, kind = reader.stored_bits(int(pass_id), tensor, [srows[int(rows[i])] for i in at])
+        bits = bits.reshape(len(at), -1)
+        for k, i in enumerate(at):
+            out[i] = bits[k]
+    return out, kind or BY_NAME["float32"]

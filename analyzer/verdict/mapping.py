@@ -1,0 +1,220 @@
+"""Which tensor of one run is which tensor of another: the rules `dumpdiff compare` maps by.
+
+Two runs of one model name their modules alike only when they run the same code. An engine fuses
+what HF keeps apart (sglang's and vLLM's ``qkv_proj`` is HF's ``q_proj``, ``k_proj`` and
+``v_proj`` side by side; ``gate_up_proj`` is ``gate_proj`` and ``up_proj``), computes the
+attention core in a module HF has not (its output is the input of ``o_proj``), and hands the
+residual through its norms (``norm(x, residual)`` returns the normalized sum and the sum, which
+is HF's norm input). Each side's tensors are renamed to the names HF gives them, rule by rule;
+what then holds the same name on both sides is compared.
+
+A rule (built in here, or in a mapping file: JSON, or TOML with ``[[rule]]`` tables):
+
+    match    regular expression, matched whole against a tensor name (module#call.in|out.slot)
+    to       one name or a list (regex replacement templates: \\1 ...): the tensor is each of them
+    split    a list of names: the tensor's last dim, cut in this many parts in order, is them
+    sizes    with split: the widths of the parts on one rank (else the dump's record of the
+             module, else the other run's widths of the parts divided by this run's tp size)
+    ignore   true: the tensor has no counterpart, and is not compared
+    side     "reference", "test" or "both" (default both)
+    engine   regular expression on the dump's engine (run.json: hf, sglang, vllm, generic)
+    other    regular expression on the other run's engine
+    cls      regular expression on the module's class
+    when     a slot the call must hold (out.1: a norm that returns the residual)
+
+The first rule that matches a tensor decides; a tensor no rule matches keeps its name. A user's
+rules come before the built-in ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import List, Optional, Tuple
+
+from ..errors import DumpError
+
+SIDES = ("reference", "test", "both")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    match: str
+    to: Tuple[str, ...] = ()
+    split: Tuple[str, ...] = ()
+    sizes: Optional[Tuple[int, ...]] = None
+    ignore: bool = False
+    side: str = "both"
+    engine: Optional[str] = None
+    cls: Optional[str] = None
+    when: Optional[str] = None
+    other: Optional[str] = None
+    why: str = ""  # said in the report when the rule is used
+    origin: str = "built-in"
+
+    def applies(self, side: str, engine: str, other: str, cls: str, slots) -> bool:
+        return (
+            self.side in ("both", side)
+            and (self.engine is None or re.fullmatch(self.engine, engine or "") is not None)
+            and (self.other is None or re.fullmatch(self.other, other or "") is not None)
+            and (self.cls is None or re.fullmatch(self.cls, cls or "") is not None)
+            and (self.when is None or self.when in slots)
+        )
+
+
+ENGINES = "sglang|vllm"
+_FUSED_QKV = "QKVParallelLinear|QKVCrossParallelLinear"
+_MERGED = "MergedColumnParallelLinear"
+_GATED_ACT = r"\w*AndMul"  # SiluAndMul, GeluAndMul: act(gate) * up in one op
+_ATTN_CORE = "RadixAttention|Attention"
+_NORM = r"\w*(RMSNorm|LayerNorm)\w*"
+
+BUILTIN: List[Rule] = [
+    Rule(
+        r"(.*)\.qkv_proj#(\d+)\.out\.0",
+        split=(r"\1.q_proj#\2.out.0", r"\1.k_proj#\2.out.0", r"\1.v_proj#\2.out.0"),
+        engine=ENGINES,
+        cls=_FUSED_QKV,
+        why="fused qkv_proj cut into q_proj, k_proj, v_proj",
+    ),
+    Rule(
+        r"(.*)\.qkv_proj#(\d+)\.in\.0",
+        to=(r"\1.q_proj#\2.in.0", r"\1.k_proj#\2.in.0", r"\1.v_proj#\2.in.0"),
+        engine=ENGINES,
+        cls=_FUSED_QKV,
+    ),
+    Rule(
+        r"(.*)\.gate_up_proj#(\d+)\.out\.0",
+        split=(r"\1.gate_proj#\2.out.0", r"\1.up_proj#\2.out.0"),
+        engine=ENGINES,
+        cls=_MERGED,
+        why="fused gate_up_proj cut into gate_proj, up_proj",
+    ),
+    Rule(
+        r"(.*)\.gate_up_proj#(\d+)\.in\.0",
+        to=(r"\1.gate_proj#\2.in.0", r"\1.up_proj#\2.in.0"),
+        engine=ENGINES,
+        cls=_MERGED,
+    ),
+    # act(gate) * up is the input of down_proj; HF's act_fn computes act(gate) alone
+    Rule(
+        r"(.*)\.act_fn#(\d+)\.out\.0",
+        to=(r"\1.down_proj#\2.in.0",),
+        engine=ENGINES,
+        cls=_GATED_ACT,
+        why="gated activation (act(gate) * up) compared as down_proj's input",
+    ),
+    Rule(r".*\.act_fn#\d+\..*", ignore=True, engine=ENGINES, cls=_GATED_ACT),
+    Rule(
+        r".*\.mlp\.act_fn#\d+\..*",
+        ignore=True,
+        engine="hf",
+        other=ENGINES,
+        why="HF's act_fn(gate) alone has no engine counterpart",
+    ),
+    # the attention core: q, k, v after rotary in, its output is o_proj's input
+    Rule(
+        r"(.*)\.attn#(\d+)\.out\.0",
+        to=(r"\1.o_proj#\2.in.0",),
+        engine=ENGINES,
+        cls=_ATTN_CORE,
+        why="attention core compared as o_proj's input",
+    ),
+    Rule(r".*\.attn#\d+\..*", ignore=True, engine=ENGINES, cls=_ATTN_CORE),
+    Rule(r".*\.rotary_emb#\d+\..*", ignore=True, engine=ENGINES),
+    Rule(r".*rotary_emb#\d+\..*", ignore=True, engine="hf", other=ENGINES),
+    # norm(x, residual) -> (normalized x + residual, x + residual): the sum is HF's norm input
+    Rule(
+        r"(.*)#(\d+)\.out\.1",
+        to=(r"\1#\2.in.0",),
+        engine=ENGINES,
+        cls=_NORM,
+        when="out.1",
+        why="norms that take and return the residual: the sum they return is the plain norm's input",
+    ),
+    Rule(r".*#\d+\.in\..*", ignore=True, engine=ENGINES, cls=_NORM, when="out.1"),
+    # a decoder layer that hands (hidden, residual) to the next: the residual stream in two parts,
+    # compared through its norms
+    Rule(r"model\.layers\.\d+#\d+\..*", ignore=True, engine=ENGINES, cls=r"\w*DecoderLayer\w*"),
+    # the logits: the engine's logits processor output at the root, HF's lm_head
+    Rule(r"<root>#(\d+)\.out\.next_token_logits", to=(r"lm_head#\1.out.0",), engine=ENGINES),
+    Rule(r"(.*\.)?(logits_processor|sampler)#\d+\..*", ignore=True, engine=ENGINES),
+]
+
+
+def load_rules(path: Optional[str]) -> List[Rule]:
+    """The user's rules (before the built-in ones), from a JSON or TOML mapping file."""
+    if not path:
+        return list(BUILTIN)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except OSError as exc:
+        raise DumpError(f"cannot read the mapping file {path}: {exc.strerror or exc}") from None
+    name = os.path.basename(path)
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+
+            document = tomllib.loads(raw.decode("utf-8"))
+        else:
+            document = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DumpError(
+            f"mapping file {name} is not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {exc}"
+        ) from None
+    items = document.get("rule") if isinstance(document, dict) else None
+    if not isinstance(items, list):
+        raise DumpError(f'mapping file {name}: expected a list of rules under "rule" ([[rule]] tables in TOML)')
+    return [_rule(item, f"{name} rule {i + 1}") for i, item in enumerate(items)] + list(BUILTIN)
+
+
+_FIELDS = {"match", "to", "split", "sizes", "ignore", "side", "engine", "other", "cls", "when"}
+
+
+def _rule(item, where: str) -> Rule:
+    if not isinstance(item, dict):
+        raise DumpError(f"{where}: a rule is a table of fields ({', '.join(sorted(_FIELDS))})")
+    unknown = sorted(set(item) - _FIELDS)
+    if unknown:
+        raise DumpError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
+    if not isinstance(item.get("match"), str):
+        raise DumpError(f"{where}: 'match' (a regular expression on tensor names) is required")
+    to = item.get("to", ())
+    to = (to,) if isinstance(to, str) else to
+    split, sizes = item.get("split", ()), item.get("sizes")
+    if not all(isinstance(t, str) for t in [*to, *split]):
+        raise DumpError(f"{where}: 'to' and 'split' take names (strings)")
+    if sum(map(bool, (to, split, item.get("ignore")))) != 1:
+        raise DumpError(f"{where}: give exactly one of 'to', 'split' or 'ignore = true'")
+    if sizes is not None and (
+        not split
+        or not isinstance(sizes, list)
+        or len(sizes) != len(split)
+        or not all(isinstance(s, int) and s > 0 for s in sizes)
+    ):
+        raise DumpError(f"{where}: 'sizes' goes with 'split', one positive width per part")
+    if item.get("side", "both") not in SIDES:
+        raise DumpError(f"{where}: 'side' is one of {', '.join(SIDES)}")
+    for field in ("match", "engine", "other", "cls"):
+        if item.get(field) is not None:
+            try:
+                re.compile(item[field])
+            except re.error as exc:
+                raise DumpError(f"{where}: {field} {item[field]!r} is not a regular expression: {exc}") from None
+    return Rule(
+        item["match"],
+        to=tuple(to),
+        split=tuple(split),
+        sizes=tuple(sizes) if sizes else None,
+        ignore=bool(item.get("ignore")),
+        side=item.get("side", "both"),
+        engine=item.get("engine"),
+        cls=item.get("cls"),
+        when=item.get("when"),
+        other=item.get("other"),
+        why=where,
+        origin=where,
+    )

@@ -1,0 +1,174 @@
+"""`dumpdiff compare` on two runs of one model's weights: HF float32 against HF bfloat16, a
+planted error in one run, mapping files and what they refuse. The sglang runs are in
+tests/test_compare_sglang.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dumpdiff import dumper
+from helpers import dumpdiff, load_model, make_tiny_llama, prompt_ids, report_json
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model", num_hidden_layers=LAYERS)
+
+
+def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None, plant_input=None):
+    """Dump `generate` of the prompt with the model loaded in ``dtype``; ``plant``: (module path,
+    factor) scales that module's output in every pass, as a wrong port would; ``plant_input``
+    scales its input (code between modules, which no hook sees)."""
+    model = load_model(model_path, dtype)
+    if plant:
+        model.get_submodule(plant[0]).register_forward_hook(lambda mod, args, out: out * plant[1])
+    if plant_input:
+        model.get_submodule(plant_input[0]).register_forward_pre_hook(
+            lambda mod, args: (args[0] * plant_input[1],) + tuple(args[1:])
+        )
+    handle = dumper.install(
+        model, dumper.DumperConfig(dir=str(root), enable=True, exp_name=name, cleanup_previous=True)
+    )
+    try:
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    finally:
+        handle.remove()
+    return root / name
+
+
+def compare_json(a, b, *extra):
+    return report_json("compare", a, b, *extra)
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    prompt = prompt_ids(20, seed=7)
+    return {
+        "f32": dump_run(model_dir, root, "f32", torch.float32, prompt),
+        "bf16": dump_run(model_dir, root, "bf16", torch.bfloat16, prompt),
+        "bf16-bug": dump_run(
+            model_dir, root, "bf16-bug", torch.bfloat16, prompt, plant=("model.layers.2.mlp.down_proj", 1.25)
+        ),
+        "bf16-gap": dump_run(
+            model_dir, root, "bf16-gap", torch.bfloat16, prompt, plant_input=("model.layers.1.mlp.down_proj", 1.25)
+        ),
+    }
+
+
+def test_bfloat16_against_float32_stays_within_precision(runs):
+    code, result = compare_json(runs["f32"], runs["bf16"])
+    assert code == 0 and result["kind"] == "within-precision" and result["culprits"] == []
+    proof = result["alignment"]["proof"]
+    assert "token ids and positions equal" in proof[0]
+    assert "equal after rounding float32 to bfloat16" in proof[1]  # what it checked instead of bit identity
+    assert result["precision"] == {"reference": "float32", "test": "bfloat16"}
+    ops = {op["call"]: op for op in result["ops"]}
+    for layer in range(LAYERS):  # every op of every layer judged, under HF's names
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj", "input_layernorm"):
+            assert f"model.layers.{layer}.{name}#0" in ops
+    bf16_eps = 2.0**-7
+    assert all(op["eps"] == bf16_eps for op in result["ops"])  # judged in the coarser type's epsilons
+    most = result["adds_most"]
+    assert most["jump"] == max(op["jump"] for op in result["ops"] if op["jump"] is not None)
+    assert most["call"] in result["summary"]
+
+
+def test_a_planted_error_in_the_bfloat16_run_is_named_at_its_op(runs):
+    code, result = compare_json(runs["f32"], runs["bf16-bug"])
+    assert code == 1 and result["kind"] == "beyond-precision"
+    assert result["first"]["call"] == "model.layers.2.mlp.down_proj#0"
+    assert result["adds_most"]["call"] in ("model.layers.2.mlp.down_proj#0", "model.layers.2.mlp#0")
+    assert all(".layers.2." in call for call in result["culprits"])  # what follows carries it, adds nothing
+    assert "model.layers.2.mlp.down_proj#0" in result["summary"]
+
+
+def test_an_error_in_code_between_modules_is_placed_between_them(runs):
+    """act_fn(gate) * up is code of LlamaMLP's forward, no module's: an error there shows first
+    at down_proj's input, and is placed between the last op compared before it and down_proj."""
+    code, result = compare_json(runs["f32"], runs["bf16-gap"])
+    assert code == 1
+    first = result["first"]
+    assert first["kind"] == "gap" and first["call"] == "model.layers.1.mlp.down_proj#0"
+    assert first["after"] == "model.layers.1.mlp.up_proj#0"
+    assert (
+        result["culprits"][0]
+        == "code not compared between model.layers.1.mlp.up_proj#0 and model.layers.1.mlp.down_proj#0"
+    )
+    assert all(".layers.1." in place for place in result["culprits"])
+
+
+@pytest.mark.parametrize("fmt, mark", [("text", "WITHIN PRECISION"), ("md", "## Ops"), ("html", "<table>")])
+def test_every_format_tells_the_verdict(runs, fmt, mark):
+    code, out, err = dumpdiff("compare", runs["f32"], runs["bf16"], "--format", fmt, "--no-progress")
+    assert code == 0, err
+    assert mark in out and "model.layers.3.mlp.down_proj#0" in out
+
+
+def test_a_module_left_without_counterpart_is_named(runs, tmp_path):
+    rules = tmp_path / "rename.json"
+    rules.write_text(
+        json.dumps({"rule": [{"match": r"(.*)\.up_proj#(\d+)\.(.*)", "to": r"\1.up#\2.\3", "side": "test"}]})
+    )
+    code, out, err = dumpdiff("compare", runs["f32"], runs["bf16"], "--map", rules, "--no-progress")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "model.layers.0.mlp.up_proj#0 [Linear] of TEST" in err and "--map" in err
+
+
+def test_a_mapping_file_renames_a_layout_of_ones_own(runs, tmp_path):
+    """A TOML mapping that renames the test run's o_proj to another name, and back: compared."""
+    rules = tmp_path / "map.toml"
+    rules.write_text(
+        "[[rule]]\n"
+        "side = 'reference'\n"
+        "match = '(.*)\\.o_proj#(\\d+)\\.(.*)'\n"
+        "to = '\\1.out_proj#\\2.\\3'\n"
+        "[[rule]]\n"
+        "side = 'test'\n"
+        "match = '(.*)\\.o_proj#(\\d+)\\.(.*)'\n"
+        "to = ['\\1.out_proj#\\2.\\3']\n"
+    )
+    code, result = compare_json(runs["f32"], runs["bf16"], "--map", rules)
+    assert code == 0
+    calls = {op["call"] for op in result["ops"]}
+    assert "model.layers.1.self_attn.out_proj#0" in calls and "model.layers.1.self_attn.o_proj#0" not in calls
+    assert any("map.toml rule 1" in r for r in result["mapping"]["rules"])
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"rule": [{"to": "x"}]}', "'match'"),
+        ('{"rule": [{"match": "(", "ignore": true}]}', "not a regular expression"),
+        ('{"rule": [{"match": "a", "split": ["b", "c"], "sizes": [1]}]}', "'sizes'"),
+        ('{"rule": [{"match": "a", "ignore": true, "colour": 1}]}', "unknown field 'colour'"),
+    ],
+)
+def test_a_bad_mapping_file_is_one_line(runs, tmp_path, content, says):
+    rules = tmp_path / "bad.json"
+    rules.write_text(content)
+    code, out, err = dumpdiff("compare", runs["f32"], runs["bf16"], "--map", rules, "--no-progress")
+    assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_runs_of_other_weights_fail_the_proof(runs, tmp_path):
+    other = make_tiny_llama(tmp_path / "other", seed=1, num_hidden_layers=LAYERS)
+    dumped = dump_run(other, tmp_path / "dumps", "other", torch.bfloat16, prompt_ids(20, seed=7))
+    code, out, err = dumpdiff("compare", runs["f32"], dumped, "--no-progress")
+    assert code == 2 and "alignment proof failed" in err and "different weights" in err
+
+
+def test_the_published_schema_is_the_typed_model():
+    from dumpdiff.analyzer.verdict.across_result import compare_schema
+    from helpers import ROOT
+
+    with open(f"{ROOT}/docs/schemas/compare.schema.json") as handle:
+        assert json.load(handle) == json.loads(json.dumps(compare_schema()))
