@@ -885,7 +885,9 @@ def with_nesting(
     lo = np.searchsorted(keys, pair * width + pre[parent_at], "right")
     within = _range_max(out_err[by_post], lo, np.maximum(last + 1, lo))
     everything = np.where(has_before, running[np.maximum(last, 0)] if n else 0.0, 0.0)
-    before = np.where(local, np.maximum(within, calls["in_err"][parent_at] if n else 0.0), everything)
+    # at the typical scale, as the gap's own error ('arrived'): a parent's small early rows at
+    # their own scale, carried along the sequence, would hide the gap on every later row
+    before = np.where(local, np.maximum(within, calls["arrived"][parent_at] if n else 0.0), everything)
     inside = _running_max(inside, ccode, seq, pos)
     before = _running_max(before, ccode, seq, pos)
     # A call with bit-identical inputs is judged against the calls inside it (a composite's
