@@ -212,11 +212,7 @@ def _sizes_resolver(side_a: Side, side_b: Side):
 
 def _parts_of(piece: Piece, side: Side) -> List[str]:
     """The names a fused tensor is cut into, in order."""
-    for named in side.first.passes.values():
-        found = sorted((p.part, n) for n, p in named.items() if p.tensor == piece.tensor)
-        if found:
-            return [n for _, n in found]
-    return []
+    return [n for _, n in sorted((p.part, n) for n, p in side.first.pieces.items() if p.tensor == piece.tensor)]
 
 
 def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progress: bool):

@@ -37,7 +37,7 @@ class CallInfo:
 
 @dataclasses.dataclass
 class Mapped:
-    passes: Dict[int, Dict[str, Piece]]  # pass -> renamed tensor -> piece
+    pieces: Dict[str, Piece]  # renamed tensor -> its source (the first tensor, in table order, that bears the name)
     calls: Dict[str, CallInfo]  # renamed call (module#k) -> info
     leaves: set  # renamed calls whose source module holds no dumped module
     ignored: set  # source calls every tensor of which a rule left out
@@ -60,29 +60,29 @@ def module_of(call: str) -> str:
 
 
 def map_rank(index: Index, rules: List[Rule], side: str, engine: str, other: str) -> Mapped:
+    """The rank's tensors under their mapped names. Every pass repeats its calls and tensors (a
+    long decode run, thousands of times): each distinct tensor and call is read once, from its
+    first entry; which pass holds a tensor is asked of the index when its rows are read."""
     tensors, calls = index.cols("tensors"), index.cols("calls")
-    info = {}  # (pass, call) -> (module, cls, post)
-    for pass_id, call, module, cls, post in calls.rows(("pass", "call", "module", "cls", "post")):
-        info[(int(pass_id), call)] = (module, cls, int(post))
-    slots: Dict[Tuple[int, str], set] = {}
-    for pass_id, call, io, slot in tensors.rows(("pass", "call", "io", "slot")):
-        slots.setdefault((int(pass_id), call), set()).add(f"{io}.{slot}")
+    info = {}  # call -> (module, cls, post) of its first entry
+    at = calls.firsts("call")
+    for call, module, cls, post in zip(*(calls[n][at].tolist() for n in ("call", "module", "cls", "post"))):
+        info[call] = (module, cls, int(post))
+    at = tensors.firsts("tensor")
+    columns = ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims")
+    entries = list(zip(*(tensors[n][at].tolist() for n in columns)))
+    slots: Dict[str, set] = {}
+    for _, call, io, slot, _, _, _ in entries:
+        slots.setdefault(call, set()).add(f"{io}.{slot}")
     modules = {module for module, _, _ in info.values()}
-    parents = {m[:at] for m in modules for at in range(len(m)) if m[at] == "."} | ({""} if len(modules) > 1 else set())
-    cache: Dict[tuple, list] = {}
-    passes: Dict[int, Dict[str, Piece]] = {}
+    parents = {m[:i] for m in modules for i in range(len(m)) if m[i] == "."} | ({""} if len(modules) > 1 else set())
+    pieces: Dict[str, Piece] = {}
     mapped_calls: Dict[str, CallInfo] = {}
     leaves, seen_calls, kept_calls, used = set(), set(), set(), {}
-    for pass_id, tensor, call, dtype, shape, dims in tensors.rows(
-        ("pass", "tensor", "call", "dtype", "shape", "token_dims")
-    ):
-        pass_id = int(pass_id)
-        module, cls, post = info.get((pass_id, call), (module_of(call), "", 0))
+    for tensor, call, _, _, dtype, shape, dims in entries:
+        module, cls, post = info.get(call, (module_of(call), "", 0))
         seen_calls.add(call)
-        key = (tensor, cls, frozenset(slots.get((pass_id, call), ())))
-        if key not in cache:
-            cache[key] = _rename(tensor, cls, key[2], rules, side, engine, other)
-        targets = cache[key]
+        targets = _rename(tensor, cls, frozenset(slots.get(call, ())), rules, side, engine, other)
         if not targets:
             continue
         kept_calls.add(call)
@@ -90,14 +90,13 @@ def map_rank(index: Index, rules: List[Rule], side: str, engine: str, other: str
         for name, part, parts, sizes, why in targets:
             if why:
                 used[why] = None
-            piece = Piece(tensor, part, parts, sizes, str(dtype), width, call, why)
-            passes.setdefault(pass_id, {}).setdefault(name, piece)
+            pieces.setdefault(name, Piece(tensor, part, parts, sizes, str(dtype), width, call, why))
             renamed = call_of(name)
             if renamed not in mapped_calls or (renamed == call and mapped_calls[renamed].source != call):
                 mapped_calls[renamed] = CallInfo(module_of(renamed), cls, post, call)
             if module not in parents:
                 leaves.add(renamed)
-    return Mapped(passes, mapped_calls, leaves, seen_calls - kept_calls, list(used))
+    return Mapped(pieces, mapped_calls, leaves, seen_calls - kept_calls, list(used))
 
 
 def _rename(tensor: str, cls: str, slots, rules: List[Rule], side: str, engine: str, other: str) -> list:

@@ -31,7 +31,6 @@ class Side:
         self.ranks = sorted(indexes)
         self.indexes = indexes
         self.mapped = mapped
-        self._names: Optional[Dict[str, Piece]] = None
         self.joined: Dict[str, str] = {}  # name -> how its ranks' values were joined: "shards" or "sum"
 
     @property
@@ -39,13 +38,8 @@ class Side:
         return self.mapped[self.ranks[0]]
 
     def names(self) -> Dict[str, Piece]:
-        """Every mapped name of the first rank, with the piece of the first pass that holds it."""
-        if self._names is None:
-            self._names = {}
-            for pass_id in sorted(self.first.passes):
-                for name, piece in self.first.passes[pass_id].items():
-                    self._names.setdefault(name, piece)
-        return self._names
+        """Every mapped name of the first rank, with the tensor it comes from."""
+        return self.first.pieces
 
     def values(self, pass_id: int, name: str, rows: List[int], sizes_of: SizesOf) -> Optional[Tuple[list, str]]:
         """([len(rows), width] float64 values per rank, element type) of a mapped tensor on these
@@ -53,7 +47,7 @@ class Side:
         a row does not hold it. ``join`` makes one tensor of them."""
         per_rank, dtype = [], None
         for rank in self.ranks:
-            piece = self.mapped[rank].passes.get(pass_id, {}).get(name)
+            piece = self.mapped[rank].pieces.get(name)
             if piece is None:
                 return None
             index = self.indexes[rank]
