@@ -150,13 +150,50 @@ def test_a_mapping_file_renames_a_layout_of_ones_own(runs, tmp_path):
         ('{"rule": [{"match": "(", "ignore": true}]}', "not a regular expression"),
         ('{"rule": [{"match": "a", "split": ["b", "c"], "sizes": [1]}]}', "'sizes'"),
         ('{"rule": [{"match": "a", "ignore": true, "colour": 1}]}', "unknown field 'colour'"),
+        ('{"rule": [{"match": "(.*)#(\\\\d+)", "to": "\\\\3.x"}]}', "invalid group reference 3"),
+        ('{"rule": [{"match": "(.*)", "to": "\\\\g<layer>"}]}', "unknown group name 'layer'"),
+        ('{"rule": [{"match": "a", "ignore": true, "engine": 5}]}', "'engine' takes a string"),
+        ('{"rule": [{"match": "a", "split": "b"}]}', "'split' takes a list of two or more names"),
+        ('{"rule": [{"match": "a", "ignore": "yes"}]}', "'ignore' is true or false"),
+        ('{"rule": [{"match": "a", "ignore": true, "when": "out1"}]}', "in.<slot> or out.<slot>"),
+        ('{"rules": [{"match": "a", "ignore": true}]}', 'under "rule"'),
+        ('{"rule": [], "rules": [{"match": "a", "ignore": true}]}', "unknown key 'rules'"),
     ],
 )
 def test_a_bad_mapping_file_is_one_line(runs, tmp_path, content, says):
     rules = tmp_path / "bad.json"
     rules.write_text(content)
     code, out, err = dumpdiff("compare", runs["f32"], runs["bf16"], "--map", rules, "--no-progress")
-    assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1, err
+    assert "internal error" not in err and "bad.json" in err
+
+
+def test_a_mapping_file_in_bad_toml_is_one_line(runs, tmp_path):
+    rules = tmp_path / "bad.toml"
+    rules.write_text("[[rule]\nmatch = 'a'\n")
+    code, out, err = dumpdiff("compare", runs["f32"], runs["bf16"], "--map", rules, "--no-progress")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "mapping file bad.toml is not valid TOML" in err and "line 1" in err
+
+
+def test_sizes_that_do_not_add_up_name_the_rule(runs, tmp_path):
+    rules = tmp_path / "cut.json"
+    rules.write_text(
+        json.dumps(
+            {
+                "rule": [
+                    {
+                        "match": r"(.*)\.down_proj#(\d+)\.out\.0",
+                        "split": [r"\1.half_a#\2.out.0", r"\1.half_b#\2.out.0"],
+                        "sizes": [10, 10],
+                    }
+                ]
+            }
+        )
+    )
+    code, out, err = dumpdiff("compare", runs["f32"], runs["bf16"], "--map", rules, "--no-progress")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "(width 64 on one rank) into 2 parts of widths [10, 10]" in err and "'sizes' of cut.json rule 1" in err
 
 
 def test_runs_of_other_weights_fail_the_proof(runs, tmp_path):

@@ -71,33 +71,30 @@ _GATED_ACT = r"\w*AndMul"  # SiluAndMul, GeluAndMul: act(gate) * up in one op
 _ATTN_CORE = "RadixAttention|Attention"
 _NORM = r"\w*(RMSNorm|LayerNorm)\w*"
 
+
+def _fused(module: str, parts: Tuple[str, ...], cls: str) -> List[Rule]:
+    """An engine's fused projection: its output cut into the parts' outputs, its input each
+    part's input."""
+    return [
+        Rule(
+            rf"(.*)\.{module}#(\d+)\.out\.0",
+            split=tuple(rf"\1.{part}#\2.out.0" for part in parts),
+            engine=ENGINES,
+            cls=cls,
+            why=f"fused {module} cut into {', '.join(parts)}",
+        ),
+        Rule(
+            rf"(.*)\.{module}#(\d+)\.in\.0",
+            to=tuple(rf"\1.{part}#\2.in.0" for part in parts),
+            engine=ENGINES,
+            cls=cls,
+        ),
+    ]
+
+
 BUILTIN: List[Rule] = [
-    Rule(
-        r"(.*)\.qkv_proj#(\d+)\.out\.0",
-        split=(r"\1.q_proj#\2.out.0", r"\1.k_proj#\2.out.0", r"\1.v_proj#\2.out.0"),
-        engine=ENGINES,
-        cls=_FUSED_QKV,
-        why="fused qkv_proj cut into q_proj, k_proj, v_proj",
-    ),
-    Rule(
-        r"(.*)\.qkv_proj#(\d+)\.in\.0",
-        to=(r"\1.q_proj#\2.in.0", r"\1.k_proj#\2.in.0", r"\1.v_proj#\2.in.0"),
-        engine=ENGINES,
-        cls=_FUSED_QKV,
-    ),
-    Rule(
-        r"(.*)\.gate_up_proj#(\d+)\.out\.0",
-        split=(r"\1.gate_proj#\2.out.0", r"\1.up_proj#\2.out.0"),
-        engine=ENGINES,
-        cls=_MERGED,
-        why="fused gate_up_proj cut into gate_proj, up_proj",
-    ),
-    Rule(
-        r"(.*)\.gate_up_proj#(\d+)\.in\.0",
-        to=(r"\1.gate_proj#\2.in.0", r"\1.up_proj#\2.in.0"),
-        engine=ENGINES,
-        cls=_MERGED,
-    ),
+    *_fused("qkv_proj", ("q_proj", "k_proj", "v_proj"), _FUSED_QKV),
+    *_fused("gate_up_proj", ("gate_proj", "up_proj"), _MERGED),
     # act(gate) * up is the input of down_proj; HF's act_fn computes act(gate) alone
     Rule(
         r"(.*)\.act_fn#(\d+)\.out\.0",
@@ -168,10 +165,21 @@ def load_rules(path: Optional[str]) -> List[Rule]:
     items = document.get("rule") if isinstance(document, dict) else None
     if not isinstance(items, list):
         raise DumpError(f'mapping file {name}: expected a list of rules under "rule" ([[rule]] tables in TOML)')
+    other_keys = sorted(set(document) - {"rule"})
+    if other_keys:
+        raise DumpError(f'mapping file {name}: unknown key {other_keys[0]!r}; rules go under "rule" ([[rule]] in TOML)')
     return [_rule(item, f"{name} rule {i + 1}") for i, item in enumerate(items)] + list(BUILTIN)
 
 
 _FIELDS = {"match", "to", "split", "sizes", "ignore", "side", "engine", "other", "cls", "when"}
+
+
+def _check_template(template: str, match: re.Pattern, where: str) -> None:
+    """A name template must refer only to groups 'match' has (\\1, \\g<name>) and escape nothing else."""
+    try:
+        match.sub(template, "")  # parses the template against the pattern's groups, matching nothing
+    except (re.error, IndexError) as exc:
+        raise DumpError(f"{where}: the name {template!r} does not fit 'match' {match.pattern!r}: {exc}") from None
 
 
 def _rule(item, where: str) -> Rule:
@@ -182,28 +190,39 @@ def _rule(item, where: str) -> Rule:
         raise DumpError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
     if not isinstance(item.get("match"), str):
         raise DumpError(f"{where}: 'match' (a regular expression on tensor names) is required")
-    to = item.get("to", ())
-    to = (to,) if isinstance(to, str) else to
-    split, sizes = item.get("split", ()), item.get("sizes")
-    if not all(isinstance(t, str) for t in [*to, *split]):
-        raise DumpError(f"{where}: 'to' and 'split' take names (strings)")
+    for field in ("side", "engine", "other", "cls", "when"):
+        if item.get(field) is not None and not isinstance(item[field], str):
+            raise DumpError(f"{where}: '{field}' takes a string, not {item[field]!r}")
+    patterns = {}
+    for field in ("match", "engine", "other", "cls"):
+        if item.get(field) is not None:
+            try:
+                patterns[field] = re.compile(item[field])
+            except re.error as exc:
+                raise DumpError(f"{where}: {field} {item[field]!r} is not a regular expression: {exc}") from None
+    to, split, sizes = item.get("to", []), item.get("split", []), item.get("sizes")
+    to = [to] if isinstance(to, str) else to
+    if not isinstance(to, list) or not all(isinstance(t, str) for t in to):
+        raise DumpError(f"{where}: 'to' takes a name or a list of names (strings)")
+    if not isinstance(split, list) or not all(isinstance(t, str) for t in split) or len(split) == 1:
+        raise DumpError(f"{where}: 'split' takes a list of two or more names (strings), the parts in order")
+    if not isinstance(item.get("ignore", False), bool):
+        raise DumpError(f"{where}: 'ignore' is true or false, not {item['ignore']!r}")
     if sum(map(bool, (to, split, item.get("ignore")))) != 1:
         raise DumpError(f"{where}: give exactly one of 'to', 'split' or 'ignore = true'")
+    for template in [*to, *split]:
+        _check_template(template, patterns["match"], where)
     if sizes is not None and (
         not split
         or not isinstance(sizes, list)
         or len(sizes) != len(split)
-        or not all(isinstance(s, int) and s > 0 for s in sizes)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
     ):
         raise DumpError(f"{where}: 'sizes' goes with 'split', one positive width per part")
     if item.get("side", "both") not in SIDES:
         raise DumpError(f"{where}: 'side' is one of {', '.join(SIDES)}")
-    for field in ("match", "engine", "other", "cls"):
-        if item.get(field) is not None:
-            try:
-                re.compile(item[field])
-            except re.error as exc:
-                raise DumpError(f"{where}: {field} {item[field]!r} is not a regular expression: {exc}") from None
+    if item.get("when") is not None and not re.fullmatch(r"(in|out)\.\w+", item["when"]):
+        raise DumpError(f"{where}: 'when' names a slot as in.<slot> or out.<slot> (out.1), not {item['when']!r}")
     return Rule(
         item["match"],
         to=tuple(to),

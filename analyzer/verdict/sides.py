@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..dump.dtypes import BY_NAME, to_float64
-from ..dump.load import Dump
+from ..dump.load import Dump, show
 from ..errors import DumpError
 from ..index.rows import reader_of
 from ..index.table import Index
@@ -60,10 +60,14 @@ class Side:
             if piece.part >= 0:
                 sizes = sizes_of(piece, self)
                 if sum(sizes) != values.shape[1]:
+                    fix = (
+                        f"correct 'sizes' of {piece.rule} (the widths on one rank)"
+                        if piece.sizes
+                        else "give the widths on one rank with 'sizes' in a mapping file (--map)"
+                    )
                     raise DumpError(
-                        f"cannot cut {piece.tensor} of {self.dump.label} (width {values.shape[1]}) into "
-                        f"{len(sizes)} parts of widths {list(sizes)}: give the widths on one rank with 'sizes' in a "
-                        "mapping file (--map)"
+                        f"cannot cut {piece.tensor} of {show(self.dump.label)} (width {values.shape[1]} on one rank) "
+                        f"into {len(sizes)} parts of widths {list(sizes)}: {fix}"
                     )
                 start = sum(sizes[: piece.part])
                 values = values[:, start : start + sizes[piece.part]]
