@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dumpdiff import dumper
-from helpers import dumpdiff, load_model, make_tiny_llama, prompt_ids, report_json
+from helpers import dump_padded_batch, dumpdiff, load_model, make_tiny_llama, prompt_ids, report_json
 
 LAYERS = 4
 
@@ -20,10 +20,11 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model", num_hidden_layers=LAYERS)
 
 
-def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None, plant_input=None):
+def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None, plant_input=None, **config):
     """Dump `generate` of the prompt with the model loaded in ``dtype``; ``plant``: (module path,
     factor) scales that module's output in every pass, as a wrong port would; ``plant_input``
-    scales its input (code between modules, which no hook sees)."""
+    scales its input (code between modules, which no hook sees); ``config``: more DumperConfig
+    settings (a filter)."""
     model = load_model(model_path, dtype)
     if plant:
         model.get_submodule(plant[0]).register_forward_hook(lambda mod, args, out: out * plant[1])
@@ -32,7 +33,7 @@ def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None, pl
             lambda mod, args: (args[0] * plant_input[1],) + tuple(args[1:])
         )
     handle = dumper.install(
-        model, dumper.DumperConfig(dir=str(root), enable=True, exp_name=name, cleanup_previous=True)
+        model, dumper.DumperConfig(dir=str(root), enable=True, exp_name=name, cleanup_previous=True, **config)
     )
     try:
         with torch.no_grad():
@@ -209,3 +210,110 @@ def test_the_published_schema_is_the_typed_model():
 
     with open(f"{ROOT}/docs/schemas/compare.schema.json") as handle:
         assert json.load(handle) == json.loads(json.dumps(compare_schema()))
+
+
+def test_runs_of_other_decode_lengths_compare_the_rows_both_computed(runs, model_dir, tmp_path):
+    """The same float32 model run for 8 new tokens against 4: the rows both computed are the same
+    bits, no op adds an error (none is named as adding the most), and the rows only the longer
+    run computed are said in a warning."""
+    longer = dump_run(model_dir, tmp_path, "f32-long", torch.float32, prompt_ids(20, seed=7), new_tokens=8)
+    code, result = compare_json(runs["f32"], longer)
+    assert code == 0 and result["culprits"] == []
+    assert result["alignment"]["paired"] == 20 + 4 - 1 and result["alignment"]["unaligned_b"] == 4
+    assert all(op["out_eps"] == 0 for op in result["ops"])
+    assert result["adds_most"] is None and "no op adds an error" in result["summary"]
+    assert result["first_difference"] is None
+    assert any("4 token rows of f32-long have no partner" in w for w in result["warnings"])
+
+
+def test_a_run_dumped_with_a_filter_is_compared_on_what_both_dumped(runs, model_dir, tmp_path):
+    """DUMPER_FILTER on one side only: the modules it left out are not 'without counterpart' (no
+    mapping file can help); the modules both runs dumped are compared, and the report says so."""
+    only = r"embed_tokens|layers\.1\."
+    filtered = dump_run(model_dir, tmp_path, "bf16-l1", torch.bfloat16, prompt_ids(20, seed=7), filter=only)
+    for ref, test, left_out in ((runs["f32"], filtered, "f32"), (filtered, runs["bf16"], "bf16")):
+        code, result = compare_json(ref, test)
+        assert code == 0 and result["culprits"] == [], result["summary"]
+        layers = {op["call"].split(".")[2] for op in result["ops"] if op["call"].startswith("model.layers.")}
+        assert layers == {"1"}
+        warning = next(w for w in result["warnings"] if "DUMPER_FILTER" in w)
+        # 10 leaves in each of layers 0, 2 and 3; the final norm, the rotary embedding, lm_head
+        assert warning.startswith(f"{3 * 10 + 3} modules of {left_out} (")
+        assert "only the modules both runs dumped are compared" in warning
+    planted = dump_run(
+        model_dir, tmp_path, "bf16-l1-bug", torch.bfloat16, prompt_ids(20, seed=7), filter=only,
+        plant=("model.layers.1.mlp.down_proj", 1.25),
+    )  # fmt: skip
+    code, result = compare_json(runs["f32"], planted)
+    assert code == 1 and result["first"]["call"] == "model.layers.1.mlp.down_proj#0"
+
+
+def test_a_left_padded_batch_against_its_prompts_alone_across_dtypes(model_dir, tmp_path):
+    """Three prompts of other lengths generated in one left-padded bfloat16 batch, against each
+    prompt+output as a float32 prefill of its own: every row of the batch (no pad row) is paired
+    and proved, and no op strays beyond bfloat16's precision."""
+    _, ref_f32, _ = dump_padded_batch(load_model(model_dir), tmp_path / "f32", new_tokens=4)
+    prompts, _, dec_bf16 = dump_padded_batch(load_model(model_dir, torch.bfloat16), tmp_path / "bf16", new_tokens=4)
+    code, result = compare_json(ref_f32, dec_bf16)
+    rows = sum(len(p) for p in prompts) + len(prompts) * (4 - 1)
+    assert result["alignment"]["rows_b"] == result["alignment"]["paired"] == rows
+    assert "equal after rounding float32 to bfloat16" in result["alignment"]["proof"][1]
+    assert code == 0 and result["culprits"] == [], result["summary"]
+    assert all(op["rows"] == rows for op in result["ops"] if op["call"].startswith("model."))
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """Qwen3 (per-head q_norm and k_norm in its attention), 3 layers, float32 and bfloat16 runs,
+    and a bfloat16 run whose layer 1 k_norm output is 25% off."""
+    from tiny_models import make_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("qwen3")
+    path = make_tiny_qwen3(root / "model", num_hidden_layers=3)
+    prompt = prompt_ids(20, seed=5)
+    return {
+        "f32": dump_run(path, root, "f32", torch.float32, prompt),
+        "bf16": dump_run(path, root, "bf16", torch.bfloat16, prompt),
+        "bug": dump_run(path, root, "bug", torch.bfloat16, prompt, plant=("model.layers.1.self_attn.k_norm", 1.25)),
+    }
+
+
+def test_qwen3_q_norm_and_k_norm_are_judged_and_a_wrong_one_named(qwen3):
+    code, result = compare_json(qwen3["f32"], qwen3["bf16"])
+    assert code == 0 and result["culprits"] == [], result["summary"]
+    ops = {op["call"]: op for op in result["ops"]}
+    for layer in range(3):
+        for norm in ("q_norm", "k_norm"):
+            assert ops[f"model.layers.{layer}.self_attn.{norm}#0"]["cls"] == "Qwen3RMSNorm"
+            assert ops[f"model.layers.{layer}.self_attn.{norm}#0"]["line_from"].startswith("2 peers")
+    code, result = compare_json(qwen3["f32"], qwen3["bug"])
+    assert code == 1 and result["first"]["call"] == "model.layers.1.self_attn.k_norm#0"
+    assert all(".layers.1." in place or ".layers.1#" in place for place in result["culprits"])  # its containers
+
+
+DAMAGES = [
+    "missing_dir",
+    "not_a_dump",
+    "dumper_dir",
+    "header_length_corrupt",
+    "truncated",
+    "truncated_manifest_edited",
+    "manifest_names_missing_file",
+    "future_format",
+    "run_json_garbage",
+]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_dump_is_one_line_and_exit_2(runs, tmp_path, damage):
+    """The damage tests/test_bad_inputs.py does to a dump, to either argument of compare."""
+    import test_bad_inputs
+
+    from dump_surgery import copy_dump
+
+    hurt, needles = next((d, n) for d, n in test_bad_inputs.ERRORS if d.__name__ == damage)
+    target = hurt(copy_dump(runs["bf16"], tmp_path / "bf16"), str(tmp_path))
+    for args in ((runs["f32"], target), (target, runs["f32"])):
+        code, out, err = dumpdiff("compare", *args, "--no-progress")
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert all(n.replace("(dec)", "(bf16)").replace("/dec", "/bf16") in err for n in needles), err

@@ -16,7 +16,7 @@ from ..errors import DumpError
 from ..index.store import load_indexes
 from ..wording import plural
 from .align import align, embedding_call, prove
-from .canon import Piece, call_of, io_of, map_rank, module_of
+from .canon import Piece, call_of, dumped_by, io_of, map_rank, module_of
 from .crossproof import prove_embeddings
 from .diverge import describe, differing_key
 from .mapping import load_rules
@@ -55,6 +55,11 @@ def compare(
     alignment = align(ia, ib)
     unpaired_cached = alignment.cached_unpaired_b  # two runs may generate other tokens: not a bad reference
     alignment.cached_b = alignment.cached_unpaired_b = 0
+    if not len(alignment.cols) and not alignment.history_notes_b:
+        raise DumpError(
+            f"no token row of {show(dump_b.label)} matches a row of {show(dump_a.label)} (same token ids from position "
+            "0): dump both runs with the same prompts (token ids)"
+        )
     alignment = prove(alignment, ia, ib, dump_a.label, dump_b.label, trust=True)
     alignment.proof.pop()  # "embedding check skipped": the check across runs follows
     if trust_alignment:
@@ -70,7 +75,7 @@ def compare(
         indexes = {r: index.rank(r) for r in ranks}
         sides.append(Side(dump, indexes, {r: map_rank(indexes[r], rules, which, engine, other) for r in ranks}))
     side_a, side_b = sides
-    compared, unmapped, renamed = pair_names(side_a, side_b)
+    compared, unmapped, renamed, filtered = pair_names(side_a, side_b)
     if unmapped:
         raise DumpError(unmapped)
     if not compared:
@@ -123,16 +128,20 @@ def compare(
         "first": named[0] if named else None,
         "adds_most": next((op for op in ops if most and op["call"] == most["call"]), None),
         "first_difference": first_difference,
-        "warnings": dump_a.warnings() + dump_b.warnings() + _row_warnings(alignment, unpaired_cached, dump_b.label),
+        "warnings": dump_a.warnings()
+        + dump_b.warnings()
+        + filtered
+        + _row_warnings(alignment, unpaired_cached, dump_b.label),
     }
     result["summary"] = summarize(result)
     return result
 
 
-def pair_names(side_a: Side, side_b: Side) -> Tuple[List[tuple], Optional[str], Dict[str, str]]:
+def pair_names(side_a: Side, side_b: Side) -> Tuple[List[tuple], Optional[str], Dict[str, str], List[str]]:
     """The tensors both runs hold under one name, as (name, name on the test side, call, io); the
-    error naming the modules that have no counterpart (None if every one has); and the test
-    side's tensors paired by role where their slot names differ (its name -> the reference's)."""
+    error naming the modules that have no counterpart (None if every one has); the test side's
+    tensors paired by role where their slot names differ (its name -> the reference's); and
+    warnings on the modules one run has and the other's DUMPER_FILTER left out."""
     names_a, names_b = side_a.names(), side_b.names()
     by_call_a, by_call_b = _by_call(names_a), _by_call(names_b)
     renamed: Dict[str, str] = {}
@@ -154,24 +163,40 @@ def pair_names(side_a: Side, side_b: Side) -> Tuple[List[tuple], Optional[str], 
     compared.sort(
         key=lambda c: (side_a.first.calls[c[2]].post if c[2] in side_a.first.calls else 0, c[3] == "out", c[0])
     )
-    missing = []
-    for side, other, label in ((side_a, by_call_b, "REFERENCE"), (side_b, by_call_a, "TEST")):
+    missing, filtered = [], []
+    for side, other_side, other, label in (
+        (side_a, side_b, by_call_b, "REFERENCE"),
+        (side_b, side_a, by_call_a, "TEST"),
+    ):
         mine = _by_call(side.names())
+        hooked = dumped_by(other_side.dump.setting("filter"))
+        left_out = []
         for call in sorted(set(mine) - set(other)):
             if call in side.first.leaves and any(float_kind(side.names()[n].dtype) for n in mine[call]):
                 info = side.first.calls[call]
-                missing.append(f"{info.source} [{info.cls}] of {label} ({show(side.dump.label)})")
+                if hooked(info.module):
+                    missing.append(f"{info.source} [{info.cls}] of {label} ({show(side.dump.label)})")
+                else:  # the other run's DUMPER_FILTER left it out: not a module without counterpart
+                    left_out.append(info.source)
+        if left_out:
+            filtered.append(
+                f"{plural(len(left_out), 'module')} of {show(side.dump.label)} ({_listed(left_out)}) left out of "
+                f"{show(other_side.dump.label)} by its DUMPER_FILTER={other_side.dump.setting('filter')!r}: only the "
+                "modules both runs dumped are compared"
+            )
     if not missing:
-        return compared, None, renamed
-    shown = ", ".join(missing[:MAX_LISTED]) + (
-        f" and {len(missing) - MAX_LISTED} more" if len(missing) > MAX_LISTED else ""
-    )
+        return compared, None, renamed, filtered
     return (
         compared,
-        f"{len(missing)} modules have no counterpart in the other run: {shown}; write a mapping file (--map FILE: rules "
-        "that rename, split or ignore tensors, docs/compare.md)",
+        f"{plural(len(missing), 'module')} without counterpart in the other run: {_listed(missing)}; write a mapping file (--map "
+        "FILE: rules that rename, split or ignore tensors, docs/compare.md)",
         renamed,
+        filtered,
     )
+
+
+def _listed(names: List[str]) -> str:
+    return ", ".join(names[:MAX_LISTED]) + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
 
 
 def _by_call(names: Dict[str, Piece]) -> Dict[str, List[str]]:

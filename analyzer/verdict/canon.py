@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..index.table import Index
 from .mapping import Rule
@@ -57,6 +57,30 @@ def io_of(name: str) -> str:
 def module_of(call: str) -> str:
     module = call.rsplit("#", 1)[0]
     return "" if module == "<root>" else module
+
+
+_LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")  # the dumper's layer_id= filter key reads this
+
+
+def dumped_by(setting) -> Callable[[str], bool]:
+    """Whether a run dumped with this DUMPER_FILTER (run.json's config) hooked a module of this
+    path: 'X' and 'name=X' search the path, 'layer_id=N' matches its layer number. A 'cls=' filter
+    names classes, which differ between runs: every module may have been left out."""
+    text = setting if isinstance(setting, str) else ""
+    key, sep, pattern = text.partition("=")
+    if not sep or key not in ("name", "layer_id", "cls"):
+        key, pattern = "name", text
+    if not pattern:
+        return lambda path: True
+    try:
+        regex = re.compile(pattern)
+    except re.error:
+        return lambda path: False
+    if key == "cls":
+        return lambda path: False
+    if key == "layer_id":
+        return lambda path: bool((found := _LAYER_ID.search(path)) and regex.fullmatch(found.group(1)))
+    return lambda path: bool(regex.search(path))
 
 
 def map_rank(index: Index, rules: List[Rule], side: str, engine: str, other: str) -> Mapped:

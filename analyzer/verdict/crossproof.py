@@ -65,14 +65,14 @@ def prove_embeddings(alignment: Alignment, a: Index, b: Index, label_a: str, lab
         same = [np.array_equal(round_bits(fine_bits[i], fine, coarse), coarse_bits[i]) for i in held]
         how = f"equal after rounding {fine.name} to {coarse.name}"
     bad = len(same) - sum(same)
+    shown = emb_b[0] if emb_a[0] == emb_b[0] else f"{emb_a[0]} and {emb_b[0]}"
     if bad:
         first = held[same.index(False)]
         raise DumpError(
-            f"alignment proof failed: the embedding outputs ({emb_a[0]} and {emb_b[0]}) differ on {bad} of {len(held)} "
-            f"paired rows (first: position {pairs['pos'][pick[first]]}), {how.split(' after')[0]} expected: the runs "
-            "use different weights or the rows are misaligned; no verdict is given"
+            f"alignment proof failed: the embedding outputs ({shown}) differ on {bad} of {len(held)} paired rows "
+            f"(first: position {pairs['pos'][pick[first]]}), where they must be {how}: the runs use different "
+            "weights or the rows are misaligned; no verdict is given"
         )
-    shown = emb_b[0] if emb_a[0] == emb_b[0] else f"{emb_a[0]} and {emb_b[0]}"
     sampled = "" if len(pick) == len(pairs) else f" (an even sample of {len(pick)})"
     if how == "bit-identical":
         return f"embedding output ({shown}) bit-identical on all {len(held)} paired rows read{sampled}"

@@ -121,8 +121,9 @@ def _judged(calls, jump, clean, came_in, went_out, eps, wide) -> List[dict]:
 
 
 def adds_most(judged: List[dict]) -> Optional[dict]:
-    """The op that adds the most error: the largest jump (nearest its line on a tie)."""
-    finite = [j for j in judged if j["jump"] is not None]
+    """The op that adds the most error: the largest jump (nearest its line on a tie); None where
+    no op's output differs at all."""
+    finite = [j for j in judged if j["jump"]]
     if not finite:
         return None
     return max(finite, key=lambda j: (j["jump"], j["jump"] / j["line"]))
