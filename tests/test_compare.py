@@ -291,6 +291,28 @@ def test_qwen3_q_norm_and_k_norm_are_judged_and_a_wrong_one_named(qwen3):
     assert all(".layers.1." in place or ".layers.1#" in place for place in result["culprits"])  # its containers
 
 
+def test_against_vllm_the_logits_are_left_out_not_unmapped(runs):
+    """vLLM's model runner computes the logits after the model's forward, where no dump sees them:
+    against a vLLM run, the HF run's lm_head and logits are left out of the comparison (else
+    every vLLM comparison would stop on lm_head "without counterpart"); against sglang, whose
+    forward returns the logits, they are compared."""
+    from dumpdiff.analyzer.dump.load import open_dump
+    from dumpdiff.analyzer.index.store import load_indexes
+    from dumpdiff.analyzer.verdict.canon import map_rank
+    from dumpdiff.analyzer.verdict.mapping import BUILTIN
+
+    (index,) = load_indexes([open_dump(str(runs["f32"]))], progress=False)
+    index = index.rank(0)
+    against_vllm = map_rank(index, BUILTIN, "reference", "hf", "vllm")
+    against_sglang = map_rank(index, BUILTIN, "reference", "hf", "sglang")
+    assert "lm_head#0.out.0" in against_sglang.pieces and "lm_head#0.out.0" not in against_vllm.pieces
+    assert {"lm_head#0", "<root>#0"} <= against_vllm.ignored
+    assert any("vLLM computes the logits" in rule for rule in against_vllm.rules_used)  # the report says so
+    assert set(against_sglang.pieces) - set(against_vllm.pieces) == {
+        n for n in against_sglang.pieces if n.startswith(("lm_head#", "<root>#"))
+    }
+
+
 DAMAGES = [
     "missing_dir",
     "not_a_dump",

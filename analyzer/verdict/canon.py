@@ -107,7 +107,9 @@ def map_rank(index: Index, rules: List[Rule], side: str, engine: str, other: str
         module, cls, post = info.get(call, (module_of(call), "", 0))
         seen_calls.add(call)
         targets = _rename(tensor, cls, frozenset(slots.get(call, ())), rules, side, engine, other)
-        if not targets:
+        if len(targets) == 1 and targets[0][0] is None:  # left out by a rule
+            if targets[0][4]:
+                used[targets[0][4]] = None
             continue
         kept_calls.add(call)
         width = _row_width(shape, dims)
@@ -124,7 +126,8 @@ def map_rank(index: Index, rules: List[Rule], side: str, engine: str, other: str
 
 
 def _rename(tensor: str, cls: str, slots, rules: List[Rule], side: str, engine: str, other: str) -> list:
-    """[(name, part, parts, sizes, why)] this tensor is known by; [] when a rule leaves it out."""
+    """[(name, part, parts, sizes, why)] this tensor is known by; [(None, ..., why)] when a rule
+    leaves it out."""
     for rule in rules:
         if not rule.applies(side, engine, other, cls, slots):
             continue
@@ -132,7 +135,7 @@ def _rename(tensor: str, cls: str, slots, rules: List[Rule], side: str, engine: 
         if found is None:
             continue
         if rule.ignore:
-            return []
+            return [(None, -1, 0, None, rule.why)]
         if rule.split:
             names = [found.expand(t) for t in rule.split]
             return [(n, i, len(names), rule.sizes, rule.why) for i, n in enumerate(names)]

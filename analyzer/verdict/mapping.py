@@ -135,6 +135,14 @@ BUILTIN: List[Rule] = [
     # a decoder layer that hands (hidden, residual) to the next: the residual stream in two parts,
     # compared through its norms
     Rule(r"model\.layers\.\d+#\d+\..*", ignore=True, engine=ENGINES, cls=r"\w*DecoderLayer\w*"),
+    # vLLM's model runner computes the logits (lm_head) after the model's forward, where no dump
+    # sees them: the other run's logits have no counterpart
+    Rule(
+        r"(lm_head|<root>)#\d+\..*",
+        ignore=True,
+        other="vllm",
+        why="vLLM computes the logits after the model's forward, outside the dump: logits not compared",
+    ),
     # the logits: the engine's logits processor output at the root, HF's lm_head
     Rule(r"<root>#(\d+)\.out\.next_token_logits", to=(r"lm_head#\1.out.0",), engine=ENGINES),
     Rule(r"(.*\.)?(logits_processor|sampler)#\d+\..*", ignore=True, engine=ENGINES),
