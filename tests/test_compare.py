@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from dumpdiff import dumper
-from helpers import dump_padded_batch, dumpdiff, load_model, make_tiny_llama, prompt_ids, report_json
+from helpers import (
+    dump_padded_batch,
+    dumpdiff,
+    load_model,
+    make_tiny_llama,
+    make_tiny_qwen3_moe,
+    prompt_ids,
+    report_json,
+)
 
 LAYERS = 4
 
@@ -289,6 +297,42 @@ def test_qwen3_q_norm_and_k_norm_are_judged_and_a_wrong_one_named(qwen3):
     code, result = compare_json(qwen3["f32"], qwen3["bug"])
     assert code == 1 and result["first"]["call"] == "model.layers.1.self_attn.k_norm#0"
     assert all(".layers.1." in place or ".layers.1#" in place for place in result["culprits"])  # its containers
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """Qwen3-MoE, 3 layers of 8 experts (top 2), on 200 prompt tokens: float32 and bfloat16 runs,
+    whose routers choose other experts on a few rows (scores a rounding apart), and a bfloat16
+    run whose layer 0 experts' output is 25% off."""
+    root = tmp_path_factory.mktemp("moe")
+    path = make_tiny_qwen3_moe(root / "model", num_hidden_layers=3, num_experts=8, num_experts_per_tok=2)
+    prompt = prompt_ids(200, seed=4)
+    return {
+        "f32": dump_run(path, root, "f32", torch.float32, prompt, new_tokens=2),
+        "bf16": dump_run(path, root, "bf16", torch.bfloat16, prompt, new_tokens=2),
+        "bug": dump_run(
+            path, root, "bug", torch.bfloat16, prompt, new_tokens=2, plant=("model.layers.0.mlp.experts", 1.25)
+        ),
+    }
+
+
+def test_moe_routing_flips_are_told_apart_from_errors(moe):
+    """A row whose router chose other experts differs by O(1) in its MoE block: a flip, not an op
+    beyond precision. Those rows are not judged, and they no longer lift the line of the other
+    layers' experts: a 25% error in layer 0's experts is named (judged against layers whose
+    flipped rows jumped 100x, it passed)."""
+    code, result = compare_json(moe["f32"], moe["bf16"])
+    assert code == 0 and result["culprits"] == [], result["summary"]
+    flips = result["routing_flips"]
+    assert flips and all(f["rows_flipped"] >= 1 and f["k"] == 2 for f in flips)
+    for flip in flips:
+        assert flip["block"] == flip["router"].rsplit(".", 1)[0] == f"model.layers.{flip['block'].split('.')[2]}.mlp"
+        assert all(e["experts_a"] != e["experts_b"] for e in flip["examples"])
+    assert "chose other experts" in result["summary"]
+    experts = [op for op in result["ops"] if op["call"].endswith(".mlp.experts#0")]
+    assert len(experts) == 3 and all(op["jump"] < 10 for op in experts)  # no flipped row judged
+    code, result = compare_json(moe["f32"], moe["bug"])
+    assert code == 1 and result["first"]["call"] == "model.layers.0.mlp.experts#0", result["summary"]
 
 
 def test_against_vllm_the_logits_are_left_out_not_unmapped(runs):

@@ -17,6 +17,7 @@ from ..index.store import load_indexes
 from ..wording import plural
 from .align import align, embedding_call, prove
 from .canon import Piece, call_of, dumped_by, io_of, map_rank, module_of
+from .crossflips import excused, routing_flips
 from .crossproof import prove_embeddings
 from .diverge import describe, differing_key
 from .mapping import load_rules
@@ -88,8 +89,10 @@ def compare(
     errors, not_comparable, dtypes = _tensor_errors(compared, pairs, side_a, side_b, sizes_of, progress)
     calls, in_err, out_err, eps_of, wide, int_only = _call_errors(compared, errors, dtypes, side_a, side_b)
     in_err = _fill_missing_inputs(in_err, out_err, int_only)
-    judged = judge(calls, in_err, out_err, eps_of, wide)
-    gap_judged = judge_gaps(calls, in_err, out_err, eps_of, wide)
+    flips, flipped_by_block = routing_flips(side_a, side_b, pairs)
+    excuse = excused(calls, lambda call: module_of(call), flipped_by_block, len(pairs)) if flips else None
+    judged = judge(calls, in_err, out_err, eps_of, wide, excuse)
+    gap_judged = judge_gaps(calls, in_err, out_err, eps_of, wide, excuse)
     info = {name: _describe_call(name, side_a, side_b) for name in calls}
     rows = _row_refs(pairs)
     ops = [_op(j, info[j["call"]], rows, compared) for j in judged]
@@ -128,6 +131,7 @@ def compare(
         "first": named[0] if named else None,
         "adds_most": next((op for op in ops if most and op["call"] == most["call"]), None),
         "first_difference": first_difference,
+        "routing_flips": [_flip(entry, rows) for entry in flips],
         "warnings": dump_a.warnings()
         + dump_b.warnings()
         + filtered
@@ -368,6 +372,13 @@ def _op(judged: dict, info: dict, rows: List[dict], compared, kind: str = "op") 
     }
 
 
+def _flip(entry: dict, rows: List[dict]) -> dict:
+    examples = [
+        {**rows[e["pair"]], "experts_a": e["experts_a"], "experts_b": e["experts_b"]} for e in entry["examples"]
+    ]
+    return {**{k: v for k, v in entry.items() if k != "examples"}, "examples": examples}
+
+
 def _place(op: dict) -> str:
     """An op's call, or where code not compared sits: 'code not compared between A and B'."""
     if op["kind"] == "op":
@@ -432,6 +443,12 @@ def summarize(result: dict) -> str:
         if most
         else "no op adds an error"
     )
+    flips = sum(flip["rows_flipped"] for flip in result["routing_flips"])
+    flip_text = (
+        f" MoE routers chose other experts on {plural(flips, 'row')}: those rows of their blocks are not judged."
+        if flips
+        else ""
+    )
     if result["first"]:
         first = result["first"]
         what = (
@@ -443,11 +460,11 @@ def summarize(result: dict) -> str:
             f"{what} ({kinds}): it adds {_fmt(first['jump'])}x the error it was given, over its line of "
             f"{_fmt(first['line'])}x ({first['line_from']}), {_fmt(first['out_eps'])} epsilons on {first['rows_over']} "
             f"of {first['rows']} rows. It is the first of {len(result['culprits'])} such places: look there for a wrong "
-            f"port, a planted bug or a kernel that loses precision. {most_text[0].upper()}{most_text[1:]}."
+            f"port, a planted bug or a kernel that loses precision. {most_text[0].upper()}{most_text[1:]}.{flip_text}"
         )
     return (
         f"No op strays beyond its precision ({kinds}): every op's error is what its inputs' error and its own "
-        f"rounding explain; {most_text}."
+        f"rounding explain; {most_text}.{flip_text}"
     )
 
 
