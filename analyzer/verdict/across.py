@@ -6,6 +6,7 @@ its precision (precision.py). Returns the result every report format renders (ac
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -254,11 +255,17 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
     for i, key in enumerate(zip(pairs["pass_a"].tolist(), pairs["pass_b"].tolist())):
         groups.setdefault(key, []).append(i)
     row_a, row_b = pairs["row_a"], pairs["row_b"]
-    for t, (name, name_b, _, _) in enumerate(compared):
-        why = None
-        for (pass_a, pass_b), at in groups.items():
-            got_a = side_a.values(int(pass_a), name, [int(row_a[i]) for i in at], sizes_of)
-            got_b = side_b.values(int(pass_b), name_b, [int(row_b[i]) for i in at], sizes_of)
+    uses = Counter(key for keys in groups for key in ((0, keys[0]), (1, keys[1])))
+    whys: Dict[int, str] = {}
+    for (pass_a, pass_b), at in sorted(groups.items()):  # pass by pass: a pass file is read once for all its tensors
+        side_a.read_broadly(int(pass_a))
+        side_b.read_broadly(int(pass_b))
+        rows_a, rows_b = [int(row_a[i]) for i in at], [int(row_b[i]) for i in at]
+        for t, (name, name_b, _, _) in enumerate(compared):
+            if t in whys:
+                continue
+            got_a = side_a.values(int(pass_a), name, rows_a, sizes_of)
+            got_b = side_b.values(int(pass_b), name_b, rows_b, sizes_of)
             if got_a is None or got_b is None:
                 continue
             (ranks_a, type_a), (ranks_b, type_b) = got_a, got_b
@@ -266,7 +273,7 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
             va = side_a.join(name, ranks_a, ranks_b[0].shape[1] if len(ranks_b) == 1 else None)
             vb = side_b.join(name, ranks_b, ranks_a[0].shape[1] if len(ranks_a) == 1 else None)
             if va.shape != vb.shape:
-                why = why or f"row widths differ ({va.shape[1]} and {vb.shape[1]})"
+                whys[t] = f"row widths differ ({va.shape[1]} and {vb.shape[1]})"
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
                 diff = np.abs(va - vb)
@@ -274,19 +281,23 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
                 diff = np.where(both, diff, np.where(np.isnan(va) & np.isnan(vb) | (va == vb), 0.0, np.inf))
                 errors[t, at, 0] = diff.max(axis=1, initial=0.0)
                 errors[t, at, 1] = np.where(np.isfinite(va), np.abs(va), 0.0).max(axis=1, initial=0.0)
-        if why:
-            errors[t] = np.nan
-            not_comparable.append({"tensor": name, "why": why})
+        for which, side, pass_id in ((0, side_a, pass_a), (1, side_b, pass_b)):
+            uses[(which, pass_id)] -= 1
+            if not uses[(which, pass_id)]:  # no group left that reads it: its file leaves the cache
+                side.done_with(int(pass_id))
+    for t, why in sorted(whys.items()):
+        errors[t] = np.nan
+        not_comparable.append({"tensor": compared[t][0], "why": why})
     return errors, not_comparable, dtypes
 
 
 def _call_errors(compared, errors, dtypes, side_a: Side, side_b: Side):
     """Per call (reference order): relative input and output errors [calls, rows], the epsilon
     of its precision, whether its output is a 4-byte float, and whether it takes integers only."""
-    calls: List[str] = []
+    at_call: Dict[str, int] = {}
     for _, _, call, _ in compared:
-        if call not in calls:
-            calls.append(call)
+        at_call.setdefault(call, len(at_call))
+    calls = list(at_call)
     n = errors.shape[1]
     in_err, out_err = np.full((len(calls), n), np.nan), np.full((len(calls), n), np.nan)
     eps_of, wide = np.full(len(calls), eps(BY_NAME["float32"])), np.zeros(len(calls), bool)
@@ -294,7 +305,7 @@ def _call_errors(compared, errors, dtypes, side_a: Side, side_b: Side):
         for t, (name, _, call, io) in enumerate(compared):
             if name not in dtypes or np.isnan(errors[t, :, 0]).all():
                 continue
-            c = calls.index(call)
+            c = at_call[call]
             absolute, magnitude = errors[t, :, 0], errors[t, :, 1]
             types = [BY_NAME[d] for d in dtypes[name]]
             typical = np.nanmedian(magnitude) if np.isfinite(magnitude).any() else 0.0
@@ -305,16 +316,21 @@ def _call_errors(compared, errors, dtypes, side_a: Side, side_b: Side):
             if io == "out":
                 eps_of[c] = max(eps_of[c], *(eps(d) for d in types))
                 wide[c] = all(d.size >= 4 for d in types)
-    int_only = np.array([_takes_integers_only(call, side_a) for call in calls], dtype=bool)
+    integer_only = _integer_input_calls(side_a)
+    int_only = np.array([call in integer_only for call in calls], dtype=bool)
     keep = ~np.isnan(out_err).all(axis=1)
     kept = [c for c, k in zip(calls, keep) if k]
     return kept, in_err[keep], out_err[keep], eps_of[keep], wide[keep], int_only[keep]
 
 
-def _takes_integers_only(call: str, side: Side) -> bool:
-    """Whether the call's inputs on the reference side are all integers (token ids, positions)."""
-    ins = [p for n, p in side.names().items() if call_of(n) == call and io_of(n) == "in"]
-    return bool(ins) and not any(float_kind(p.dtype) for p in ins)
+def _integer_input_calls(side: Side) -> set:
+    """The calls whose inputs on this side are all integers (token ids, positions)."""
+    floats: Dict[str, bool] = {}
+    for name, piece in side.names().items():
+        if io_of(name) == "in":
+            call = call_of(name)
+            floats[call] = floats.get(call, False) or float_kind(piece.dtype)
+    return {call for call, any_float in floats.items() if not any_float}
 
 
 def _fill_missing_inputs(in_err: np.ndarray, out_err: np.ndarray, int_only: np.ndarray) -> np.ndarray:

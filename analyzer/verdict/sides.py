@@ -41,6 +41,16 @@ class Side:
         """Every mapped name of the first rank, with the tensor it comes from."""
         return self.first.pieces
 
+    def read_broadly(self, pass_id: int) -> None:
+        """Rows of many tensors of this pass are about to be read: a small pass file is read whole."""
+        for rank in self.ranks:
+            reader_of(self.indexes[rank]).read_broadly(pass_id)
+
+    def done_with(self, pass_id: int) -> None:
+        """No more rows of this pass will be read: its whole file leaves the cache."""
+        for rank in self.ranks:
+            reader_of(self.indexes[rank]).drop_whole(pass_id)
+
     def values(self, pass_id: int, name: str, rows: List[int], sizes_of: SizesOf) -> Optional[Tuple[list, str]]:
         """([len(rows), width] float64 values per rank, element type) of a mapped tensor on these
         token rows of a pass, one array when every rank holds the same bits; None where the pass or
