@@ -231,7 +231,12 @@ def test_runs_of_other_decode_lengths_compare_the_rows_both_computed(runs, model
     assert all(op["out_eps"] == 0 for op in result["ops"])
     assert result["adds_most"] is None and "no op adds an error" in result["summary"]
     assert result["first_difference"] is None
-    assert any("4 token rows of f32-long have no partner" in w for w in result["warnings"])
+    assert any(w.startswith("4 token rows of f32-long without partner in the reference") for w in result["warnings"])
+    code, result = compare_json(longer, runs["f32"])  # the longer run as the reference: its rows left over
+    assert code == 0 and result["alignment"]["unaligned_b"] == 0
+    assert any(
+        w.startswith("4 token rows of f32-long (the reference) without partner in f32") for w in result["warnings"]
+    )
 
 
 def test_a_run_dumped_with_a_filter_is_compared_on_what_both_dumped(runs, model_dir, tmp_path):

@@ -136,7 +136,7 @@ def compare(
         "warnings": dump_a.warnings()
         + dump_b.warnings()
         + filtered
-        + _row_warnings(alignment, unpaired_cached, dump_b.label),
+        + _row_warnings(alignment, unpaired_cached, ia, dump_a.label, dump_b.label),
     }
     result["summary"] = summarize(result)
     return result
@@ -433,14 +433,24 @@ def _shard_notes(side: Side) -> List[str]:
     ]
 
 
-def _row_warnings(alignment, unpaired_cached: int, label: str) -> List[str]:
+def _row_warnings(alignment, unpaired_cached: int, ia, label_a: str, label_b: str) -> List[str]:
+    """The token rows of either run the other has no partner for, in words."""
     notes = []
     if alignment.unaligned_b:
         notes.append(
-            f"{alignment.unaligned_b} token rows of {show(label)} have no partner in the reference"
+            f"{plural(alignment.unaligned_b, 'token row')} of {show(label_b)} without partner in the reference"
             + (f" ({unpaired_cached} of them decode or extend rows)" if unpaired_cached else "")
             + ": the runs generated other tokens from there on, or the reference lacks those prompts; they are not "
             "compared (dump both runs as one prefill of the same token ids to compare every row)"
+        )
+    tokens = ia.cols("tokens")
+    rows_a = int(np.count_nonzero(tokens["valid"]))
+    paired_a = len(set(zip(alignment.cols["pass_a"].tolist(), alignment.cols["row_a"].tolist())))
+    if rows_a > paired_a:
+        notes.append(
+            f"{plural(rows_a - paired_a, 'token row')} of {show(label_a)} (the reference) without partner in "
+            f"{show(label_b)}: its prompts are longer or other, or it generated other or more tokens; they are not "
+            "compared"
         )
     return notes
 
