@@ -92,18 +92,26 @@ def _fused(module: str, parts: Tuple[str, ...], cls: str) -> List[Rule]:
     ]
 
 
+def _output_as_input(module: str, target: str, cls: str, what: str) -> List[Rule]:
+    """An engine module HF computes in code of its parent's: its output is the input of the
+    sibling module ``target``; its other tensors have no counterpart."""
+    return [
+        Rule(
+            rf"(.*)\.{module}#(\d+)\.out\.0",
+            to=(rf"\1.{target}#\2.in.0",),
+            engine=ENGINES,
+            cls=cls,
+            why=f"{what} compared as {target}'s input",
+        ),
+        Rule(rf".*\.{module}#\d+\..*", ignore=True, engine=ENGINES, cls=cls),
+    ]
+
+
 BUILTIN: List[Rule] = [
     *_fused("qkv_proj", ("q_proj", "k_proj", "v_proj"), _FUSED_QKV),
     *_fused("gate_up_proj", ("gate_proj", "up_proj"), _MERGED),
     # act(gate) * up is the input of down_proj; HF's act_fn computes act(gate) alone
-    Rule(
-        r"(.*)\.act_fn#(\d+)\.out\.0",
-        to=(r"\1.down_proj#\2.in.0",),
-        engine=ENGINES,
-        cls=_GATED_ACT,
-        why="gated activation (act(gate) * up) compared as down_proj's input",
-    ),
-    Rule(r".*\.act_fn#\d+\..*", ignore=True, engine=ENGINES, cls=_GATED_ACT),
+    *_output_as_input("act_fn", "down_proj", _GATED_ACT, "gated activation (act(gate) * up)"),
     Rule(
         r".*\.mlp\.act_fn#\d+\..*",
         ignore=True,
@@ -111,15 +119,8 @@ BUILTIN: List[Rule] = [
         other=ENGINES,
         why="HF's act_fn(gate) alone has no engine counterpart",
     ),
-    # the attention core: q, k, v after rotary in, its output is o_proj's input
-    Rule(
-        r"(.*)\.attn#(\d+)\.out\.0",
-        to=(r"\1.o_proj#\2.in.0",),
-        engine=ENGINES,
-        cls=_ATTN_CORE,
-        why="attention core compared as o_proj's input",
-    ),
-    Rule(r".*\.attn#\d+\..*", ignore=True, engine=ENGINES, cls=_ATTN_CORE),
+    # the attention core: q, k, v after rotary in (HF has no such module), its output is o_proj's input
+    *_output_as_input("attn", "o_proj", _ATTN_CORE, "attention core"),
     Rule(r".*\.rotary_emb#\d+\..*", ignore=True, engine=ENGINES),
     Rule(r".*rotary_emb#\d+\..*", ignore=True, engine="hf", other=ENGINES),
     # norm(x, residual) -> (normalized x + residual, x + residual): the sum is HF's norm input
