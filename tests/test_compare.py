@@ -362,6 +362,22 @@ def test_against_vllm_the_logits_are_left_out_not_unmapped(runs):
     }
 
 
+def test_a_fingerprint_dump_is_refused_with_what_to_do(runs, model_dir, tmp_path):
+    prints = dump_run(
+        model_dir, tmp_path, "bf16-prints", torch.bfloat16, prompt_ids(20, seed=7), non_intrusive_mode="fingerprint"
+    )
+    for args in ((runs["f32"], prints), (prints, runs["f32"])):
+        code, out, err = dumpdiff("compare", *args, "--no-progress")
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert "bf16-prints holds row fingerprints only" in err and "DUMPER_NON_INTRUSIVE_MODE=all" in err
+
+
+def test_a_dump_compared_with_itself_says_so(runs):
+    code, result = compare_json(runs["f32"], runs["f32"])
+    assert code == 0 and result["adds_most"] is None
+    assert "both arguments are the same dump (f32): it is compared with itself" in result["warnings"]
+
+
 DAMAGES = [
     "missing_dir",
     "not_a_dump",

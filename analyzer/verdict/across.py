@@ -6,6 +6,7 @@ its precision (precision.py). Returns the result every report format renders (ac
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
@@ -14,8 +15,9 @@ import numpy as np
 from ..dump.dtypes import BY_NAME, eps, tiny
 from ..dump.load import open_dump, show
 from ..errors import DumpError
+from ..index.printkind import fingerprint_only
 from ..index.store import load_indexes
-from ..wording import plural
+from ..wording import agree, plural
 from .align import align, embedding_call, prove
 from .canon import Piece, call_of, dumped_by, io_of, map_rank, module_of
 from .crossflips import excused, routing_flips
@@ -48,6 +50,13 @@ def compare(
         raise DumpError(
             f"the dumps differ in {differ}: compare runs of one model, or pass --allow-mismatch with a mapping file "
             "(--map) if that is intended"
+        )
+    blind = fingerprint_only(dump_a, dump_b)
+    if blind:
+        raise DumpError(
+            f"{' and '.join(show(label) for label in blind)} {agree(len(blind), 'hold')} row fingerprints only "
+            "(DUMPER_NON_INTRUSIVE_MODE=fingerprint), and compare reads tensor values: dump both runs with "
+            "DUMPER_NON_INTRUSIVE_MODE=all (a DUMPER_FILTER keeps it small)"
         )
     index_a, index_b = load_indexes([dump_a, dump_b], rebuild=rebuild_index, progress=progress)
     ranks_a, ranks_b = sorted(dump_a.ranks), sorted(dump_b.ranks)
@@ -133,7 +142,8 @@ def compare(
         "adds_most": next((op for op in ops if most and op["call"] == most["call"]), None),
         "first_difference": first_difference,
         "routing_flips": [_flip(entry, rows) for entry in flips],
-        "warnings": dump_a.warnings()
+        "warnings": _same_dump(dump_a, dump_b)
+        + dump_a.warnings()
         + dump_b.warnings()
         + filtered
         + _row_warnings(alignment, unpaired_cached, ia, dump_a.label, dump_b.label),
@@ -431,6 +441,12 @@ def _shard_notes(side: Side) -> List[str]:
         f"{show(side.dump.label)}: {len(side.ranks)} ranks; "
         + "; ".join(notes + [f"the others held whole by every rank (read from rank {side.ranks[0]})"])
     ]
+
+
+def _same_dump(dump_a, dump_b) -> List[str]:
+    if os.path.realpath(dump_a.path) != os.path.realpath(dump_b.path):
+        return []
+    return [f"both arguments are the same dump ({show(dump_a.label)}): it is compared with itself"]
 
 
 def _row_warnings(alignment, unpaired_cached: int, ia, label_a: str, label_b: str) -> List[str]:
