@@ -362,6 +362,19 @@ def test_against_vllm_the_logits_are_left_out_not_unmapped(runs):
     }
 
 
+@pytest.mark.parametrize("setting", ["", r"layers\.1\.", "name=mlp", "layer_id=1|2", "layer_id=0", "embed|norm$"])
+def test_the_filter_a_run_was_dumped_with_is_read_as_the_dumper_applies_it(setting):
+    """compare tells a module another run's DUMPER_FILTER left out from one without counterpart
+    by applying that filter to the module's path: as the dumper selected modules."""
+    from dumpdiff.analyzer.verdict.canon import dumped_by
+    from dumpdiff.dumper.config import compile_filter
+
+    paths = ["model.embed_tokens", "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj", "lm_head"]
+    paths += ["model.layers.2.post_attention_layernorm", "model.layers.12.mlp", "model.norm"]
+    hooked = dumped_by(setting)
+    assert [hooked(p) for p in paths] == [compile_filter(setting)(p, "Linear") for p in paths]
+
+
 def test_a_fingerprint_dump_is_refused_with_what_to_do(runs, model_dir, tmp_path):
     prints = dump_run(
         model_dir, tmp_path, "bf16-prints", torch.bfloat16, prompt_ids(20, seed=7), non_intrusive_mode="fingerprint"
