@@ -223,21 +223,31 @@ def _by_call(names: Dict[str, Piece]) -> Dict[str, List[str]]:
 
 def _sizes_resolver(side_a: Side, side_b: Side):
     """Widths of a fused tensor's parts on one rank: the rule's sizes, else those the dump
-    recorded for its module (run.json "parts"), else the other run's widths of the same parts,
-    in proportion to this tensor's width."""
+    recorded for its module (run.json "parts"), else the other run's widths of the same parts
+    (held unfused, or fused with widths given or recorded), in proportion to this tensor's width."""
     cache: Dict[tuple, Tuple[int, ...]] = {}
 
-    def sizes_of(piece: Piece, side: Side) -> Tuple[int, ...]:
-        if piece.sizes:
-            return piece.sizes
+    def given(piece: Piece, side: Side) -> Optional[Tuple[int, ...]]:
         recorded = (side.dump.run.get("parts") or {}).get(module_of(piece.call))
-        if recorded:
-            return tuple(recorded)
+        return piece.sizes or (tuple(recorded) if recorded else None)
+
+    def width_of(name: str, other_side: Side) -> Optional[int]:
+        piece = other_side.names().get(name)
+        if piece is None:
+            return None
+        if piece.part < 0:
+            return piece.width
+        sizes = given(piece, other_side)
+        return sizes[piece.part] if sizes and len(sizes) == piece.parts else None
+
+    def sizes_of(piece: Piece, side: Side) -> Tuple[int, ...]:
+        if given(piece, side):
+            return given(piece, side)
         key = (piece.tensor, piece.width)
         if key not in cache:
             parts = _parts_of(piece, side)
-            other = (side_b if side is side_a else side_a).names()
-            widths = [other[p].width if p in other and other[p].part < 0 else None for p in parts]
+            other_side = side_b if side is side_a else side_a
+            widths = [width_of(p, other_side) for p in parts]
             if None in widths or any(piece.width * w % sum(widths) for w in widths):
                 raise DumpError(
                     f"cannot cut {piece.tensor} into {', '.join(parts)}: neither its dump's run.json records the widths "

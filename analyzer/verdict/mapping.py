@@ -72,22 +72,23 @@ _ATTN_CORE = "RadixAttention|Attention"
 _NORM = r"\w*(RMSNorm|LayerNorm)\w*"
 
 
-def _fused(module: str, parts: Tuple[str, ...], cls: str) -> List[Rule]:
-    """An engine's fused projection: its output cut into the parts' outputs, its input each
-    part's input."""
+def _fused(module: str, parts: Tuple[str, ...], cls: str, engine: str = ENGINES, other=None) -> List[Rule]:
+    """A fused projection: its output cut into the parts' outputs, its input each part's input."""
     return [
         Rule(
             rf"(.*)\.{module}#(\d+)\.out\.0",
             split=tuple(rf"\1.{part}#\2.out.0" for part in parts),
-            engine=ENGINES,
+            engine=engine,
             cls=cls,
+            other=other,
             why=f"fused {module} cut into {', '.join(parts)}",
         ),
         Rule(
             rf"(.*)\.{module}#(\d+)\.in\.0",
             to=tuple(rf"\1.{part}#\2.in.0" for part in parts),
-            engine=ENGINES,
+            engine=engine,
             cls=cls,
+            other=other,
         ),
     ]
 
@@ -110,15 +111,21 @@ def _output_as_input(module: str, target: str, cls: str, what: str) -> List[Rule
 BUILTIN: List[Rule] = [
     *_fused("qkv_proj", ("q_proj", "k_proj", "v_proj"), _FUSED_QKV),
     *_fused("gate_up_proj", ("gate_proj", "up_proj"), _MERGED),
+    # HF models that fuse them too (Phi-3): cut alike, by the engine's widths, so that an engine's
+    # shards, cut per rank, meet them part by part
+    *_fused("qkv_proj", ("q_proj", "k_proj", "v_proj"), r"\w*Linear\w*", engine="hf", other=ENGINES),
+    *_fused("gate_up_proj", ("gate_proj", "up_proj"), r"\w*Linear\w*", engine="hf", other=ENGINES),
     # act(gate) * up is the input of down_proj; HF's act_fn computes act(gate) alone
     *_output_as_input("act_fn", "down_proj", _GATED_ACT, "gated activation (act(gate) * up)"),
     Rule(
-        r".*\.mlp\.act_fn#\d+\..*",
+        r".*\.mlp\.(act_fn|act|activation_fn|activation)#\d+\..*",
         ignore=True,
         engine="hf",
         other=ENGINES,
         why="HF's act_fn(gate) alone has no engine counterpart",
     ),
+    # HF's dropouts (identity in eval) have none either
+    Rule(r".*#\d+\..*", ignore=True, engine="hf", other=ENGINES, cls=r"Dropout\w*", why="HF's dropouts not compared"),
     # the attention core: q, k, v after rotary in (HF has no such module), its output is o_proj's input
     *_output_as_input("attn", "o_proj", _ATTN_CORE, "attention core"),
     Rule(r".*\.rotary_emb#\d+\..*", ignore=True, engine=ENGINES),
