@@ -281,9 +281,17 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
         side_a.read_broadly(int(pass_a))
         side_b.read_broadly(int(pass_b))
         rows_a, rows_b = [int(row_a[i]) for i in at], [int(row_b[i]) for i in at]
+        done: Dict[tuple, int] = {}  # what a tensor is read from on both sides -> the first compared so
         for t, (name, name_b, _, _) in enumerate(compared):
             if t in whys:
                 continue
+            source = (side_a.source_key(int(pass_a), name), side_b.source_key(int(pass_b), name_b))
+            if None in source:
+                continue
+            if source in done:  # an alias (a call's output that is the next one's input): the same bits
+                _same_as(t, done[source], at, compared, errors, dtypes, whys, side_a, side_b)
+                continue
+            done[source] = t
             got_a = side_a.values(int(pass_a), name, rows_a, sizes_of)
             got_b = side_b.values(int(pass_b), name_b, rows_b, sizes_of)
             if got_a is None or got_b is None:
@@ -309,6 +317,20 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
         errors[t] = np.nan
         not_comparable.append({"tensor": compared[t][0], "why": why})
     return errors, not_comparable, dtypes
+
+
+def _same_as(t: int, first: int, at, compared, errors, dtypes, whys, side_a: Side, side_b: Side) -> None:
+    """Tensor ``t`` is read from what ``first`` was, on these rows: its figures are those."""
+    name, first_name = compared[t][0], compared[first][0]
+    if first in whys:
+        whys[t] = whys[first]
+        return
+    if first_name in dtypes:
+        errors[t, at] = errors[first, at]
+        dtypes[name] = dtypes[first_name]
+    for side in (side_a, side_b):
+        if first_name in side.joined:
+            side.joined[name] = side.joined[first_name]
 
 
 def _call_errors(compared, errors, dtypes, side_a: Side, side_b: Side):

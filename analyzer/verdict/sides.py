@@ -20,7 +20,7 @@ from ..dump.load import Dump, show
 from ..errors import DumpError
 from ..index.rows import reader_of
 from ..index.table import Index
-from .canon import Mapped, Piece
+from .canon import Mapped, Piece, module_of
 
 SizesOf = Callable[[Piece, "Side"], Tuple[int, ...]]  # (piece, its run) -> widths of its parts on one rank
 
@@ -50,6 +50,20 @@ class Side:
         """No more rows of this pass will be read: its whole file leaves the cache."""
         for rank in self.ranks:
             reader_of(self.indexes[rank]).drop_whole(pass_id)
+
+    def source_key(self, pass_id: int, name: str) -> Optional[tuple]:
+        """What a mapped tensor's values in a pass are made from, per rank (the stored tensor and
+        the part of it): names with equal keys have equal values. None where a rank or the pass
+        does not hold it."""
+        key = []
+        for rank in self.ranks:
+            piece = self.mapped[rank].pieces.get(name)
+            stored = None if piece is None else reader_of(self.indexes[rank]).stored_of(pass_id, piece.tensor)
+            if stored is None:
+                return None
+            cut = (piece.part, piece.parts, piece.sizes, module_of(piece.call)) if piece.part >= 0 else None
+            key.append((stored, cut))
+        return tuple(key)
 
     def values(self, pass_id: int, name: str, rows: List[int], sizes_of: SizesOf) -> Optional[Tuple[list, str]]:
         """([len(rows), width] float64 values per rank, element type) of a mapped tensor on these
