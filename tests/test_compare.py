@@ -5,6 +5,7 @@ tests/test_compare_sglang.py."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -381,6 +382,24 @@ def test_a_dump_compared_with_itself_says_so(runs):
     code, result = compare_json(runs["f32"], runs["f32"])
     assert code == 0 and result["adds_most"] is None
     assert "both arguments are the same dump (f32): it is compared with itself" in result["warnings"]
+
+
+def test_a_tensor_parallel_dump_missing_a_rank_is_refused(runs, tmp_path):
+    """A tp=2 run of which only rank0's folder was copied: its shards would pass for whole tensors
+    and its partial sums for sums (an sglang o_proj then "strays" a millionfold); refused."""
+    from dump_surgery import copy_dump
+
+    half = copy_dump(runs["bf16"], tmp_path / "tp2")
+    run_json = os.path.join(half, "run.json")
+    with open(run_json) as handle:
+        run = json.load(handle)
+    with open(run_json, "w") as handle:
+        json.dump({**run, "tp_size": 2}, handle)
+    code, out, err = dumpdiff("compare", runs["f32"], half, "--no-progress")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "tp2 was dumped at tp_size 2 but holds 1 rank [0]" in err and "rank0 .. rank1" in err
+    code, _, err = dumpdiff("compare", half, half, "--no-progress")  # the same ranks of one tp size: rank by rank
+    assert code == 0, err
 
 
 DAMAGES = [

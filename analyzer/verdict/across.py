@@ -51,6 +51,7 @@ def compare(
             f"the dumps differ in {differ}: compare runs of one model, or pass --allow-mismatch with a mapping file "
             "(--map) if that is intended"
         )
+    _check_ranks_held(dump_a, dump_b)
     blind = fingerprint_only(dump_a, dump_b)
     if blind:
         raise DumpError(
@@ -473,6 +474,20 @@ def _shard_notes(side: Side) -> List[str]:
         f"{show(side.dump.label)}: {len(side.ranks)} ranks; "
         + "; ".join(notes + [f"the others held whole by every rank (read from rank {side.ranks[0]})"])
     ]
+
+
+def _check_ranks_held(dump_a, dump_b) -> None:
+    """A tensor-parallel run's shards are joined from every rank: a dump that lacks some of its
+    ranks (a folder lost in a copy) would pass a shard off as the whole tensor, a partial sum
+    as the sum. Runs of one tp size holding the same ranks are compared rank by rank: exact."""
+    for dump, other in ((dump_a, dump_b), (dump_b, dump_a)):
+        tp, held = dump.run.get("tp_size"), sorted(dump.ranks)
+        alike = tp == other.run.get("tp_size") and held == sorted(other.ranks)
+        if isinstance(tp, int) and len(held) < tp and not alike:
+            raise DumpError(
+                f"{show(dump.label)} was dumped at tp_size {tp} but holds {plural(len(held), 'rank')} {held}: its shards "
+                f"cannot be joined; copy every rank's folder (rank0 .. rank{tp - 1}) of the run"
+            )
 
 
 def _same_dump(dump_a, dump_b) -> List[str]:
