@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Phi3Config,
@@ -80,6 +82,12 @@ def make_tiny_llama(path, seed: int = 0, dtype: str = "float32", **overrides) ->
 def make_tiny_qwen3(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
     """Write a random 2-layer dense Qwen3 (per-head q_norm and k_norm) to `path`; runs on sglang CPU."""
     return _save(Qwen3ForCausalLM, Qwen3Config(**{**_SMALL, "head_dim": 16, **overrides}), path, seed, dtype)
+
+
+def make_tiny_gemma2(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """Write a random 2-layer Gemma-2 to `path`: its embedding scales the looked-up row by
+    sqrt(hidden_size), and each layer holds four norms."""
+    return _save(Gemma2ForCausalLM, Gemma2Config(**{**_SMALL, "head_dim": 16, **overrides}), path, seed, dtype)
 
 
 def make_tiny_phi3(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:

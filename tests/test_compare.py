@@ -333,6 +333,27 @@ def test_moe_routing_flips_are_told_apart_from_errors(moe):
     assert code == 1 and result["first"]["call"] == "model.layers.0.mlp.experts#0", result["summary"]
 
 
+def test_an_embedding_that_scales_its_lookup_is_proved_within_rounding(tmp_path):
+    """Gemma-2 multiplies the looked-up row by sqrt(hidden_size) in the model's dtype: with a
+    hidden size whose root is no power of two (96 here; 3584 in Gemma-2 9B) the bfloat16 run's
+    embedding is not the float32 one rounded, yet both come from the same weights. The proof
+    then checks each element within 2 bfloat16 units in the last place, and says so; runs of
+    other weights still fail it."""
+    from tiny_models import make_tiny_gemma2
+
+    path = make_tiny_gemma2(tmp_path / "gemma2", hidden_size=96, num_hidden_layers=3)
+    other = make_tiny_gemma2(tmp_path / "gemma2-other", seed=1, hidden_size=96, num_hidden_layers=3)
+    prompt = prompt_ids(20, seed=7)
+    f32 = dump_run(path, tmp_path, "f32", torch.float32, prompt)
+    code, result = compare_json(f32, dump_run(path, tmp_path, "bf16", torch.bfloat16, prompt))
+    assert code == 0 and result["culprits"] == [], result["summary"]
+    assert "within 2 bfloat16 units in the last place on all 23 paired rows" in result["alignment"]["proof"][1]
+    code, out, err = dumpdiff(
+        "compare", f32, dump_run(other, tmp_path, "other", torch.bfloat16, prompt), "--no-progress"
+    )
+    assert code == 2 and "alignment proof failed" in err and "different weights" in err
+
+
 def test_against_vllm_the_logits_are_left_out_not_unmapped(runs):
     """vLLM's model runner computes the logits after the model's forward, where no dump sees them:
     against a vLLM run, the HF run's lm_head and logits are left out of the comparison (else
