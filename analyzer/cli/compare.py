@@ -60,7 +60,8 @@ def compare_cmd(
 
     Token rows are paired by their token ids from position 0 and the pairing is proved: ids and
     positions equal, and the embedding output bit-identical (same dtype) or, across dtypes,
-    the finer run's embedding rounded to the coarser type equal to the coarser one's bits.
+    the finer run's embedding rounded to the coarser type equal to the coarser one's bits
+    (within 2 units in the last place where the embedding scales its lookup, as Gemma's).
 
     Tensors are paired by name after the mapping rules: built in, an engine's
     fused qkv_proj and gate_up_proj are cut into HF's q/k/v_proj and gate/up_proj
@@ -71,7 +72,9 @@ def compare_cmd(
     are read together: a tensor every rank holds alike is read from the first, shards
     are laid side by side in rank order, partial sums (a row-parallel output reduced
     after its hook) are summed. A module with no counterpart on the other side stops
-    the command with a line naming it: write a mapping file (docs/compare.md).
+    the command with a line naming it: write a mapping file (docs/compare.md); one the
+    other run's DUMPER_FILTER left out is skipped, with a warning. Rows where an MoE
+    router chose other experts in the two runs are not judged in its block.
 
     \b
     Exit status:
