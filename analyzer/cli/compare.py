@@ -6,27 +6,17 @@ import sys
 
 import click
 
-from .common import EXIT_DIFFERENT, EXIT_SAME, FORMATS, emit, guarded, output_format
+from .common import EXIT_DIFFERENT, EXIT_SAME, emit, guarded, output_format, report_arguments
 
 
 @click.command("compare", short_help="Judge each op of one run against another run of the same model.")
-@click.argument("reference", type=click.Path(path_type=str))
-@click.argument("test", type=click.Path(path_type=str))
+@report_arguments
 @click.option(
     "--map",
     "mapping",
     default=None,
     metavar="FILE",
     help="Mapping rules (JSON, or TOML with [[rule]] tables) for modules the built-in rules do not map.",
-)
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format.")
-@click.option(
-    "-o",
-    "--output",
-    default=None,
-    metavar="FILE",
-    help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
-    "(.md, .json, .html, .txt) picks the format unless --format is given.",
 )
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model type or layer count differ.")
