@@ -156,6 +156,7 @@ def test_a_mapping_file_renames_a_layout_of_ones_own(runs, tmp_path):
     "content, says",
     [
         ("{not json", "not valid JSON"),
+        ("[[rule]]\nmatch = 'a'\nignore = true\n", "a TOML file's name ends in .toml"),
         ('{"rule": [{"to": "x"}]}', "'match'"),
         ('{"rule": [{"match": "(", "ignore": true}]}', "not a regular expression"),
         ('{"rule": [{"match": "a", "split": ["b", "c"], "sizes": [1]}]}', "'sizes'"),

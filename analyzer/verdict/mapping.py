@@ -175,9 +175,8 @@ def load_rules(path: Optional[str]) -> List[Rule]:
         else:
             document = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise DumpError(
-            f"mapping file {name} is not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {exc}"
-        ) from None
+        kind = "TOML" if path.endswith(".toml") else "JSON (a TOML file's name ends in .toml)"
+        raise DumpError(f"mapping file {name} is not valid {kind}: {exc}") from None
     items = document.get("rule") if isinstance(document, dict) else None
     if not isinstance(items, list):
         raise DumpError(f'mapping file {name}: expected a list of rules under "rule" ([[rule]] tables in TOML)')
