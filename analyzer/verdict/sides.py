@@ -122,10 +122,10 @@ def check_ranks_alike(index: Index, ranks: List[int], label: str) -> None:
     for rank in ranks:
         tokens = index.rank(rank).cols("tokens")
         order = np.lexsort((tokens["row"], tokens["pass"]))
-        mine = tuple(np.asarray(tokens[n])[order].tolist() for n in ("pass", "row", "id", "pos"))
+        mine = [np.asarray(tokens[n])[order] for n in ("pass", "row", "id", "pos")]
         if first is None:
             first = mine
-        elif mine != first:
+        elif not all(np.array_equal(x, y) for x, y in zip(mine, first)):
             raise DumpError(
                 f"the ranks of {label} hold different token rows (rank {rank} against rank {ranks[0]}): a rank's "
                 "dump is cut short or of other steps; dump every rank of the same run"
