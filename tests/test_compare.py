@@ -29,12 +29,14 @@ def model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model", num_hidden_layers=LAYERS)
 
 
-def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None, plant_input=None, **config):
+def dump_run(model_path, root, name, dtype, prompt, new_tokens=4, plant=None, plant_input=None, hook=None, **config):
     """Dump `generate` of the prompt with the model loaded in ``dtype``; ``plant``: (module path,
     factor) scales that module's output in every pass, as a wrong port would; ``plant_input``
-    scales its input (code between modules, which no hook sees); ``config``: more DumperConfig
-    settings (a filter)."""
+    scales its input (code between modules, which no hook sees); ``hook``: (module path, forward
+    hook) changes that module's output otherwise; ``config``: more DumperConfig settings (a filter)."""
     model = load_model(model_path, dtype)
+    if hook:
+        model.get_submodule(hook[0]).register_forward_hook(hook[1])
     if plant:
         model.get_submodule(plant[0]).register_forward_hook(lambda mod, args, out: out * plant[1])
     if plant_input:
@@ -312,7 +314,18 @@ def moe(tmp_path_factory):
         "bug": dump_run(
             path, root, "bug", torch.bfloat16, prompt, new_tokens=2, plant=("model.layers.0.mlp.experts", 1.25)
         ),
+        "router-bug": dump_run(
+            path, root, "router-bug", torch.bfloat16, prompt, new_tokens=2, hook=("model.layers.1.mlp.gate", _lowest)
+        ),
     }
+
+
+def _lowest(module, args, out):
+    """A router that, on every tenth row, sends the token to the expert it scores lowest."""
+    logits, scores, indices = out
+    indices = indices.clone()
+    indices[::10, 0] = logits[::10].argmin(dim=-1)
+    return logits, scores, indices
 
 
 def test_moe_routing_flips_are_told_apart_from_errors(moe):
@@ -332,6 +345,18 @@ def test_moe_routing_flips_are_told_apart_from_errors(moe):
     assert len(experts) == 3 and all(op["jump"] < 10 for op in experts)  # no flipped row judged
     code, result = compare_json(moe["f32"], moe["bug"])
     assert code == 1 and result["first"]["call"] == "model.layers.0.mlp.experts#0", result["summary"]
+
+
+def test_a_router_that_does_not_pick_its_top_k_is_no_flip(moe):
+    """Rows where a run's experts are not the top k of its own router scores are no rounding
+    flip: they are counted apart and judged, and the experts that ran on them are named."""
+    code, result = compare_json(moe["f32"], moe["router-bug"])
+    flips = {flip["router"]: flip for flip in result["routing_flips"]}
+    assert flips["model.layers.1.mlp.gate#0"]["rows_not_top_k"] >= 10
+    assert all(flip["rows_not_top_k"] == 0 for router, flip in flips.items() if ".layers.1." not in router)
+    assert code == 1 and result["first"]["call"] == "model.layers.1.mlp.experts#0", result["summary"]
+    code, out, _ = dumpdiff("compare", moe["f32"], moe["router-bug"], "--no-progress")
+    assert "not the top 2 of its own scores" in out
 
 
 def test_an_embedding_that_scales_its_lookup_is_proved_within_rounding(tmp_path):

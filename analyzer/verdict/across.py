@@ -101,7 +101,8 @@ def compare(
     calls, in_err, out_err, eps_of, wide, int_only = _call_errors(compared, errors, dtypes, side_a, side_b)
     in_err = _fill_missing_inputs(in_err, out_err, int_only)
     flips, flipped_by_block = routing_flips(side_a, side_b, pairs)
-    excuse = excused(calls, lambda call: module_of(call), flipped_by_block, len(pairs)) if flips else None
+    routers = {flip["router"] for flip in flips}
+    excuse = excused(calls, module_of, flipped_by_block, len(pairs), routers) if flips else None
     judged = judge(calls, in_err, out_err, eps_of, wide, excuse)
     gap_judged = judge_gaps(calls, in_err, out_err, eps_of, wide, excuse)
     info = {name: _describe_call(name, side_a, side_b) for name in calls}

@@ -100,7 +100,8 @@ class RoutingFlip(TypedDict):
     block: str  # the MoE block (the router's parent module)
     k: int  # experts chosen per row
     rows_compared: int
-    rows_flipped: int
+    rows_flipped: int  # rows where each run chose the top k of its own scores: a flip, not judged
+    rows_not_top_k: int  # rows where a run's choice is not the top k of its own scores: judged
     examples: List[FlipExample]
 
 
