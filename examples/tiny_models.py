@@ -18,8 +18,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -78,6 +82,18 @@ def make_tiny_llama(path, seed: int = 0, dtype: str = "float32", **overrides) ->
 def make_tiny_qwen3(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
     """Write a random 2-layer dense Qwen3 (per-head q_norm and k_norm) to `path`; runs on sglang CPU."""
     return _save(Qwen3ForCausalLM, Qwen3Config(**{**_SMALL, "head_dim": 16, **overrides}), path, seed, dtype)
+
+
+def make_tiny_gemma2(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """Write a random 2-layer Gemma-2 to `path`: its embedding scales the looked-up row by
+    sqrt(hidden_size), and each layer holds four norms."""
+    return _save(Gemma2ForCausalLM, Gemma2Config(**{**_SMALL, "head_dim": 16, **overrides}), path, seed, dtype)
+
+
+def make_tiny_phi3(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """Write a random 2-layer Phi-3 to `path`: HF fuses qkv_proj and gate_up_proj as the engines
+    do; runs on sglang CPU."""
+    return _save(Phi3ForCausalLM, Phi3Config(**{**_SMALL, **overrides}), path, seed, dtype)
 
 
 def make_tiny_qwen3_moe(path, seed: int = 0, dtype: str = "float32", **overrides) -> Path:

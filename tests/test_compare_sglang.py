@@ -100,6 +100,8 @@ def test_tensor_parallel_two_ranks_against_one(sglang, model_dir, prompt, hf_run
     ]
     code, result = compare_json(sglang_tp1, tp2)
     assert code == 0 and result["culprits"] == [], result["summary"]
+    # docs/compare.md: the kernels first differ where the row-parallel sum is split across ranks
+    assert result["first_difference"]["call"] == "model.layers.0.self_attn.o_proj#0", result["first_difference"]
     assert "2 ranks" in result["mapping"]["shards"][0]
     joined = result["mapping"]["joined"]["test"]
     for layer in range(LAYERS):  # column-parallel outputs side by side, row-parallel ones reduced after the hook
@@ -111,3 +113,23 @@ def test_tensor_parallel_two_ranks_against_one(sglang, model_dir, prompt, hf_run
     assert {f"model.layers.{layer}.self_attn.k_proj#0" for layer in range(LAYERS)} <= ops
     code, result = compare_json(hf_run, tp2)  # and against HF, through both the fused and the sharded layout
     assert code == 0 and result["culprits"] == [], result["summary"]
+
+
+def test_a_model_hf_fuses_too_is_mapped_part_by_part(sglang, tmp_path):
+    """Phi-3: HF fuses qkv_proj and gate_up_proj as the engine does, and names its activation
+    activation_fn and its dropouts apart. Both runs' fused outputs are cut into q/k/v and
+    gate/up by the widths the engine records, and what only HF has is left out."""
+    from tiny_models import make_tiny_phi3
+
+    model_dir = make_tiny_phi3(tmp_path / "phi3", num_hidden_layers=LAYERS)
+    prompt = prompt_ids(16, seed=3)
+    hf = dump_run(model_dir, tmp_path / "hf", "hf", torch.float32, prompt, new_tokens=NEW_TOKENS)
+    port = sglang_run(sglang, model_dir, prompt, tmp_path / "sglang", "sglang")
+    code, result = compare_json(hf, port)
+    assert code == 0 and result["culprits"] == [], result["summary"]
+    ops = {op["call"]: op for op in result["ops"]}
+    for layer in range(LAYERS):
+        for name, cls_b in (("self_attn.q_proj", "QKVParallelLinear"), ("mlp.up_proj", "MergedColumnParallelLinear")):
+            op = ops[f"model.layers.{layer}.{name}#0"]
+            assert (op["cls"], op["cls_b"]) == ("Linear", cls_b)  # a part of HF's fused Linear, of the engine's
+    assert any("dropouts" in rule for rule in result["mapping"]["rules"])

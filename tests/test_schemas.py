@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dumpdiff.analyzer.kl.result import kl_schema
+from dumpdiff.analyzer.verdict.across_result import compare_schema
 from dumpdiff.analyzer.verdict.result import report_schema
 from dumpdiff.dumper import format as fmt
 from helpers import ROOT, check_schema, dump_padded_batch, first_divergence_json, load_model, make_tiny_llama
@@ -23,9 +24,12 @@ def _published(name: str) -> dict:
         return json.load(handle)
 
 
-@pytest.mark.parametrize("name, made", [("first-divergence", report_schema), ("kl", kl_schema)])
+@pytest.mark.parametrize(
+    "name, made", [("first-divergence", report_schema), ("kl", kl_schema), ("compare", compare_schema)]
+)
 def test_published_report_schemas_are_the_typed_models(name, made):
-    """Regenerate with python -m dumpdiff.analyzer.verdict.result (or .kl.result) > docs/schemas/..."""
+    """Regenerate with python -m dumpdiff.analyzer.verdict.result (or .kl.result, .verdict.across_result)
+    > docs/schemas/..."""
     assert _published(name) == json.loads(json.dumps(made()))
 
 

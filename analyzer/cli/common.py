@@ -21,6 +21,30 @@ FAIL_ON_STATE_BUG = "state-bug"
 FAIL_ON = ("divergence", FAIL_ON_STATE_BUG)  # what first-divergence exits 1 for
 
 
+def report_arguments(func):
+    """REFERENCE and TEST, --format and -o: the arguments of a command that compares two dumps
+    and writes a report (first-divergence, compare)."""
+    for decorator in reversed(
+        (
+            click.argument("reference", type=click.Path(path_type=str)),
+            click.argument("test", type=click.Path(path_type=str)),
+            click.option(
+                "--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format."
+            ),
+            click.option(
+                "-o",
+                "--output",
+                default=None,
+                metavar="FILE",
+                help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
+                "(.md, .json, .html, .txt; another one is an error) picks the format unless --format is given.",
+            ),
+        )
+    ):
+        func = decorator(func)
+    return func
+
+
 def guarded(func):
     """Turn every failure into one line and exit code 2: no traceback, no partial result."""
 

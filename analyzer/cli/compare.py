@@ -6,27 +6,17 @@ import sys
 
 import click
 
-from .common import EXIT_DIFFERENT, EXIT_SAME, FORMATS, emit, guarded, output_format
+from .common import EXIT_DIFFERENT, EXIT_SAME, emit, guarded, output_format, report_arguments
 
 
 @click.command("compare", short_help="Judge each op of one run against another run of the same model.")
-@click.argument("reference", type=click.Path(path_type=str))
-@click.argument("test", type=click.Path(path_type=str))
+@report_arguments
 @click.option(
     "--map",
     "mapping",
     default=None,
     metavar="FILE",
     help="Mapping rules (JSON, or TOML with [[rule]] tables) for modules the built-in rules do not map.",
-)
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format.")
-@click.option(
-    "-o",
-    "--output",
-    default=None,
-    metavar="FILE",
-    help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
-    "(.md, .json, .html, .txt) picks the format unless --format is given.",
 )
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model type or layer count differ.")
@@ -60,7 +50,8 @@ def compare_cmd(
 
     Token rows are paired by their token ids from position 0 and the pairing is proved: ids and
     positions equal, and the embedding output bit-identical (same dtype) or, across dtypes,
-    the finer run's embedding rounded to the coarser type equal to the coarser one's bits.
+    the finer run's embedding rounded to the coarser type equal to the coarser one's bits
+    (within 2 units in the last place where the embedding scales its lookup, as Gemma's).
 
     Tensors are paired by name after the mapping rules: built in, an engine's
     fused qkv_proj and gate_up_proj are cut into HF's q/k/v_proj and gate/up_proj
@@ -71,7 +62,9 @@ def compare_cmd(
     are read together: a tensor every rank holds alike is read from the first, shards
     are laid side by side in rank order, partial sums (a row-parallel output reduced
     after its hook) are summed. A module with no counterpart on the other side stops
-    the command with a line naming it: write a mapping file (docs/compare.md).
+    the command with a line naming it: write a mapping file (docs/compare.md); one the
+    other run's DUMPER_FILTER left out is skipped, with a warning. Rows where an MoE
+    router chose other experts in the two runs are not judged in its block.
 
     \b
     Exit status:

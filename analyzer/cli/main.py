@@ -17,7 +17,17 @@ import click
 
 from ..errors import DumpError, require_torch
 from ..http import DEFAULT_URL
-from .common import EXIT_DIFFERENT, EXIT_SAME, FAIL_ON, FAIL_ON_STATE_BUG, FORMATS, emit, fail, guarded, output_format
+from .common import (
+    EXIT_DIFFERENT,
+    EXIT_SAME,
+    FAIL_ON,
+    FAIL_ON_STATE_BUG,
+    emit,
+    fail,
+    guarded,
+    output_format,
+    report_arguments,
+)
 
 
 def _verbose(ctx, param, verbose: bool) -> None:
@@ -112,17 +122,7 @@ def render(result: dict, fmt: str) -> str:
 
 # short_help: the line of the top-level list, which click would cut from the docstring mid-phrase
 @main.command("first-divergence", short_help="Name the first operator where prefill and decode disagree.")
-@click.argument("reference", type=click.Path(path_type=str))
-@click.argument("test", type=click.Path(path_type=str))
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True, help="Output format.")
-@click.option(
-    "-o",
-    "--output",
-    default=None,
-    metavar="FILE",
-    help="Write the report to FILE (written whole or not at all; - for stdout); its extension "
-    "(.md, .json, .html, .txt; another one is an error) picks the format unless --format is given.",
-)
+@report_arguments
 @click.option("--rank", type=int, default=None, help="Compare only this rank (default: every rank).")
 @click.option("--trust-alignment", is_flag=True, help="Skip the embedding-output check of the alignment proof.")
 @click.option("--allow-mismatch", is_flag=True, help="Compare dumps whose model, dtype or tp size differ.")

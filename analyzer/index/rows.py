@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections import OrderedDict
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -71,6 +71,15 @@ class RowReader:
     def srows(self, pass_id: int, tensor: str) -> Dict[int, int]:
         """token row -> row of the stored view, for the rows of one tensor of one pass it holds."""
         return self._srow_map(pass_id, tensor)
+
+    def stored_of(self, pass_id: int, tensor: str) -> Optional[tuple]:
+        """What a tensor's rows are read from: (stored tensor, token dims, row-selected); None
+        where the pass does not hold it. Names with equal answers in a pass (an alias: one call's
+        output that is the next one's input) read the same bits."""
+        if tensor not in self._entries_of(pass_id):
+            return None
+        stored, dims, selected = self._tensor_meta(pass_id, tensor)
+        return stored, None if dims is None else tuple(dims), selected
 
     def stored_bits(self, pass_id: int, tensor: str, srows) -> Tuple[np.ndarray, DType]:
         """The same, for rows given as rows of the stored view (the rows table's ``srow``)."""

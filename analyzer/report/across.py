@@ -83,7 +83,24 @@ def _facts(result: dict) -> List[str]:
     facts += [f"shards: {note}" for note in mapping["shards"]]
     facts += [f"not comparable: {n['tensor']}: {n['why']}" for n in mapping["not_comparable"][:4]]
     facts.append(f"rows compared: {result['rows_compared']} of {result['alignment']['paired']} paired")
+    facts += [_flip_fact(flip) for flip in result["routing_flips"]]
     return facts
+
+
+def _flip_fact(flip: dict) -> str:
+    shown = "; ".join(f"{e['seq']}@{e['pos']}: {e['experts_a']} and {e['experts_b']}" for e in flip["examples"][:2])
+    text = (
+        f"MoE routing flip: {flip['router']} chose other experts (top {flip['k']}) on {flip['rows_flipped']} of "
+        f"{plural(flip['rows_compared'], 'row')}"
+        + (f" ({shown})" if shown else "")
+        + f"; {flip['block']} and the modules holding it are not judged on those rows"
+    )
+    if flip["rows_not_top_k"]:
+        text += (
+            f"; on {plural(flip['rows_not_top_k'], 'more row')} a run's experts are not the top {flip['k']} of its "
+            "own scores: no rounding flip, those rows are judged"
+        )
+    return text
 
 
 def to_text(result: Comparison) -> str:

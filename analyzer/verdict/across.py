@@ -6,6 +6,8 @@ its precision (precision.py). Returns the result every report format renders (ac
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -13,10 +15,12 @@ import numpy as np
 from ..dump.dtypes import BY_NAME, eps, tiny
 from ..dump.load import open_dump, show
 from ..errors import DumpError
+from ..index.printkind import fingerprint_only
 from ..index.store import load_indexes
-from ..wording import plural
+from ..wording import agree, plural
 from .align import align, embedding_call, prove
-from .canon import Piece, call_of, io_of, map_rank, module_of
+from .canon import Piece, call_of, dumped_by, io_of, map_rank, module_of
+from .crossflips import excused, routing_flips
 from .crossproof import prove_embeddings
 from .diverge import describe, differing_key
 from .mapping import load_rules
@@ -47,6 +51,14 @@ def compare(
             f"the dumps differ in {differ}: compare runs of one model, or pass --allow-mismatch with a mapping file "
             "(--map) if that is intended"
         )
+    _check_ranks_held(dump_a, dump_b)
+    blind = fingerprint_only(dump_a, dump_b)
+    if blind:
+        raise DumpError(
+            f"{' and '.join(show(label) for label in blind)} {agree(len(blind), 'hold')} row fingerprints only "
+            "(DUMPER_NON_INTRUSIVE_MODE=fingerprint), and compare reads tensor values: dump both runs with "
+            "DUMPER_NON_INTRUSIVE_MODE=all (a DUMPER_FILTER keeps it small)"
+        )
     index_a, index_b = load_indexes([dump_a, dump_b], rebuild=rebuild_index, progress=progress)
     ranks_a, ranks_b = sorted(dump_a.ranks), sorted(dump_b.ranks)
     check_ranks_alike(index_a, ranks_a, dump_a.label)
@@ -55,6 +67,11 @@ def compare(
     alignment = align(ia, ib)
     unpaired_cached = alignment.cached_unpaired_b  # two runs may generate other tokens: not a bad reference
     alignment.cached_b = alignment.cached_unpaired_b = 0
+    if not len(alignment.cols) and not alignment.history_notes_b:
+        raise DumpError(
+            f"no token row of {show(dump_b.label)} matches a row of {show(dump_a.label)} (same token ids from position "
+            "0): dump both runs with the same prompts (token ids)"
+        )
     alignment = prove(alignment, ia, ib, dump_a.label, dump_b.label, trust=True)
     alignment.proof.pop()  # "embedding check skipped": the check across runs follows
     if trust_alignment:
@@ -70,7 +87,7 @@ def compare(
         indexes = {r: index.rank(r) for r in ranks}
         sides.append(Side(dump, indexes, {r: map_rank(indexes[r], rules, which, engine, other) for r in ranks}))
     side_a, side_b = sides
-    compared, unmapped, renamed = pair_names(side_a, side_b)
+    compared, unmapped, renamed, filtered = pair_names(side_a, side_b)
     if unmapped:
         raise DumpError(unmapped)
     if not compared:
@@ -83,8 +100,11 @@ def compare(
     errors, not_comparable, dtypes = _tensor_errors(compared, pairs, side_a, side_b, sizes_of, progress)
     calls, in_err, out_err, eps_of, wide, int_only = _call_errors(compared, errors, dtypes, side_a, side_b)
     in_err = _fill_missing_inputs(in_err, out_err, int_only)
-    judged = judge(calls, in_err, out_err, eps_of, wide)
-    gap_judged = judge_gaps(calls, in_err, out_err, eps_of, wide)
+    flips, flipped_by_block = routing_flips(side_a, side_b, pairs)
+    routers = {flip["router"] for flip in flips}
+    excuse = excused(calls, module_of, flipped_by_block, len(pairs), routers) if flips else None
+    judged = judge(calls, in_err, out_err, eps_of, wide, excuse)
+    gap_judged = judge_gaps(calls, in_err, out_err, eps_of, wide, excuse)
     info = {name: _describe_call(name, side_a, side_b) for name in calls}
     rows = _row_refs(pairs)
     ops = [_op(j, info[j["call"]], rows, compared) for j in judged]
@@ -123,16 +143,22 @@ def compare(
         "first": named[0] if named else None,
         "adds_most": next((op for op in ops if most and op["call"] == most["call"]), None),
         "first_difference": first_difference,
-        "warnings": dump_a.warnings() + dump_b.warnings() + _row_warnings(alignment, unpaired_cached, dump_b.label),
+        "routing_flips": [_flip(entry, rows) for entry in flips],
+        "warnings": _same_dump(dump_a, dump_b)
+        + dump_a.warnings()
+        + dump_b.warnings()
+        + filtered
+        + _row_warnings(alignment, unpaired_cached, ia, dump_a.label, dump_b.label),
     }
     result["summary"] = summarize(result)
     return result
 
 
-def pair_names(side_a: Side, side_b: Side) -> Tuple[List[tuple], Optional[str], Dict[str, str]]:
+def pair_names(side_a: Side, side_b: Side) -> Tuple[List[tuple], Optional[str], Dict[str, str], List[str]]:
     """The tensors both runs hold under one name, as (name, name on the test side, call, io); the
-    error naming the modules that have no counterpart (None if every one has); and the test
-    side's tensors paired by role where their slot names differ (its name -> the reference's)."""
+    error naming the modules that have no counterpart (None if every one has); the test side's
+    tensors paired by role where their slot names differ (its name -> the reference's); and
+    warnings on the modules one run has and the other's DUMPER_FILTER left out."""
     names_a, names_b = side_a.names(), side_b.names()
     by_call_a, by_call_b = _by_call(names_a), _by_call(names_b)
     renamed: Dict[str, str] = {}
@@ -154,24 +180,40 @@ def pair_names(side_a: Side, side_b: Side) -> Tuple[List[tuple], Optional[str], 
     compared.sort(
         key=lambda c: (side_a.first.calls[c[2]].post if c[2] in side_a.first.calls else 0, c[3] == "out", c[0])
     )
-    missing = []
-    for side, other, label in ((side_a, by_call_b, "REFERENCE"), (side_b, by_call_a, "TEST")):
+    missing, filtered = [], []
+    for side, other_side, other, label in (
+        (side_a, side_b, by_call_b, "REFERENCE"),
+        (side_b, side_a, by_call_a, "TEST"),
+    ):
         mine = _by_call(side.names())
+        hooked = dumped_by(other_side.dump.setting("filter"))
+        left_out = []
         for call in sorted(set(mine) - set(other)):
             if call in side.first.leaves and any(float_kind(side.names()[n].dtype) for n in mine[call]):
                 info = side.first.calls[call]
-                missing.append(f"{info.source} [{info.cls}] of {label} ({show(side.dump.label)})")
+                if hooked(info.module):
+                    missing.append(f"{info.source} [{info.cls}] of {label} ({show(side.dump.label)})")
+                else:  # the other run's DUMPER_FILTER left it out: not a module without counterpart
+                    left_out.append(info.source)
+        if left_out:
+            filtered.append(
+                f"{plural(len(left_out), 'module')} of {show(side.dump.label)} ({_listed(left_out)}) left out of "
+                f"{show(other_side.dump.label)} by its DUMPER_FILTER={other_side.dump.setting('filter')!r}: only the "
+                "modules both runs dumped are compared"
+            )
     if not missing:
-        return compared, None, renamed
-    shown = ", ".join(missing[:MAX_LISTED]) + (
-        f" and {len(missing) - MAX_LISTED} more" if len(missing) > MAX_LISTED else ""
-    )
+        return compared, None, renamed, filtered
     return (
         compared,
-        f"{len(missing)} modules have no counterpart in the other run: {shown}; write a mapping file (--map FILE: rules "
-        "that rename, split or ignore tensors, docs/compare.md)",
+        f"{plural(len(missing), 'module')} without counterpart in the other run: {_listed(missing)}; write a mapping file (--map "
+        "FILE: rules that rename, split or ignore tensors, docs/compare.md)",
         renamed,
+        filtered,
     )
+
+
+def _listed(names: List[str]) -> str:
+    return ", ".join(names[:MAX_LISTED]) + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
 
 
 def _by_call(names: Dict[str, Piece]) -> Dict[str, List[str]]:
@@ -183,21 +225,31 @@ def _by_call(names: Dict[str, Piece]) -> Dict[str, List[str]]:
 
 def _sizes_resolver(side_a: Side, side_b: Side):
     """Widths of a fused tensor's parts on one rank: the rule's sizes, else those the dump
-    recorded for its module (run.json "parts"), else the other run's widths of the same parts,
-    in proportion to this tensor's width."""
+    recorded for its module (run.json "parts"), else the other run's widths of the same parts
+    (held unfused, or fused with widths given or recorded), in proportion to this tensor's width."""
     cache: Dict[tuple, Tuple[int, ...]] = {}
 
-    def sizes_of(piece: Piece, side: Side) -> Tuple[int, ...]:
-        if piece.sizes:
-            return piece.sizes
+    def given(piece: Piece, side: Side) -> Optional[Tuple[int, ...]]:
         recorded = (side.dump.run.get("parts") or {}).get(module_of(piece.call))
-        if recorded:
-            return tuple(recorded)
+        return piece.sizes or (tuple(recorded) if recorded else None)
+
+    def width_of(name: str, other_side: Side) -> Optional[int]:
+        piece = other_side.names().get(name)
+        if piece is None:
+            return None
+        if piece.part < 0:
+            return piece.width
+        sizes = given(piece, other_side)
+        return sizes[piece.part] if sizes and len(sizes) == piece.parts else None
+
+    def sizes_of(piece: Piece, side: Side) -> Tuple[int, ...]:
+        if given(piece, side):
+            return given(piece, side)
         key = (piece.tensor, piece.width)
         if key not in cache:
             parts = _parts_of(piece, side)
-            other = (side_b if side is side_a else side_a).names()
-            widths = [other[p].width if p in other and other[p].part < 0 else None for p in parts]
+            other_side = side_b if side is side_a else side_a
+            widths = [width_of(p, other_side) for p in parts]
             if None in widths or any(piece.width * w % sum(widths) for w in widths):
                 raise DumpError(
                     f"cannot cut {piece.tensor} into {', '.join(parts)}: neither its dump's run.json records the widths "
@@ -212,11 +264,7 @@ def _sizes_resolver(side_a: Side, side_b: Side):
 
 def _parts_of(piece: Piece, side: Side) -> List[str]:
     """The names a fused tensor is cut into, in order."""
-    for named in side.first.passes.values():
-        found = sorted((p.part, n) for n, p in named.items() if p.tensor == piece.tensor)
-        if found:
-            return [n for _, n in found]
-    return []
+    return [n for _, n in sorted((p.part, n) for n, p in side.first.pieces.items() if p.tensor == piece.tensor)]
 
 
 def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progress: bool):
@@ -229,11 +277,25 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
     for i, key in enumerate(zip(pairs["pass_a"].tolist(), pairs["pass_b"].tolist())):
         groups.setdefault(key, []).append(i)
     row_a, row_b = pairs["row_a"], pairs["row_b"]
-    for t, (name, name_b, _, _) in enumerate(compared):
-        why = None
-        for (pass_a, pass_b), at in groups.items():
-            got_a = side_a.values(int(pass_a), name, [int(row_a[i]) for i in at], sizes_of)
-            got_b = side_b.values(int(pass_b), name_b, [int(row_b[i]) for i in at], sizes_of)
+    uses = Counter(key for keys in groups for key in ((0, keys[0]), (1, keys[1])))
+    whys: Dict[int, str] = {}
+    for (pass_a, pass_b), at in sorted(groups.items()):  # pass by pass: a pass file is read once for all its tensors
+        side_a.read_broadly(int(pass_a))
+        side_b.read_broadly(int(pass_b))
+        rows_a, rows_b = [int(row_a[i]) for i in at], [int(row_b[i]) for i in at]
+        done: Dict[tuple, int] = {}  # what a tensor is read from on both sides -> the first compared so
+        for t, (name, name_b, _, _) in enumerate(compared):
+            if t in whys:
+                continue
+            source = (side_a.source_key(int(pass_a), name), side_b.source_key(int(pass_b), name_b))
+            if None in source:
+                continue
+            if source in done:  # an alias (a call's output that is the next one's input): the same bits
+                _same_as(t, done[source], at, compared, errors, dtypes, whys, side_a, side_b)
+                continue
+            done[source] = t
+            got_a = side_a.values(int(pass_a), name, rows_a, sizes_of)
+            got_b = side_b.values(int(pass_b), name_b, rows_b, sizes_of)
             if got_a is None or got_b is None:
                 continue
             (ranks_a, type_a), (ranks_b, type_b) = got_a, got_b
@@ -241,7 +303,7 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
             va = side_a.join(name, ranks_a, ranks_b[0].shape[1] if len(ranks_b) == 1 else None)
             vb = side_b.join(name, ranks_b, ranks_a[0].shape[1] if len(ranks_a) == 1 else None)
             if va.shape != vb.shape:
-                why = why or f"row widths differ ({va.shape[1]} and {vb.shape[1]})"
+                whys[t] = f"row widths differ ({va.shape[1]} and {vb.shape[1]})"
                 continue
             with np.errstate(invalid="ignore", over="ignore"):
                 diff = np.abs(va - vb)
@@ -249,19 +311,37 @@ def _tensor_errors(compared, pairs, side_a: Side, side_b: Side, sizes_of, progre
                 diff = np.where(both, diff, np.where(np.isnan(va) & np.isnan(vb) | (va == vb), 0.0, np.inf))
                 errors[t, at, 0] = diff.max(axis=1, initial=0.0)
                 errors[t, at, 1] = np.where(np.isfinite(va), np.abs(va), 0.0).max(axis=1, initial=0.0)
-        if why:
-            errors[t] = np.nan
-            not_comparable.append({"tensor": name, "why": why})
+        for which, side, pass_id in ((0, side_a, pass_a), (1, side_b, pass_b)):
+            uses[(which, pass_id)] -= 1
+            if not uses[(which, pass_id)]:  # no group left that reads it: its file leaves the cache
+                side.done_with(int(pass_id))
+    for t, why in sorted(whys.items()):
+        errors[t] = np.nan
+        not_comparable.append({"tensor": compared[t][0], "why": why})
     return errors, not_comparable, dtypes
+
+
+def _same_as(t: int, first: int, at, compared, errors, dtypes, whys, side_a: Side, side_b: Side) -> None:
+    """Tensor ``t`` is read from what ``first`` was, on these rows: its figures are those."""
+    name, first_name = compared[t][0], compared[first][0]
+    if first in whys:
+        whys[t] = whys[first]
+        return
+    if first_name in dtypes:
+        errors[t, at] = errors[first, at]
+        dtypes[name] = dtypes[first_name]
+    for side in (side_a, side_b):
+        if first_name in side.joined:
+            side.joined[name] = side.joined[first_name]
 
 
 def _call_errors(compared, errors, dtypes, side_a: Side, side_b: Side):
     """Per call (reference order): relative input and output errors [calls, rows], the epsilon
     of its precision, whether its output is a 4-byte float, and whether it takes integers only."""
-    calls: List[str] = []
+    at_call: Dict[str, int] = {}
     for _, _, call, _ in compared:
-        if call not in calls:
-            calls.append(call)
+        at_call.setdefault(call, len(at_call))
+    calls = list(at_call)
     n = errors.shape[1]
     in_err, out_err = np.full((len(calls), n), np.nan), np.full((len(calls), n), np.nan)
     eps_of, wide = np.full(len(calls), eps(BY_NAME["float32"])), np.zeros(len(calls), bool)
@@ -269,7 +349,7 @@ def _call_errors(compared, errors, dtypes, side_a: Side, side_b: Side):
         for t, (name, _, call, io) in enumerate(compared):
             if name not in dtypes or np.isnan(errors[t, :, 0]).all():
                 continue
-            c = calls.index(call)
+            c = at_call[call]
             absolute, magnitude = errors[t, :, 0], errors[t, :, 1]
             types = [BY_NAME[d] for d in dtypes[name]]
             typical = np.nanmedian(magnitude) if np.isfinite(magnitude).any() else 0.0
@@ -280,16 +360,21 @@ def _call_errors(compared, errors, dtypes, side_a: Side, side_b: Side):
             if io == "out":
                 eps_of[c] = max(eps_of[c], *(eps(d) for d in types))
                 wide[c] = all(d.size >= 4 for d in types)
-    int_only = np.array([_takes_integers_only(call, side_a) for call in calls], dtype=bool)
+    integer_only = _integer_input_calls(side_a)
+    int_only = np.array([call in integer_only for call in calls], dtype=bool)
     keep = ~np.isnan(out_err).all(axis=1)
     kept = [c for c, k in zip(calls, keep) if k]
     return kept, in_err[keep], out_err[keep], eps_of[keep], wide[keep], int_only[keep]
 
 
-def _takes_integers_only(call: str, side: Side) -> bool:
-    """Whether the call's inputs on the reference side are all integers (token ids, positions)."""
-    ins = [p for n, p in side.names().items() if call_of(n) == call and io_of(n) == "in"]
-    return bool(ins) and not any(float_kind(p.dtype) for p in ins)
+def _integer_input_calls(side: Side) -> set:
+    """The calls whose inputs on this side are all integers (token ids, positions)."""
+    floats: Dict[str, bool] = {}
+    for name, piece in side.names().items():
+        if io_of(name) == "in":
+            call = call_of(name)
+            floats[call] = floats.get(call, False) or float_kind(piece.dtype)
+    return {call for call, any_float in floats.items() if not any_float}
 
 
 def _fill_missing_inputs(in_err: np.ndarray, out_err: np.ndarray, int_only: np.ndarray) -> np.ndarray:
@@ -347,6 +432,13 @@ def _op(judged: dict, info: dict, rows: List[dict], compared, kind: str = "op") 
     }
 
 
+def _flip(entry: dict, rows: List[dict]) -> dict:
+    examples = [
+        {**rows[e["pair"]], "experts_a": e["experts_a"], "experts_b": e["experts_b"]} for e in entry["examples"]
+    ]
+    return {**{k: v for k, v in entry.items() if k != "examples"}, "examples": examples}
+
+
 def _place(op: dict) -> str:
     """An op's call, or where code not compared sits: 'code not compared between A and B'."""
     if op["kind"] == "op":
@@ -385,14 +477,44 @@ def _shard_notes(side: Side) -> List[str]:
     ]
 
 
-def _row_warnings(alignment, unpaired_cached: int, label: str) -> List[str]:
+def _check_ranks_held(dump_a, dump_b) -> None:
+    """A tensor-parallel run's shards are joined from every rank: a dump that lacks some of its
+    ranks (a folder lost in a copy) would pass a shard off as the whole tensor, a partial sum
+    as the sum. Runs of one tp size holding the same ranks are compared rank by rank: exact."""
+    for dump, other in ((dump_a, dump_b), (dump_b, dump_a)):
+        tp, held = dump.run.get("tp_size"), sorted(dump.ranks)
+        alike = tp == other.run.get("tp_size") and held == sorted(other.ranks)
+        if isinstance(tp, int) and len(held) < tp and not alike:
+            raise DumpError(
+                f"{show(dump.label)} was dumped at tp_size {tp} but holds {plural(len(held), 'rank')} {held}: its shards "
+                f"cannot be joined; copy every rank's folder (rank0 .. rank{tp - 1}) of the run"
+            )
+
+
+def _same_dump(dump_a, dump_b) -> List[str]:
+    if os.path.realpath(dump_a.path) != os.path.realpath(dump_b.path):
+        return []
+    return [f"both arguments are the same dump ({show(dump_a.label)}): it is compared with itself"]
+
+
+def _row_warnings(alignment, unpaired_cached: int, ia, label_a: str, label_b: str) -> List[str]:
+    """The token rows of either run the other has no partner for, in words."""
     notes = []
     if alignment.unaligned_b:
         notes.append(
-            f"{alignment.unaligned_b} token rows of {show(label)} have no partner in the reference"
+            f"{plural(alignment.unaligned_b, 'token row')} of {show(label_b)} without partner in the reference"
             + (f" ({unpaired_cached} of them decode or extend rows)" if unpaired_cached else "")
             + ": the runs generated other tokens from there on, or the reference lacks those prompts; they are not "
             "compared (dump both runs as one prefill of the same token ids to compare every row)"
+        )
+    tokens = ia.cols("tokens")
+    rows_a = int(np.count_nonzero(tokens["valid"]))
+    paired_a = len(set(zip(alignment.cols["pass_a"].tolist(), alignment.cols["row_a"].tolist())))
+    if rows_a > paired_a:
+        notes.append(
+            f"{plural(rows_a - paired_a, 'token row')} of {show(label_a)} (the reference) without partner in "
+            f"{show(label_b)}: its prompts are longer or other, or it generated other or more tokens; they are not "
+            "compared"
         )
     return notes
 
@@ -411,6 +533,12 @@ def summarize(result: dict) -> str:
         if most
         else "no op adds an error"
     )
+    flips = sum(flip["rows_flipped"] for flip in result["routing_flips"])
+    flip_text = (
+        f" MoE routers chose other experts on {plural(flips, 'row')}: those rows of their blocks are not judged."
+        if flips
+        else ""
+    )
     if result["first"]:
         first = result["first"]
         what = (
@@ -422,11 +550,11 @@ def summarize(result: dict) -> str:
             f"{what} ({kinds}): it adds {_fmt(first['jump'])}x the error it was given, over its line of "
             f"{_fmt(first['line'])}x ({first['line_from']}), {_fmt(first['out_eps'])} epsilons on {first['rows_over']} "
             f"of {first['rows']} rows. It is the first of {len(result['culprits'])} such places: look there for a wrong "
-            f"port, a planted bug or a kernel that loses precision. {most_text[0].upper()}{most_text[1:]}."
+            f"port, a planted bug or a kernel that loses precision. {most_text[0].upper()}{most_text[1:]}.{flip_text}"
         )
     return (
         f"No op strays beyond its precision ({kinds}): every op's error is what its inputs' error and its own "
-        f"rounding explain; {most_text}."
+        f"rounding explain; {most_text}.{flip_text}"
     )
 
 

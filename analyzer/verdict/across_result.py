@@ -83,6 +83,28 @@ class FirstDifference(TypedDict):
     row: ComparedRow
 
 
+class FlipExample(TypedDict):
+    seq: str
+    pos: int
+    kind: str
+    experts_a: List[int]  # the experts the reference chose on the row
+    experts_b: List[int]  # those the run under test chose
+
+
+class RoutingFlip(TypedDict):
+    """An MoE router whose choice of experts differs between the runs on some compared rows (near
+    ties of its scores, rounded otherwise): its block and the modules holding it are not judged
+    on those rows."""
+
+    router: str  # the router call (reference name)
+    block: str  # the MoE block (the router's parent module)
+    k: int  # experts chosen per row
+    rows_compared: int
+    rows_flipped: int  # rows where each run chose the top k of its own scores: a flip, not judged
+    rows_not_top_k: int  # rows where a run's choice is not the top k of its own scores: judged
+    examples: List[FlipExample]
+
+
 class Comparison(TypedDict):
     a: Side  # the reference run
     b: Side  # the run under test
@@ -98,6 +120,7 @@ class Comparison(TypedDict):
     first: Optional[Op]  # the first of them (an op or a gap)
     adds_most: Optional[Op]  # the op with the largest jump
     first_difference: Optional[FirstDifference]
+    routing_flips: List[RoutingFlip]  # MoE routers that chose other experts on some rows
     warnings: List[str]
     summary: str
 

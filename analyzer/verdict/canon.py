@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..index.table import Index
 from .mapping import Rule
@@ -37,7 +37,7 @@ class CallInfo:
 
 @dataclasses.dataclass
 class Mapped:
-    passes: Dict[int, Dict[str, Piece]]  # pass -> renamed tensor -> piece
+    pieces: Dict[str, Piece]  # renamed tensor -> its source (the first tensor, in table order, that bears the name)
     calls: Dict[str, CallInfo]  # renamed call (module#k) -> info
     leaves: set  # renamed calls whose source module holds no dumped module
     ignored: set  # source calls every tensor of which a rule left out
@@ -59,49 +59,75 @@ def module_of(call: str) -> str:
     return "" if module == "<root>" else module
 
 
+_LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")  # the dumper's layer_id= filter key reads this
+
+
+def dumped_by(setting) -> Callable[[str], bool]:
+    """Whether a run dumped with this DUMPER_FILTER (run.json's config) hooked a module of this
+    path: 'X' and 'name=X' search the path, 'layer_id=N' matches its layer number. A 'cls=' filter
+    names classes, which differ between runs: every module may have been left out."""
+    text = setting if isinstance(setting, str) else ""
+    key, sep, pattern = text.partition("=")
+    if not sep or key not in ("name", "layer_id", "cls"):
+        key, pattern = "name", text
+    if not pattern:
+        return lambda path: True
+    try:
+        regex = re.compile(pattern)
+    except re.error:
+        return lambda path: False
+    if key == "cls":
+        return lambda path: False
+    if key == "layer_id":
+        return lambda path: bool((found := _LAYER_ID.search(path)) and regex.fullmatch(found.group(1)))
+    return lambda path: bool(regex.search(path))
+
+
 def map_rank(index: Index, rules: List[Rule], side: str, engine: str, other: str) -> Mapped:
+    """The rank's tensors under their mapped names. Every pass repeats its calls and tensors (a
+    long decode run, thousands of times): each distinct tensor and call is read once, from its
+    first entry; which pass holds a tensor is asked of the index when its rows are read."""
     tensors, calls = index.cols("tensors"), index.cols("calls")
-    info = {}  # (pass, call) -> (module, cls, post)
-    for pass_id, call, module, cls, post in calls.rows(("pass", "call", "module", "cls", "post")):
-        info[(int(pass_id), call)] = (module, cls, int(post))
-    slots: Dict[Tuple[int, str], set] = {}
-    for pass_id, call, io, slot in tensors.rows(("pass", "call", "io", "slot")):
-        slots.setdefault((int(pass_id), call), set()).add(f"{io}.{slot}")
+    info = {}  # call -> (module, cls, post) of its first entry
+    at = calls.firsts("call")
+    for call, module, cls, post in zip(*(calls[n][at].tolist() for n in ("call", "module", "cls", "post"))):
+        info[call] = (module, cls, int(post))
+    at = tensors.firsts("tensor")
+    columns = ("tensor", "call", "io", "slot", "dtype", "shape", "token_dims")
+    entries = list(zip(*(tensors[n][at].tolist() for n in columns)))
+    slots: Dict[str, set] = {}
+    for _, call, io, slot, _, _, _ in entries:
+        slots.setdefault(call, set()).add(f"{io}.{slot}")
     modules = {module for module, _, _ in info.values()}
-    parents = {m[:at] for m in modules for at in range(len(m)) if m[at] == "."} | ({""} if len(modules) > 1 else set())
-    cache: Dict[tuple, list] = {}
-    passes: Dict[int, Dict[str, Piece]] = {}
+    parents = {m[:i] for m in modules for i in range(len(m)) if m[i] == "."} | ({""} if len(modules) > 1 else set())
+    pieces: Dict[str, Piece] = {}
     mapped_calls: Dict[str, CallInfo] = {}
     leaves, seen_calls, kept_calls, used = set(), set(), set(), {}
-    for pass_id, tensor, call, dtype, shape, dims in tensors.rows(
-        ("pass", "tensor", "call", "dtype", "shape", "token_dims")
-    ):
-        pass_id = int(pass_id)
-        module, cls, post = info.get((pass_id, call), (module_of(call), "", 0))
+    for tensor, call, _, _, dtype, shape, dims in entries:
+        module, cls, post = info.get(call, (module_of(call), "", 0))
         seen_calls.add(call)
-        key = (tensor, cls, frozenset(slots.get((pass_id, call), ())))
-        if key not in cache:
-            cache[key] = _rename(tensor, cls, key[2], rules, side, engine, other)
-        targets = cache[key]
-        if not targets:
+        targets = _rename(tensor, cls, frozenset(slots.get(call, ())), rules, side, engine, other)
+        if len(targets) == 1 and targets[0][0] is None:  # left out by a rule
+            if targets[0][4]:
+                used[targets[0][4]] = None
             continue
         kept_calls.add(call)
         width = _row_width(shape, dims)
         for name, part, parts, sizes, why in targets:
             if why:
                 used[why] = None
-            piece = Piece(tensor, part, parts, sizes, str(dtype), width, call, why)
-            passes.setdefault(pass_id, {}).setdefault(name, piece)
+            pieces.setdefault(name, Piece(tensor, part, parts, sizes, str(dtype), width, call, why))
             renamed = call_of(name)
             if renamed not in mapped_calls or (renamed == call and mapped_calls[renamed].source != call):
                 mapped_calls[renamed] = CallInfo(module_of(renamed), cls, post, call)
             if module not in parents:
                 leaves.add(renamed)
-    return Mapped(passes, mapped_calls, leaves, seen_calls - kept_calls, list(used))
+    return Mapped(pieces, mapped_calls, leaves, seen_calls - kept_calls, list(used))
 
 
 def _rename(tensor: str, cls: str, slots, rules: List[Rule], side: str, engine: str, other: str) -> list:
-    """[(name, part, parts, sizes, why)] this tensor is known by; [] when a rule leaves it out."""
+    """[(name, part, parts, sizes, why)] this tensor is known by; [(None, ..., why)] when a rule
+    leaves it out."""
     for rule in rules:
         if not rule.applies(side, engine, other, cls, slots):
             continue
@@ -109,7 +135,7 @@ def _rename(tensor: str, cls: str, slots, rules: List[Rule], side: str, engine: 
         if found is None:
             continue
         if rule.ignore:
-            return []
+            return [(None, -1, 0, None, rule.why)]
         if rule.split:
             names = [found.expand(t) for t in rule.split]
             return [(n, i, len(names), rule.sizes, rule.why) for i, n in enumerate(names)]

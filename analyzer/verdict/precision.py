@@ -46,27 +46,44 @@ def peer_key(call: str) -> str:
     return _NUMBER.sub("*", call)
 
 
-def judge(calls: List[str], in_err: np.ndarray, out_err: np.ndarray, eps: np.ndarray, wide: np.ndarray) -> List[dict]:
+def judge(
+    calls: List[str],
+    in_err: np.ndarray,
+    out_err: np.ndarray,
+    eps: np.ndarray,
+    wide: np.ndarray,
+    excused: Optional[np.ndarray] = None,
+) -> List[dict]:
     """Per call (in reference order; ``in_err``/``out_err``: [calls, rows], NaN where a row was not
     compared; ``eps``: per call; ``wide``: per call, whether its output is a 4-byte float), its
-    figures and whether it strays beyond its precision."""
+    figures and whether it strays beyond its precision. ``excused``: [calls, rows] not judged (an
+    MoE routing flip explains them)."""
+    if excused is not None:
+        in_err, out_err = np.where(excused, np.nan, in_err), np.where(excused, np.nan, out_err)
     with np.errstate(invalid="ignore", divide="ignore"):
         jump = out_err / np.maximum(np.nan_to_num(in_err, nan=0.0), eps[:, None])
     return _judged(calls, jump, in_err == 0, np.nan_to_num(in_err, nan=0.0), out_err, eps, wide)
 
 
 def judge_gaps(
-    calls: List[str], in_err: np.ndarray, out_err: np.ndarray, eps: np.ndarray, wide: np.ndarray
+    calls: List[str],
+    in_err: np.ndarray,
+    out_err: np.ndarray,
+    eps: np.ndarray,
+    wide: np.ndarray,
+    excused: Optional[np.ndarray] = None,
 ) -> List[dict]:
     """The code between compared tensors, judged as an op is: per call, its input error against
     the largest error of everything compared before it on the row (a port's activation that
     swaps gate and up, compared nowhere, shows as a jump at down_proj's input). Each entry says
-    which call came before (``after``)."""
+    which call came before (``after``); ``excused`` as for judge (what came before counts whole)."""
     before = np.zeros_like(in_err)
     running = np.zeros(in_err.shape[1])
     for c in range(len(calls)):
         before[c] = running
         running = np.fmax(running, np.fmax(np.nan_to_num(in_err[c], nan=0.0), np.nan_to_num(out_err[c], nan=0.0)))
+    if excused is not None:
+        in_err = np.where(excused, np.nan, in_err)
     with np.errstate(invalid="ignore", divide="ignore"):
         jump = in_err / np.maximum(before, eps[:, None])
     judged = _judged(calls, jump, before == 0, before, in_err, eps, wide)
@@ -121,8 +138,9 @@ def _judged(calls, jump, clean, came_in, went_out, eps, wide) -> List[dict]:
 
 
 def adds_most(judged: List[dict]) -> Optional[dict]:
-    """The op that adds the most error: the largest jump (nearest its line on a tie)."""
-    finite = [j for j in judged if j["jump"] is not None]
+    """The op that adds the most error: the largest jump (nearest its line on a tie); None where
+    no op's output differs at all."""
+    finite = [j for j in judged if j["jump"]]
     if not finite:
         return None
     return max(finite, key=lambda j: (j["jump"], j["jump"] / j["line"]))

@@ -16,11 +16,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..dump.dtypes import BY_NAME, to_float64
-from ..dump.load import Dump
+from ..dump.load import Dump, show
 from ..errors import DumpError
 from ..index.rows import reader_of
 from ..index.table import Index
-from .canon import Mapped, Piece
+from .canon import Mapped, Piece, module_of
 
 SizesOf = Callable[[Piece, "Side"], Tuple[int, ...]]  # (piece, its run) -> widths of its parts on one rank
 
@@ -31,7 +31,6 @@ class Side:
         self.ranks = sorted(indexes)
         self.indexes = indexes
         self.mapped = mapped
-        self._names: Optional[Dict[str, Piece]] = None
         self.joined: Dict[str, str] = {}  # name -> how its ranks' values were joined: "shards" or "sum"
 
     @property
@@ -39,13 +38,32 @@ class Side:
         return self.mapped[self.ranks[0]]
 
     def names(self) -> Dict[str, Piece]:
-        """Every mapped name of the first rank, with the piece of the first pass that holds it."""
-        if self._names is None:
-            self._names = {}
-            for pass_id in sorted(self.first.passes):
-                for name, piece in self.first.passes[pass_id].items():
-                    self._names.setdefault(name, piece)
-        return self._names
+        """Every mapped name of the first rank, with the tensor it comes from."""
+        return self.first.pieces
+
+    def read_broadly(self, pass_id: int) -> None:
+        """Rows of many tensors of this pass are about to be read: a small pass file is read whole."""
+        for rank in self.ranks:
+            reader_of(self.indexes[rank]).read_broadly(pass_id)
+
+    def done_with(self, pass_id: int) -> None:
+        """No more rows of this pass will be read: its whole file leaves the cache."""
+        for rank in self.ranks:
+            reader_of(self.indexes[rank]).drop_whole(pass_id)
+
+    def source_key(self, pass_id: int, name: str) -> Optional[tuple]:
+        """What a mapped tensor's values in a pass are made from, per rank (the stored tensor and
+        the part of it): names with equal keys have equal values. None where a rank or the pass
+        does not hold it."""
+        key = []
+        for rank in self.ranks:
+            piece = self.mapped[rank].pieces.get(name)
+            stored = None if piece is None else reader_of(self.indexes[rank]).stored_of(pass_id, piece.tensor)
+            if stored is None:
+                return None
+            cut = (piece.part, piece.parts, piece.sizes, module_of(piece.call)) if piece.part >= 0 else None
+            key.append((stored, cut))
+        return tuple(key)
 
     def values(self, pass_id: int, name: str, rows: List[int], sizes_of: SizesOf) -> Optional[Tuple[list, str]]:
         """([len(rows), width] float64 values per rank, element type) of a mapped tensor on these
@@ -53,7 +71,7 @@ class Side:
         a row does not hold it. ``join`` makes one tensor of them."""
         per_rank, dtype = [], None
         for rank in self.ranks:
-            piece = self.mapped[rank].passes.get(pass_id, {}).get(name)
+            piece = self.mapped[rank].pieces.get(name)
             if piece is None:
                 return None
             index = self.indexes[rank]
@@ -66,10 +84,14 @@ class Side:
             if piece.part >= 0:
                 sizes = sizes_of(piece, self)
                 if sum(sizes) != values.shape[1]:
+                    fix = (
+                        f"correct 'sizes' of {piece.rule} (the widths on one rank)"
+                        if piece.sizes
+                        else "give the widths on one rank with 'sizes' in a mapping file (--map)"
+                    )
                     raise DumpError(
-                        f"cannot cut {piece.tensor} of {self.dump.label} (width {values.shape[1]}) into "
-                        f"{len(sizes)} parts of widths {list(sizes)}: give the widths on one rank with 'sizes' in a "
-                        "mapping file (--map)"
+                        f"cannot cut {piece.tensor} of {show(self.dump.label)} (width {values.shape[1]} on one rank) "
+                        f"into {len(sizes)} parts of widths {list(sizes)}: {fix}"
                     )
                 start = sum(sizes[: piece.part])
                 values = values[:, start : start + sizes[piece.part]]
@@ -100,10 +122,10 @@ def check_ranks_alike(index: Index, ranks: List[int], label: str) -> None:
     for rank in ranks:
         tokens = index.rank(rank).cols("tokens")
         order = np.lexsort((tokens["row"], tokens["pass"]))
-        mine = tuple(np.asarray(tokens[n])[order].tolist() for n in ("pass", "row", "id", "pos"))
+        mine = [np.asarray(tokens[n])[order] for n in ("pass", "row", "id", "pos")]
         if first is None:
             first = mine
-        elif mine != first:
+        elif not all(np.array_equal(x, y) for x, y in zip(mine, first)):
             raise DumpError(
                 f"the ranks of {label} hold different token rows (rank {rank} against rank {ranks[0]}): a rank's "
                 "dump is cut short or of other steps; dump every rank of the same run"
