@@ -5,6 +5,7 @@
     python benchmarks/noise_corpus.py --out /tmp/corpus --reanalyze [--match ID-PART] [--jobs 2]
                                       # rerun only the analyzer over the kept dumps, rewrite, reprint
     python benchmarks/noise_corpus.py --from /tmp/corpus/results.jsonl  # reprint the tables
+    python benchmarks/noise_corpus.py --device cpu --shapes cuda --out DIR  # GPU sizes, CPU kernels
 
 Each run builds a random-weight HF model (or the trained byte-level Llama), generates (the decode
 dump) and prefills each prompt+output once (the reference dump), then runs
@@ -74,6 +75,14 @@ class Spec:
     layer: Optional[int] = None
 
 
+SHAPES = None  # --shapes: the sizes of this kind of device, whatever device runs them
+
+
+def shapes_of(device: str) -> str:
+    """Which sizes, lengths and decode steps a run takes: the device's own, or --shapes."""
+    return SHAPES or ("cuda" if device.startswith("cuda") else "cpu")
+
+
 def log(*parts):
     print(*parts, file=sys.stderr, flush=True)
 
@@ -83,7 +92,7 @@ def log(*parts):
 
 def plan(device: str, quick: bool, only: Optional[str], dtypes: list) -> list:
     """Every run, with a seed of its own. --quick: size s, a few archs, one plant per kind."""
-    kind = "cuda" if device.startswith("cuda") else "cpu"
+    kind = shapes_of(device)
     sizes = ("s",) if quick else ("s", "m")
     runs = []
     if only != "planted":
@@ -134,7 +143,7 @@ def plan(device: str, quick: bool, only: Optional[str], dtypes: list) -> list:
 def arch_config(arch: str, size: str, device: str):
     from transformers import AutoConfig
 
-    kind = "cuda" if device.startswith("cuda") else "cpu"
+    kind = shapes_of(device)
     hidden, layers, heads, kv = SIZES[kind][size]
     attn = dict(num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=hidden * 11 // 4)
     head = dict(head_dim=hidden // heads)
@@ -183,7 +192,7 @@ def build(spec: Spec, args):
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, spec.dtype)
-    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    kind = shapes_of(args.device)
     lengths = LENGTHS["trained" if spec.arch == "trained" else kind][spec.span]
     lengths = [n + spec.seed % 7 for n in (lengths if spec.batch == 3 else lengths[1:2])]
     if spec.arch == "trained":
@@ -286,7 +295,7 @@ def run_one(spec: Spec, args) -> dict:
         model, prompts = build(spec, args)
         rec.update(layers=model.config.num_hidden_layers, prompt_lens=[len(p) for p in prompts])
         hooks = plant(model, spec.plant, spec.layer) if spec.plant else []
-        new_tokens = NEW_TOKENS["cuda" if args.device.startswith("cuda") else "cpu"]
+        new_tokens = NEW_TOKENS[shapes_of(args.device)]
         dump_padded_batch(
             model,
             root,
@@ -436,8 +445,16 @@ def main(argv=None):
     ap.add_argument("--match", default="", help="only the runs whose id contains this")
     ap.add_argument("--from", dest="from_file", help="only reprint the tables of this results.jsonl")
     ap.add_argument("--reanalyze", action="store_true", help="rerun the analyzer over OUT/dumps and reprint")
+    ap.add_argument(
+        "--shapes",
+        choices=["cpu", "cuda"],
+        help="run the sizes of this kind of device (default: the device's): --device cpu --shapes cuda "
+        "puts the GPU-sized models through CPU kernels",
+    )
     ap.add_argument("--jobs", type=int, default=2, help="analyzer processes at once for --reanalyze")
     args = ap.parse_args(argv)
+    global SHAPES
+    SHAPES = args.shapes
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # no progress bars nor kernel fall-back notes in the log
