@@ -24,11 +24,12 @@ def model_dir(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("llama") / "model", layers=LAYERS)
 
 
-def vllm_run(vllm, model_dir, prompt, root, name, tp=1, **env):
+def vllm_run(vllm, model_dir, prompt, root, name, tp=1, extra_args=(), **env):
     """Dump the server's completion of the prompt (prefill + decode steps), as HF's generate did."""
     server = vllm(
         model_dir,
         tp=tp,
+        extra_args=extra_args,
         env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "auto", "DUMPER_DIR": str(root), **env},
         startup_timeout=400,
     )
@@ -79,6 +80,18 @@ def test_tensor_parallel_two_ranks_against_hf(vllm, model_dir, prompt, hf_run, t
         assert f"model.layers.{layer}.self_attn.o_proj#0.out.0" not in joined  # reduced before the hook
     ops = {op["call"] for op in result["ops"]}
     assert {f"model.layers.{layer}.self_attn.{n}#0" for layer in range(LAYERS) for n in ("k_proj", "o_proj")} <= ops
+
+
+def test_bfloat16_vllm_against_float32_hf(vllm, model_dir, prompt, hf_run, tmp_path):
+    """vLLM served in bfloat16, as on a GPU, against HF in float32: the embedding proved by
+    rounding, every op judged in bfloat16 epsilons, none beyond precision."""
+    bf16 = vllm_run(vllm, model_dir, prompt, tmp_path, "bf16", extra_args=["--dtype", "bfloat16"])
+    code, result = compare_json(hf_run, bf16)
+    assert code == 0 and result["culprits"] == [], result["summary"]
+    assert result["precision"] == {"reference": "float32", "test": "bfloat16"}
+    assert "equal after rounding float32 to bfloat16" in result["alignment"]["proof"][1]
+    ops = {op["call"] for op in result["ops"]}
+    assert {f"model.layers.{layer}.mlp.down_proj#0" for layer in range(LAYERS)} <= ops
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2"])
