@@ -43,14 +43,19 @@ def sglang_run(sglang, model_dir, prompt, root, name, tp=1, **env):
         env={"DUMPER_ENABLE": "0", "DUMPER_SERVER_PORT": "reuse", "DUMPER_DIR": str(root), **env},
         startup_timeout=400,
     )
+    dump_request(server, name, lambda: server.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS))
+    server.stop()
+    return root / name
+
+
+def dump_request(server, name, request):
+    """Enable the server's dumper as experiment ``name``, make the request, disable it."""
     for settings in (["enable=true", f"exp_name={name}"], None, ["enable=false"]):
         if settings is None:
-            server.generate(prompt[0].tolist(), max_new_tokens=NEW_TOKENS)
+            request()
             continue
         code, _, err = dumpdiff("ctl", "configure", *settings, f"--url={server.control_url}")
         assert code == 0, err
-    server.stop()
-    return root / name
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +65,31 @@ def sglang_tp1(sglang, model_dir, prompt, tmp_path_factory):
 
 def test_sglang_computes_what_hf_computes(hf_run, sglang_tp1):
     code, result = compare_json(hf_run, sglang_tp1)
+    ops = assert_port_within_precision(code, result)
+    assert result["adds_most"]["call"] in ops
+
+
+def assert_port_within_precision(code, result) -> dict:
+    """A clean engine against HF: every row compared, none beyond precision, and the engine's
+    fused and parallel modules judged under HF's names. Returns the ops by call."""
     assert code == 0 and result["culprits"] == [], result["summary"]
     assert result["alignment"]["unaligned_b"] == 0  # both generated the same tokens: every row compared
     assert "bit-identical" in result["alignment"]["proof"][1]
     ops = {op["call"]: op for op in result["ops"]}
-    for layer in range(LAYERS):  # the engine's fused and parallel modules, judged under HF's names
+    for layer in range(LAYERS):
         prefix = f"model.layers.{layer}"
         for name in ("q_proj", "k_proj", "v_proj"):
             assert ops[f"{prefix}.self_attn.{name}#0"]["cls_b"] == "QKVParallelLinear"
         for name in ("gate_proj", "up_proj"):
             assert ops[f"{prefix}.mlp.{name}#0"]["cls_b"] == "MergedColumnParallelLinear"
-        assert ops[f"{prefix}.self_attn.o_proj#0"]["cls_b"] == "RowParallelLinear"
-        assert ops[f"{prefix}.post_attention_layernorm#0"]["cls_b"] == "RMSNorm"
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert ops[f"{prefix}.{name}#0"]["cls_b"] == "RowParallelLinear"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            assert ops[f"{prefix}.{name}#0"]["cls_b"] == "RMSNorm"
     # the engine's norm returns (out, residual): from layer 1 on, its residual is HF's norm input
     assert ops["model.layers.1.input_layernorm#0"]["in_eps"] is not None
     assert any("residual" in rule for rule in result["mapping"]["rules"])
-    assert result["adds_most"]["call"] in ops
+    return ops
 
 
 def test_a_porting_bug_in_sglang_is_named_at_its_layer(sglang, model_dir, prompt, hf_run, tmp_path):

@@ -74,10 +74,12 @@ def compare(
         )
     alignment = prove(alignment, ia, ib, dump_a.label, dump_b.label, trust=True)
     alignment.proof.pop()  # "embedding check skipped": the check across runs follows
+    scaled_embedding = False  # one run scales its looked-up rows after the embedding module
     if trust_alignment:
         alignment.proof.append("embedding check skipped (--trust-alignment)")
     else:
-        alignment.proof.append(prove_embeddings(alignment, ia, ib, dump_a.label, dump_b.label))
+        line, scaled_embedding = prove_embeddings(alignment, ia, ib, dump_a.label, dump_b.label)
+        alignment.proof.append(line)
     engine_a, engine_b = dump_a.run.get("engine") or "", dump_b.run.get("engine") or ""
     sides = []
     for dump, index, ranks, which, engine, other in (
@@ -90,6 +92,8 @@ def compare(
     compared, unmapped, renamed, filtered = pair_names(side_a, side_b)
     if unmapped:
         raise DumpError(unmapped)
+    if scaled_embedding:  # the lookup of one, the scaled rows of the other: compared as the first layer's input
+        compared = [entry for entry in compared if call_of(entry[0]) != embedding_call(ia)[1].split(".out.")[0]]
     if not compared:
         raise DumpError(
             "no tensor of the two runs could be paired: are they dumps of one model? write a mapping file (--map)"

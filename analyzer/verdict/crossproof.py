@@ -8,9 +8,13 @@ up at the same ids. A run whose weights differ fails here, whatever its dtype.""
 
 from __future__ import annotations
 
+import math
+from typing import Optional, Tuple
+
 import numpy as np
 
 from ..dump.dtypes import BY_NAME, DType, eps, tiny, to_float32, to_float64
+from ..dump.load import show
 from ..errors import DumpError
 from ..index.rows import reader_of
 from ..index.table import Index
@@ -33,8 +37,10 @@ def round_bits(bits: np.ndarray, dtype: DType, into: DType) -> np.ndarray:
     raise DumpError(f"cannot compare embeddings of {dtype.name} and {into.name}")
 
 
-def prove_embeddings(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str) -> str:
-    """The proof line for the embedding output; raises DumpError when it does not hold."""
+def prove_embeddings(alignment: Alignment, a: Index, b: Index, label_a: str, label_b: str) -> Tuple[str, bool]:
+    """The proof line for the embedding output, and whether one run's embedding output is the
+    other's scaled by sqrt(hidden_size) (then the two outputs are not compared as one op); raises
+    DumpError when it does not hold."""
     emb_a, emb_b = embedding_call(a), embedding_call(b)
     if emb_a is None or emb_b is None:
         raise DumpError(
@@ -74,6 +80,17 @@ def prove_embeddings(alignment: Alignment, a: Index, b: Index, label_a: str, lab
         # ULPS units in the last place of the coarser type, which other weights or another
         # token's row miss by far.
         near = [_within_ulps(bits_a[i], type_a, bits_b[i], type_b, coarse) for i in held]
+        scaled = _scaled_side(bits_a, type_a, bits_b, type_b, coarse, held) if not all(near) else None
+        if scaled is not None:
+            scaled, plain = (label_a, label_b) if scaled == "a" else (label_b, label_a)
+            return (
+                f"embedding output ({shown}) of {show(scaled)} within {ULPS} {coarse.name} units in the last place of "
+                f"{show(plain)}'s times sqrt(hidden_size) on all {len(held)} paired rows read{sampled}: one run "
+                "scales the looked-up rows inside its embedding module, the other after it (Gemma's in HF and an "
+                "engine), so the same weights were looked up at the same token ids; the embedding output itself is "
+                "not compared, the scaled rows are (the first layer's input)",
+                True,
+            )
         if not all(near):
             first = held[near.index(False)]
             raise DumpError(
@@ -86,14 +103,16 @@ def prove_embeddings(alignment: Alignment, a: Index, b: Index, label_a: str, lab
         return (
             f"embedding output ({shown}) within {ULPS} {coarse.name} units in the last place on all {len(held)} paired "
             f"rows read{sampled} ({how} on {len(held) - bad}): the embedding computes after its lookup (a scale, as "
-            "Gemma's), so the same weights looked up at the same token ids round once more in each run"
+            "Gemma's), so the same weights looked up at the same token ids round once more in each run",
+            False,
         )
     if how == "bit-identical":
-        return f"embedding output ({shown}) bit-identical on all {len(held)} paired rows read{sampled}"
+        return f"embedding output ({shown}) bit-identical on all {len(held)} paired rows read{sampled}", False
     return (
         f"embedding output ({shown}) {how} on all {len(held)} paired rows read{sampled}: {type_a.name} and "
         f"{type_b.name} values cannot be bit-identical, so the {coarse.name} side is checked to be the other rounded "
-        "(the same weights looked up at the same token ids)"
+        "(the same weights looked up at the same token ids)",
+        False,
     )
 
 
@@ -101,7 +120,34 @@ def _within_ulps(bits_a, type_a: DType, bits_b, type_b: DType, coarse: DType) ->
     """Whether every element of two rows lies within ULPS units in the last place of ``coarse``
     (at the larger of the two magnitudes)."""
     a, b = to_float64(bits_a, type_a), to_float64(bits_b, type_b)
-    if a.shape != b.shape or not np.array_equal(np.isfinite(a), np.isfinite(b)):
+    return a.shape == b.shape and _close(a, b, coarse)
+
+
+def _scaled_side(bits_a, type_a: DType, bits_b, type_b: DType, coarse: DType, held) -> Optional[str]:
+    """ "a" or "b": the run whose embedding rows are, on every held row, the other's times
+    sqrt(hidden_size) (the row's width) within ULPS units in the last place of ``coarse``; None
+    when neither is. Gemma multiplies its looked-up rows by sqrt(hidden_size): HF inside its
+    embedding module, vLLM after it. One factor for every element of every row, fixed by the
+    width, is what other weights or other tokens miss by far."""
+    for scaled, rows_s, type_s, rows_p, type_p in (
+        ("a", bits_a, type_a, bits_b, type_b),
+        ("b", bits_b, type_b, bits_a, type_a),
+    ):
+        factor = None
+        for i in held:
+            s, p = to_float64(rows_s[i], type_s), to_float64(rows_p[i], type_p)
+            factor = factor or math.sqrt(s.size)
+            if s.shape != p.shape or not s.size or not _close(s, p * factor, coarse):
+                break
+        else:
+            if factor is not None:
+                return scaled
+    return None
+
+
+def _close(a: np.ndarray, b: np.ndarray, coarse: DType) -> bool:
+    """Whether a and b (of one shape) are finite alike and within ULPS units in the last place of ``coarse``."""
+    if not np.array_equal(np.isfinite(a), np.isfinite(b)):
         return False
     finite = np.isfinite(a)
     a, b = a[finite], b[finite]
