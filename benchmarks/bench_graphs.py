@@ -41,6 +41,7 @@ def decode_seconds(decoder, prompt, steps, handle=None, enable=False):
     batch, length = prompt.shape
     if handle is not None:
         handle.configure(enable=False)
+    decoder.cache.reset()  # in place: a graph keeps its addresses
     with torch.no_grad():
         decoder.model(
             input_ids=prompt,

@@ -55,6 +55,7 @@ class Recording:
         plan: Dict[str, Tuple[int, Optional[torch.Tensor]]] = {}  # tensor -> (first-dim rows kept, selected rows)
         columns: List[torch.Tensor] = []  # the capture table's columns of each print, in order
         kept_index = torch.tensor(kept, dtype=torch.long) if kept is not None else None
+        stored = {slot[0] for slot in self.layout.slots}  # aliases have no slot of their own
         printed = 0
         for call in calls:
             for name, meta in call["tensors"].items():
@@ -71,7 +72,7 @@ class Recording:
                     if kept_index is not None and "alias" not in meta:
                         meta["selected"] = rows == "all"
                         select = kept_index if rows == "all" else None
-                if name in self.layout_names:
+                if name in stored:
                     plan[name] = (keep_first, select)
                 if "print" in meta:
                     first, count = meta["print"]
@@ -117,13 +118,6 @@ class Recording:
             "replay": self.replays,
         }
         return info, calls, kept, trimmed, prepare, graph
-
-    @property
-    def layout_names(self) -> set:
-        names = getattr(self, "_names", None)
-        if names is None:
-            names = self._names = {slot[0] for slot in self.layout.slots}
-        return names
 
 
 def _token_rows(meta: dict) -> int:

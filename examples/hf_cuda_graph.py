@@ -48,8 +48,9 @@ class GraphDecoder:
 
     @torch.no_grad()
     def capture(self) -> None:
-        """Warm up on a side stream, then capture one decode step. Done before the prefill: the
-        warm-up writes cache slot 0, which the prefill then overwrites."""
+        """Warm up on a side stream, then capture one decode step. Done before the prefill:
+        ``generate`` empties the cache the warm-up wrote to (in place: the graph keeps its
+        addresses)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -66,6 +67,7 @@ class GraphDecoder:
         """``prompt``: [batch, P] token ids (one length); returns the [batch, steps + 1] new tokens.
         ``batch_rows``: batch entries that are real requests, the rest padding (trimmed from the dump)."""
         batch, length = prompt.shape
+        self.cache.reset()  # zeroed in place, its length too
         positions = torch.arange(length, device=prompt.device)
         out = self.model(
             input_ids=prompt,
