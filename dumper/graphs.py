@@ -65,7 +65,9 @@ class GraphDumps:
     @contextlib.contextmanager
     def graph_recording(self, key):
         """Bind the recordings made inside to ``key``; a new capture for a key replaces its
-        recordings."""
+        recordings. The writer is emptied first: a capture in CUDA's default (global) mode fails
+        if another thread syncs meanwhile, as the writer does before each file."""
+        self.dumper.flush()
         self._recordings[key] = []
         self._binding.append(key)
         try:

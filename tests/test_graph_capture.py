@@ -229,3 +229,17 @@ def test_the_sglang_adapter_reads_a_captured_batch_s_layout_from_shapes():
     assert SglangAdapter().capture_shape(None, (torch.zeros(24), torch.zeros(24), ForwardBatch()), {}) == [24]
     with pytest.raises(ValueError, match="without a ForwardBatch"):
         SglangAdapter().capture_shape(None, (), {})
+
+
+def test_a_replayed_dump_reads_and_compares_as_an_eager_one(model, tmp_path):
+    from helpers import check_schema, dumpdiff
+
+    inputs = step_inputs(model, batch=4, start=0)  # rows at position 0: alignable on their own
+    eager_pass(model, tmp_path, inputs)
+    inputs["past_key_values"] = step_inputs(model, batch=4)["past_key_values"]
+    meta, _ = replayed_pass(model, tmp_path, inputs, batch_rows=3)
+    check_schema(meta, "pass")
+    code, out, err = dumpdiff("first-divergence", tmp_path / "eager", tmp_path / "graph", "--format", "json")
+    assert code == 0, err
+    verdict = json.loads(out)["ranks"]["0"]
+    assert verdict["alignment"]["rows_b"] == 3 and verdict["alignment"]["unaligned_b"] == 0
