@@ -10,6 +10,6 @@ cd "$(dirname "$0")/.."
 # (dumpdiff installed: pip install -e .)
 python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())' \
   | tee "$out/device.txt"
-timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -60 | tee "$out/tests.txt"
-timeout 110 python3 benchmarks/bench_graphs.py --model "$model" --rounds 3 --steps 24 --out "$out" 2>&1 | grep -v Warning | tail -40 \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -60 | tee "$out/tests.txt"
+timeout 300 python3 benchmarks/bench_graphs.py --model "$model" --out "$out" 2>&1 | grep -v Warning | tail -40 \
   | tee "$out/bench.txt"
