@@ -18,6 +18,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 ALIGN = 256  # bytes: each slot starts aligned for any element type and vectorized copies
+# Every arena ever allocated, kept for the life of the process: a graph keeps copying into its
+# slots on every replay, also after the dumper is removed, and must never write freed memory.
+_KEPT: List[torch.Tensor] = []
 
 
 def _aligned(nbytes: int) -> int:
@@ -34,10 +37,11 @@ class Arenas:
 
     def arena(self, device: torch.device) -> torch.Tensor:
         """The device's arena: ``budget`` bytes, allocated once (inside a capture it comes from the
-        graph's private pool and stays reserved while the dumper holds it)."""
+        graph's private pool) and never freed while the process lives."""
         found = self._arenas.get(device)
         if found is None:
             found = self._arenas[device] = torch.empty(self.budget, dtype=torch.uint8, device=device)
+            _KEPT.append(found)
         return found
 
     def layout(self) -> "Layout":
