@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import Dict, List, Optional
 
 import torch
@@ -88,11 +89,18 @@ class GraphDumps:
         """The root forward run while a graph is captured: recorded into static slots."""
         dumper = self.dumper
         cfg = dumper.config
-        if cfg.non_intrusive_mode not in HOOKED_MODES or dumper._pass_thread is not None:
+        if cfg.non_intrusive_mode not in HOOKED_MODES:
+            return original(*args, **kwargs)
+        with dumper._claim:  # the pass is this thread's, as an eager one's is
+            mine = dumper._pass_thread is None
+            if mine:
+                dumper._pass_thread = threading.get_ident()
+        if not mine:
             return original(*args, **kwargs)
         try:
             shape = token_shape(dumper.adapter, dumper.model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the dumper never makes a model call fail
+            dumper._pass_thread = None
             dumper._warn_once("graph-shape", f"dumper: a graph capture not recorded: {exc}")
             return original(*args, **kwargs)
         every = cfg.non_intrusive_mode == "fingerprint" or cfg.fingerprints == "1"
@@ -101,7 +109,7 @@ class GraphDumps:
             placeholder_info(shape), None, "", cfg.non_intrusive_mode, PassPrints() if carried else None, every
         )
         layout = current.recording = self.arenas.layout()
-        dumper._pass, dumper._pass_thread = current, _thread_id()
+        dumper._pass = current
         try:
             if dumper._hooked_filter != cfg.filter:
                 dumper._detach_hooks()
@@ -251,9 +259,3 @@ def placeholder_info(shape: List[int]) -> PassInfo:
         valid=[False] * rows,
         last_rows=[(b + 1) * per_entry - 1 for b in range(shape[0] if shape else 0)],
     )
-
-
-def _thread_id() -> int:
-    import threading
-
-    return threading.get_ident()
