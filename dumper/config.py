@@ -66,6 +66,11 @@ VARIABLES = {
         "",
         "keep only these token positions, e.g. '96:' or '0,5,10:20' (python slice syntax, per sequence)",
     ),
+    "DUMPER_GRAPH_BUFFER_BYTES": (
+        "0",
+        "bytes of static device buffers per device that forwards captured into a CUDA graph copy their "
+        "selected tensors into, written after each replay (0 = a captured forward is not dumped)",
+    ),
     "DUMPER_LAST_ROWS": (
         "0",
         "keep only the last k token rows of each sequence in a pass (0 = all rows); "
@@ -123,13 +128,14 @@ class DumperConfig:
     positions: str = ""
     last_rows: int = 0
     fingerprints: str = "0"  # docs/performance.md says why not auto
+    graph_buffer_bytes: int = 0
 
     def __post_init__(self):
         if self.non_intrusive_mode not in MODES:
             raise ConfigError(_bad("DUMPER_NON_INTRUSIVE_MODE", self.non_intrusive_mode, "one of " + "|".join(MODES)))
         if self.fingerprints not in FINGERPRINT_CHOICES:
             raise ConfigError(_bad("DUMPER_FINGERPRINTS", self.fingerprints, "one of " + "|".join(FINGERPRINT_CHOICES)))
-        for name in ("max_bytes", "min_free_bytes", "queue_bytes", "last_rows"):
+        for name in ("max_bytes", "min_free_bytes", "queue_bytes", "last_rows", "graph_buffer_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(_bad(env_name(name), getattr(self, name), "a whole number >= 0"))
         port = self.server_port

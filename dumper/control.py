@@ -23,7 +23,7 @@ METHODS = ("configure", "reset", "get_state")
 # on the engine's own port, which may listen beyond this host: a request must never make the
 # server write, or clean up, files outside DUMPER_DIR) and the resources it may take (host
 # memory, bytes written, the disk space left free).
-AT_LAUNCH = ("server_port", "queue_bytes", "dir", "max_bytes", "min_free_bytes")
+AT_LAUNCH = ("server_port", "queue_bytes", "dir", "max_bytes", "min_free_bytes", "graph_buffer_bytes")
 SETTABLE = tuple(f for f in DumperConfig.__dataclass_fields__ if f not in AT_LAUNCH)
 
 

@@ -13,15 +13,17 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
 from . import capture, rowprint
 from . import format as fmt
 from .config import HOOKED_MODES, ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
+from .graphs import GraphDumps, capturing
 from .passinfo import PassInfo, UndescribedPass, WarmupPass
 from .passprints import PassPrints
+from .passstate import Call, PassState
 from .writer import PassRecord, PassWriter
 
 log = logging.getLogger("dumper")
@@ -30,68 +32,11 @@ _STORED = frozenset(
 )  # a set lookup per tensor
 
 
-class _Call:
-    __slots__ = ("name", "module", "cls", "pre", "post", "tensors", "values", "skipped")
-
-    def __init__(self, name, module, cls, pre) -> None:
-        self.name, self.module, self.cls, self.pre = name, module, cls, pre
-        self.post = None
-        self.tensors: Dict[str, dict] = {}
-        self.values: Dict[str, Any] = {}
-        self.skipped: Dict[str, str] = {}
-
-    def to_meta(self) -> dict:
-        meta = {
-            "call": self.name,
-            "module": self.module,
-            "cls": self.cls,
-            "pre": self.pre,
-            "post": self.post,
-            "tensors": self.tensors,
-        }
-        if self.values:
-            meta["values"] = self.values
-        if self.skipped:
-            meta["skipped"] = self.skipped
-        return meta
-
-
 def _names_under(path: str) -> Dict[str, str]:
     """{each ancestor's path: path}: 'a.b.c' -> {'a.b': 'a.b.c', 'a': 'a.b.c'} (a filter may
     leave the direct parent unhooked, so any open ancestor places the call)."""
     parts = path.split(".")
     return {".".join(parts[:i]): path for i in range(len(parts) - 1, 0, -1)}
-
-
-class _Pass:
-    """Everything captured during one forward pass of the root module."""
-
-    def __init__(
-        self,
-        info: PassInfo,
-        kept_rows: Optional[List[int]],
-        exp_dir: str,
-        mode: str = "all",
-        prints: Optional[PassPrints] = None,
-        print_host_tensors: bool = False,
-    ) -> None:
-        self.info = info
-        self.mode = mode  # fixed for the whole pass, whatever a control thread changes
-        self.prints = prints  # the row fingerprints computed on the device (mode fingerprint, or carried)
-        self.print_host_tensors = print_host_tensors  # also those of CPU tensors (else GPU tensors only)
-        self.kept_rows = kept_rows
-        self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
-        self.exp_dir = exp_dir
-        self.calls: List[_Call] = []
-        self.nesting: List[_Call] = []  # the calls open now, outermost first
-        self.holders: List[tuple] = []  # (module, its name) of the open calls that place a shared module's calls
-        self.counts: Dict[str, int] = {}
-        self.order = 0
-        self.tensors: Dict[str, torch.Tensor] = {}
-        self.seen: Dict[tuple, tuple] = {}  # storage key -> (tensor name, weakref), for aliases
-        self.kept_index_by_device: Dict[torch.device, torch.Tensor] = {}
-        self.n_seqs = len(info.last_rows)
-        self.cuda_used = False
 
 
 class Dumper:
@@ -105,7 +50,7 @@ class Dumper:
         self.step = 0
         self.passes_dumped = 0
         self._lock = threading.RLock()
-        self._pass: Optional[_Pass] = None
+        self._pass: Optional[PassState] = None
         self._hook_handles: list = []
         self._hooked_filter: Optional[str] = None
         self._selected = compile_filter("")  # the hooked filter's predicate over (path, class name)
@@ -135,6 +80,8 @@ class Dumper:
         self._cleaned: set = set()
         self._cleanup_pending: set = set()  # experiments whose next pass empties the rank folder first
         self._writer = PassWriter(config.queue_bytes, config.max_bytes, config.min_free_bytes)
+        # DUMPER_GRAPH_BUFFER_BYTES: forwards captured into a CUDA graph are recorded (graphs.py)
+        self._graphs = GraphDumps(self, config.graph_buffer_bytes) if config.graph_buffer_bytes else None
         self._seq_next: Dict[tuple, int] = {}  # (exp dir, seq) -> next position the dump lacks
         self._endpoint = None
         self._original_forward = model.forward
@@ -171,6 +118,10 @@ class Dumper:
         self._check_installed()
         if "exp_name" in changes and changes["exp_name"] is not None:
             check_exp_name(changes["exp_name"])
+        if changes.get("graph_buffer_bytes") not in (None, self.config.graph_buffer_bytes):
+            raise ConfigError(
+                "graph_buffer_bytes is fixed at install (DUMPER_GRAPH_BUFFER_BYTES); install again to change it"
+            )
         with self._lock:
             new = self.config.replace(**{k: v for k, v in changes.items() if v is not None})
             if (
@@ -218,6 +169,39 @@ class Dumper:
             "engine": self.adapter.engine,
         }
 
+    # --- CUDA graphs (graphs.py) -------------------------------------------------------------
+    def _graph_dumps(self) -> GraphDumps:
+        self._check_installed()
+        if self._graphs is None:
+            raise ConfigError(
+                "dumping CUDA graph replays needs DUMPER_GRAPH_BUFFER_BYTES > 0 at install (the static "
+                "buffers the graph copies into)"
+            )
+        return self._graphs
+
+    def capture(self, graph, **graph_kwargs):
+        """``with handle.capture(g): out = model(...)``: torch.cuda.graph(g, **graph_kwargs), the
+        forwards it captures recorded into static buffers bound to ``g``."""
+        return self._graph_dumps().capture(graph, **graph_kwargs)
+
+    def graph_recording(self, key):
+        """Bind the forwards captured inside (by an engine's own capture) to ``key``."""
+        return self._graph_dumps().graph_recording(key)
+
+    def replay(self, graph, batch_rows: Optional[int] = None) -> None:
+        """``graph.replay()``, then a pass file per recorded forward, with ``batch_rows`` real
+        batch entries (the rest are padding, trimmed); metadata from the graph's static inputs."""
+        self._graph_dumps().replay(graph, batch_rows)
+
+    def before_replay(self, key, *args, info=None, **kwargs) -> None:
+        """Read a replay's pass metadata before it runs: from ``info`` (a PassInfo), else the
+        adapter reading these forward arguments, else the captured static inputs."""
+        self._graph_dumps().before_replay(key, args, kwargs, info)
+
+    def after_replay(self, key, batch_rows: Optional[int] = None, info=None) -> int:
+        """Write the replay that just ran (one pass per recorded forward); returns passes queued."""
+        return self._graph_dumps().after_replay(key, batch_rows, info)
+
     def flush(self) -> None:
         """Wait until every dumped pass is on disk."""
         self._writer.flush()
@@ -247,6 +231,13 @@ class Dumper:
         original = self._original_forward
 
         def dumped(args, kwargs):
+            if capturing():  # hooks may not copy to the host inside a capture: graphs.py records instead
+                self._warn_once(
+                    "capture",
+                    "dumper: a forward captured into a CUDA graph runs undumped, and so do its replays; "
+                    "set DUMPER_GRAPH_BUFFER_BYTES to record it (docs/configuration.md)",
+                )
+                return original(*args, **kwargs)
             me = threading.get_ident()
             with self._claim:  # the pass is this thread's before the adapter runs (it may let go of the GIL)
                 mine = self._pass_thread is None
@@ -277,6 +268,8 @@ class Dumper:
         def forward(*args, **kwargs):
             owner = self._pass_thread
             if owner is None:
+                if self._graphs is not None and capturing():
+                    return self._graphs.captured_forward(original, args, kwargs)
                 self.step += 1  # the engine step, counted even while idle
             elif owner != threading.get_ident():
                 return undumped(args, kwargs)
@@ -317,7 +310,7 @@ class Dumper:
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
         every = cfg.non_intrusive_mode == "fingerprint" or cfg.fingerprints == "1"
         carried = every or (cfg.non_intrusive_mode == "all" and cfg.fingerprints == "auto")
-        self._pass = _Pass(info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None, every)
+        self._pass = PassState(info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None, every)
         if cfg.non_intrusive_mode in HOOKED_MODES:
             if self._hooked_filter != cfg.filter:
                 self._detach_hooks()
@@ -439,7 +432,7 @@ class Dumper:
         """Every path the module is registered under (a shared module has several)."""
         return self._shared[module][1] if module in self._shared else (self._paths.get(module, ""),)
 
-    def _name_of(self, current: _Pass, module) -> str:
+    def _name_of(self, current: PassState, module) -> str:
         """The module's path in this call: a shared module's, under the innermost open holder
         that has one of its paths (a shared block's child then follows the block's layer)."""
         path = self._paths.get(module, "")
@@ -463,7 +456,7 @@ class Dumper:
             return
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
-        call = _Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
+        call = Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
         current.order += 1
         current.calls.append(call)
         current.nesting.append(call)
@@ -492,7 +485,7 @@ class Dumper:
         current.order += 1
         self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output, output=True))))
 
-    def _capture(self, current: _Pass, call: _Call, io: str, leaves) -> None:
+    def _capture(self, current: PassState, call: Call, io: str, leaves) -> None:
         for slot, value in leaves:
             if isinstance(value, torch.Tensor):
                 self._capture_tensor(current, call, fmt.tensor_name(call.name, io, slot), value)
@@ -501,7 +494,7 @@ class Dumper:
             else:
                 call.skipped[f"{io}.{slot}"] = type(value).__name__
 
-    def _capture_tensor(self, current: _Pass, call: _Call, name: str, tensor: torch.Tensor) -> None:
+    def _capture_tensor(self, current: PassState, call: Call, name: str, tensor: torch.Tensor) -> None:
         if tensor.layout != torch.strided or tensor.device.type == "meta" or tensor.dtype not in _STORED:
             call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
             return
@@ -551,9 +544,12 @@ class Dumper:
         if current.prints is not None and (current.print_host_tensors or data.is_cuda):
             self._stage_print(current, meta, data, dims)
         if current.mode != "fingerprint":
-            current.tensors[name] = self._copy_off(current, data, fresh)
+            if current.recording is not None:  # captured into a CUDA graph: a static slot, no host copy
+                current.recording.record(name, data)
+            else:
+                current.tensors[name] = self._copy_off(current, data, fresh)
 
-    def _stage_print(self, current: _Pass, meta: dict, data: torch.Tensor, dims):
+    def _stage_print(self, current: PassState, meta: dict, data: torch.Tensor, dims):
         """Stage the tensor's rows for their fingerprints, laid out as the analyzer reads a stored
         tensor's rows (analyzer/index/rowplan.py): selected rows as they are, token dims flattened to the
         front, or the whole tensor as one row where it has none or their count is not the pass's."""
@@ -567,7 +563,7 @@ class Dumper:
                 rows = rowprint.as_rows(data, None)
         current.prints.add(meta, rows)
 
-    def _copy_off(self, current: _Pass, tensor: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    def _copy_off(self, current: PassState, tensor: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """A private host copy of ``tensor``; ``fresh``: it is already a private copy (selected rows)."""
         # Back-pressure before the host memory is taken: waits while earlier passes still queued
         # and this pass's copies would exceed DUMPER_QUEUE_BYTES (one pass is always admitted).
@@ -646,7 +642,7 @@ def _embedding_modules(model: torch.nn.Module) -> set:
     return {module for module in model.modules() if isinstance(module, torch.nn.Embedding)}
 
 
-def _kept_index_on(current: _Pass, device: torch.device) -> torch.Tensor:
+def _kept_index_on(current: PassState, device: torch.device) -> torch.Tensor:
     """The pass's kept-row index on ``device``, copied there once per pass: a pageable
     host-to-device copy per captured tensor would make the host wait for the GPU each time."""
     index = current.kept_index

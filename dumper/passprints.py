@@ -80,10 +80,11 @@ class PassPrints:
             del blocks[:-1]
         self._staged = 0
 
-    def finish(self) -> Optional[torch.Tensor]:
+    def finish(self, host: bool = True) -> Optional[torch.Tensor]:
         """The pass's [3, rows] table on the host (None if nothing was staged). From a GPU: copied
         without waiting into pinned memory; record a CUDA event after this and wait on it before
-        reading."""
+        reading. ``host=False``: left on its device (a pass captured into a CUDA graph, whose
+        table is copied into a static slot; a model on one device)."""
         self._work()
         self._blocks.clear()
         if not self._results:
@@ -94,7 +95,7 @@ class PassPrints:
         if len(by_device) > 1:  # a model spread over devices: rows keep their order, gathered on the host
             return torch.cat([r.cpu() for r in self._results], dim=1)
         table = torch.cat(self._results, dim=1) if len(self._results) > 1 else self._results[0]
-        if not table.is_cuda:
+        if not table.is_cuda or not host:
             return table
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
         host.copy_(table, non_blocking=True)

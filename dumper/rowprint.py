@@ -74,6 +74,10 @@ _keys: Dict[Tuple[torch.device, int], torch.Tensor] = {}
 
 def _position_keys(width: int, device: torch.device) -> torch.Tensor:
     """(j + 1) * K for every element position j of a row, made once per width and device."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # made by the graph itself, in its own pool: a cached tensor could be dropped from the cache
+        # (and its memory reused) while the graph still reads it
+        return torch.arange(1, width + 1, dtype=torch.int64, device=device) * GOLDEN
     key = (device, width)
     found = _keys.get(key)
     if found is None:

@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 import weakref
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -63,6 +63,9 @@ class PassRecord:
     nbytes: int = 0
     cleanup: bool = False  # DUMPER_CLEANUP_PREVIOUS: empty the rank folder once its lock is held
     finish: bool = False  # not a pass: close the experiment's rank folders (see PassWriter.finish)
+    # run by the writer once ``ready`` is reached: the tensors to write, made from ``tensors`` (a
+    # graph replay's host copy: padding trimmed, rows selected, each tensor in storage of its own)
+    prepare: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None
 
 
 LOCK_FILE = ".lock"  # held (flock) by the one writer of a rank folder; its text says whether it closed
@@ -348,7 +351,8 @@ class PassWriter:
         pass_id = journal.next_pass
         meta = dict(record.meta, **{"pass": pass_id})
         meta_json = json.dumps(meta, separators=(",", ":"))
-        tensors = {name: t.cpu() if t.device.type != "cpu" else t for name, t in record.tensors.items()}
+        tensors = record.prepare(record.tensors) if record.prepare is not None else record.tensors
+        tensors = {name: t.cpu() if t.device.type != "cpu" else t for name, t in tensors.items()}
         # Before writing: the tensor bytes alone must fit the limit, and the file at its largest
         # (the header holds the metadata JSON escaped, plus one entry per tensor) the floor.
         self._check_limit(record.nbytes)

@@ -137,6 +137,18 @@ class HFAdapter:
         cache.reorder_cache(beam_idx)
         return cache
 
+    def capture_shape(self, model, args, kwargs) -> List[int]:
+        """[B, S] of a forward captured into a CUDA graph, from shapes alone (no sync)."""
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        if self._var_keyword:
+            bound.update(bound.pop(self._var_keyword, None) or {})
+        for name in ("decoder_input_ids", "input_ids"):
+            if bound.get(name) is not None:
+                return list(bound[name].shape)
+        if bound.get("inputs_embeds") is not None:
+            return list(bound["inputs_embeds"].shape[:2])
+        raise ValueError("HF forward captured without input_ids or inputs_embeds")
+
     def pass_info(self, model, args, kwargs) -> PassInfo:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
         if self._var_keyword:  # names passed through the forward's **catch-all

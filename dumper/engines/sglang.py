@@ -50,6 +50,14 @@ class SglangAdapter:
     def __init__(self, model_runner=None) -> None:
         self.model_runner = model_runner
 
+    def capture_shape(self, model, args, kwargs) -> list:
+        """[T] of a forward captured into a CUDA graph (a batch size's static buffers), from the
+        ForwardBatch's shapes alone: its values are not a real batch's at capture."""
+        batch = find_forward_batch(args, kwargs)
+        if batch is None:
+            raise ValueError("dumper: sglang model forward captured without a ForwardBatch")
+        return [int(batch.input_ids.shape[0])]
+
     def pass_info(self, model, args, kwargs) -> PassInfo:
         batch = find_forward_batch(args, kwargs)
         if batch is None:

@@ -1,0 +1,68 @@
+"""What one forward pass has captured so far: its calls, tensors and the row bookkeeping."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .passinfo import PassInfo
+from .passprints import PassPrints
+
+
+class Call:
+    __slots__ = ("name", "module", "cls", "pre", "post", "tensors", "values", "skipped")
+
+    def __init__(self, name, module, cls, pre) -> None:
+        self.name, self.module, self.cls, self.pre = name, module, cls, pre
+        self.post = None
+        self.tensors: Dict[str, dict] = {}
+        self.values: Dict[str, Any] = {}
+        self.skipped: Dict[str, str] = {}
+
+    def to_meta(self) -> dict:
+        meta = {
+            "call": self.name,
+            "module": self.module,
+            "cls": self.cls,
+            "pre": self.pre,
+            "post": self.post,
+            "tensors": self.tensors,
+        }
+        if self.values:
+            meta["values"] = self.values
+        if self.skipped:
+            meta["skipped"] = self.skipped
+        return meta
+
+
+class PassState:
+    """Everything captured during one forward pass of the root module."""
+
+    def __init__(
+        self,
+        info: PassInfo,
+        kept_rows: Optional[List[int]],
+        exp_dir: str,
+        mode: str = "all",
+        prints: Optional[PassPrints] = None,
+        print_host_tensors: bool = False,
+    ) -> None:
+        self.info = info
+        self.mode = mode  # fixed for the whole pass, whatever a control thread changes
+        self.prints = prints  # the row fingerprints computed on the device (mode fingerprint, or carried)
+        self.print_host_tensors = print_host_tensors  # also those of CPU tensors (else GPU tensors only)
+        self.kept_rows = kept_rows
+        self.kept_index = torch.tensor(kept_rows, dtype=torch.long) if kept_rows is not None else None
+        self.exp_dir = exp_dir
+        self.calls: List[Call] = []
+        self.nesting: List[Call] = []  # the calls open now, outermost first
+        self.holders: List[tuple] = []  # (module, its name) of the open calls that place a shared module's calls
+        self.counts: Dict[str, int] = {}
+        self.order = 0
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.seen: Dict[tuple, tuple] = {}  # storage key -> (tensor name, weakref), for aliases
+        self.kept_index_by_device: Dict[torch.device, torch.Tensor] = {}
+        self.n_seqs = len(info.last_rows)
+        self.cuda_used = False
+        self.recording = None  # an arena.Layout while the pass is captured into a CUDA graph

@@ -1,0 +1,160 @@
+"""One forward pass recorded into a CUDA graph, and the pass file each replay of it becomes.
+
+At capture time the hooks run as in an eager pass (the same calls, names, token dims, aliases),
+but each selected tensor is copied into a static slot (arena.Layout) instead of to the host, and
+the pass's token rows are not known yet: the graph's inputs hold no real tokens then. After a
+replay, the replay's own pass metadata (read from its real inputs) and its real batch size turn
+the slots into a pass like an eager one: the rows of padding (a batch padded up to the captured
+size) are trimmed off every tensor, its shape says the real batch, DUMPER_POSITIONS and
+DUMPER_LAST_ROWS select rows as they do eagerly, and the pass metadata's ``graph`` entry says how
+many rows of padding were trimmed. Plain tensors on any device: nothing here needs CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import capture
+from . import format as fmt
+from .arena import Layout
+from .passinfo import PassInfo
+
+
+class ReplayMismatch(ValueError):
+    """A replay's pass metadata or batch does not fit the graph it replays (one line)."""
+
+
+@dataclasses.dataclass
+class Recording:
+    token_shape: List[int]  # of the captured forward: the graph's (padded) batch
+    mode: str  # DUMPER_NON_INTRUSIVE_MODE at capture: what the graph's copies hold
+    filter: str
+    layout: Layout
+    calls: List[dict] = dataclasses.field(default_factory=list)  # call metadata, as an eager pass's
+    args: tuple = ()  # the captured forward's arguments: a graph's static inputs, read at each replay
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    replays: int = 0
+    pending: Optional[PassInfo] = None  # read before the replay (before_replay)
+
+    def replay_pass(
+        self, info: PassInfo, batch_rows: Optional[int], kept_rows: Callable[[PassInfo], Optional[List[int]]]
+    ) -> Tuple[PassInfo, List[dict], Optional[List[int]], Dict[str, torch.Tensor], Callable, dict]:
+        """What one replay writes: (the pass's info with padding rows trimmed, its calls' metadata,
+        the kept rows, the slots' host views (their bytes counted for the writer's queue), the
+        function the writer runs once the host copy is complete (trim, select, own storage per
+        tensor), the ``graph`` entry of the pass metadata)."""
+        captured = self.token_shape[0]
+        info = trim_info(info, self.token_shape, batch_rows)
+        batch = info.token_shape[0]
+        kept = kept_rows(info)
+        calls = copy.deepcopy(self.calls)
+        plan: Dict[str, Tuple[int, Optional[torch.Tensor]]] = {}  # tensor -> (first-dim rows kept, selected rows)
+        columns: List[torch.Tensor] = []  # the capture table's columns of each print, in order
+        kept_index = torch.tensor(kept, dtype=torch.long) if kept is not None else None
+        stored = {slot[0] for slot in self.layout.slots}  # aliases have no slot of their own
+        printed = 0
+        for call in calls:
+            for name, meta in call["tensors"].items():
+                dims, rows = meta["token_dims"], meta["rows"]
+                keep_first = meta["shape"][0] if meta["shape"] else 0
+                select = None
+                captured_rows = _token_rows(meta) if dims is not None else None
+                if dims is not None:
+                    factor = meta["shape"][0] // captured
+                    keep_first = batch * factor
+                    meta["shape"][0] = keep_first
+                    if "held_as" in meta:
+                        meta["held_as"][0] = meta["held_as"][0] // captured * batch
+                    if kept_index is not None and "alias" not in meta:
+                        meta["selected"] = rows == "all"
+                        select = kept_index if rows == "all" else None
+                if name in stored:
+                    plan[name] = (keep_first, select)
+                if "print" in meta:
+                    first, count = meta["print"]
+                    if dims is not None and count == captured_rows:
+                        count = count // captured * batch
+                        index = torch.arange(first, first + count)
+                        if select is not None:
+                            index = index[select]
+                    else:
+                        index = torch.arange(first, first + count)
+                    meta["print"] = [printed, len(index)]
+                    printed += len(index)
+                    columns.append(index)
+        views = self.layout.host_copy()
+        trimmed = {}
+        for name, (keep_first, _) in plan.items():
+            view = views[name]
+            trimmed[name] = view[:keep_first] if view.dim() else view
+        table_index = torch.cat(columns) if columns else None
+        if fmt.ROWPRINTS_TENSOR in views and table_index is not None:
+            trimmed[fmt.ROWPRINTS_TENSOR] = views[fmt.ROWPRINTS_TENSOR][:, : len(table_index)]
+        selects = {name: select for name, (_, select) in plan.items()}
+        dims_of = {name: meta["token_dims"] for call in calls for name, meta in call["tensors"].items()}
+
+        def prepare(host: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+            """Run by the writer once the copy is complete: every tensor in storage of its own
+            (safetensors refuses tensors that share one), rows selected as an eager pass's."""
+            out = {}
+            for name, tensor in host.items():
+                if name == fmt.ROWPRINTS_TENSOR:
+                    out[name] = views[name].index_select(1, table_index)
+                elif selects.get(name) is not None:
+                    out[name] = capture.select_rows(tensor, dims_of[name], selects[name])
+                else:
+                    out[name] = tensor.clone()
+            return out
+
+        self.replays += 1
+        graph = {
+            "captured_token_shape": list(self.token_shape),
+            "batch_rows": batch,
+            "padding_rows_trimmed": captured - batch,
+            "replay": self.replays,
+        }
+        return info, calls, kept, trimmed, prepare, graph
+
+
+def _token_rows(meta: dict) -> int:
+    """Token rows a tensor with token dims holds: its token dims' sizes multiplied."""
+    count = 1
+    for dim in meta["token_dims"]:
+        count *= meta["shape"][dim]
+    return count
+
+
+def trim_info(info: PassInfo, captured: List[int], batch_rows: Optional[int]) -> PassInfo:
+    """The replay's pass metadata for its real batch: an engine that describes the real batch
+    keeps it; one whose metadata is read from the graph's padded static inputs (HF) loses its
+    padding rows (those of batch entries ``batch_rows`` and later)."""
+    shape = list(info.token_shape)
+    if shape[1:] != list(captured[1:]) or not shape or shape[0] > captured[0]:
+        raise ReplayMismatch(
+            f"the replay's token shape {shape} does not fit the graph captured at token shape {list(captured)}"
+        )
+    batch = shape[0] if batch_rows is None else batch_rows
+    if not 0 <= batch <= shape[0]:
+        raise ReplayMismatch(f"batch_rows={batch_rows} is not within the replay's {shape[0]} batch rows")
+    if batch == shape[0]:
+        return info
+    per_entry = 1
+    for size in shape[1:]:
+        per_entry *= size
+    rows = batch * per_entry
+    keys = set(info.seq[:rows])
+    return dataclasses.replace(
+        info,
+        token_shape=[batch] + shape[1:],
+        ids=info.ids[:rows],
+        pos=info.pos[:rows],
+        seq=info.seq[:rows],
+        valid=info.valid[:rows],
+        last_rows=[row for row in info.last_rows if row < rows],
+        prefix_ids={k: v for k, v in info.prefix_ids.items() if k in keys},
+        history={k: v for k, v in info.history.items() if k in keys},
+    )
