@@ -34,11 +34,12 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .peers import MIN_PEER_JUMP, MIN_PEERS, PEER_FACTOR
+# the noise-aware verdict's lines, under the names this module's docstring uses
+from .noise import MIN_AMPLIFICATION as MIN_JUMP
+from .noise import MIN_CLEAN_FLOAT32 as CLEAN_FLOAT32
+from .noise import MIN_ULPS as MIN_EPS
+from .peers import MIN_PEERS, peer_line
 
-MIN_JUMP = 30.0
-MIN_EPS = 8.0
-CLEAN_FLOAT32 = 100.0
 _NUMBER = re.compile(r"(?<=\.)\d+(?=[.#]|$)")
 
 
@@ -108,7 +109,7 @@ def _judged(calls, jump, clean, came_in, went_out, eps, wide) -> List[dict]:
         peers = [p for p in groups[peer_key(call)] if p != at and np.isfinite(best[p])]
         if len(peers) >= MIN_PEERS:
             largest = float(np.nanmax(best[peers]))
-            line, line_from = max(MIN_PEER_JUMP, PEER_FACTOR * largest), f"{len(peers)} peers, largest {largest:.3g}x"
+            line, line_from = float(peer_line(np.float64(largest))), f"{len(peers)} peers, largest {largest:.3g}x"
         else:
             line, line_from = MIN_JUMP, "no peers"
         lines = np.where(clean[at], CLEAN_FLOAT32 if wide[at] else MIN_EPS, line)
