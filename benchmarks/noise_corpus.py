@@ -323,7 +323,10 @@ def run_one(spec: Spec, args) -> dict:
 
 def read_results(path: str) -> list:
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # a run killed while writing its record: it runs again
+    return [json.loads(line) for line in lines]
 
 
 def write_results(path: str, records: list):
@@ -452,6 +455,7 @@ def main(argv=None):
         "puts the GPU-sized models through CPU kernels",
     )
     ap.add_argument("--jobs", type=int, default=2, help="analyzer processes at once for --reanalyze")
+    ap.add_argument("--resume", action="store_true", help="keep OUT/results.jsonl's runs and skip them")
     args = ap.parse_args(argv)
     global SHAPES
     SHAPES = args.shapes
@@ -470,7 +474,11 @@ def main(argv=None):
     path = os.path.join(args.out, "results.jsonl")
     os.makedirs(args.out, exist_ok=True)
     ids = {s.id for s in runs}
-    records = [r for r in (read_results(path) if os.path.exists(path) else []) if r["id"] not in ids]
+    earlier = read_results(path) if os.path.exists(path) else []
+    records = [r for r in earlier if r["id"] not in ids or args.resume]
+    if args.resume:  # a call cut short by a time limit goes on where it stopped
+        done = {r["id"] for r in earlier}
+        runs = [s for s in runs if s.id not in done]
     write_results(path, records)
     start = time.time()
     log(f"{len(runs)} runs on {args.device} -> {path}")

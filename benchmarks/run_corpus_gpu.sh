@@ -1,19 +1,18 @@
 #!/bin/bash
 # The noise corpus on a CUDA machine in parallel slices (one process per architecture, dtype and
-# kind of run: 14 at once on an H100's 16 cores), merged into $1/results.jsonl, tables printed:
-#   benchmarks/run_corpus_gpu.sh OUT [clean|planted|all]
-# A slice's results.jsonl is written run by run, so a slice cut short still counts what it ran.
+# kind of run: 15 at once on an H100's 16 cores), merged into $1/results.jsonl, tables printed:
+#   benchmarks/run_corpus_gpu.sh OUT [clean|planted|all] [SECONDS]
+# Each slice writes its results.jsonl run by run and resumes from it, so a call cut short by
+# SECONDS (default: no limit) goes on where it stopped when run again over the same OUT.
 set -u
 out=${1:-corpus-gpu}
 what=${2:-all}
+limit=${3:-0}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$out/device.txt"
-only=(); [ "$what" != all ] && only=(--only "$what")
-# the trained model's runs first and alone: they train it once into $out/models
-python3 benchmarks/noise_corpus.py --device cuda "${only[@]}" --match trained \
-  --out "$out/slice-trained" --models "$out/models" >"$out/slice-trained.tables" 2>"$out/slice-trained.log"
-slices=()
+# the trained model's runs are one slice: it trains the model once into $out/models
+slices=("$what trained. float32,bfloat16")
 for arch in llama. qwen3. qwen3_moe. gemma2. mamba. jamba.; do
   [ "$what" != planted ] && slices+=("clean $arch float32,bfloat16")
   case $arch in mamba. | jamba.) continue ;; esac  # no KV cache to plant in
@@ -21,8 +20,10 @@ for arch in llama. qwen3. qwen3_moe. gemma2. mamba. jamba.; do
 done
 for i in "${!slices[@]}"; do
   read -r only match dtypes <<<"${slices[$i]}"
-  python3 benchmarks/noise_corpus.py --device cuda --only "$only" --match "$match" --dtypes "$dtypes" \
-    --out "$out/slice$i" --models "$out/models" >"$out/slice$i.tables" 2>"$out/slice$i.log" &
+  only_arg=(); [ "$only" != all ] && only_arg=(--only "$only")
+  timeout "$limit" python3 benchmarks/noise_corpus.py --device cuda "${only_arg[@]}" --match "$match" \
+    --dtypes "$dtypes" --resume --out "$out/slice$i" --models "$out/models" \
+    >"$out/slice$i.tables" 2>>"$out/slice$i.log" &
 done
 wait
 cat "$out"/slice*/results.jsonl 2>/dev/null >"$out/results.jsonl"
