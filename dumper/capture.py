@@ -35,6 +35,30 @@ def flatten(value: Any, prefix: str = "", depth: int = 0, output: bool = False) 
         yield prefix, value
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_INDEX_SLOTS = tuple(str(i) for i in range(16))
+
+
+def call_inputs(args: tuple, kwargs: dict) -> list:
+    """(slot, leaf) pairs of a call's arguments, slots unique. Most calls pass tensors alone and
+    no keywords (a linear, a norm, an activation): named at once, without the general walk, as
+    it would name them (hooks run hundreds of times a step)."""
+    if not kwargs and len(args) <= len(_INDEX_SLOTS):
+        for arg in args:
+            if type(arg) not in _PLAIN:
+                break
+        else:
+            return list(zip(_INDEX_SLOTS, args))
+    return list(unique_slots(list(flatten(list(args))) + list(flatten(dict(kwargs)))))
+
+
+def call_outputs(output) -> list:
+    """(slot, leaf) pairs of a call's output; a bare tensor is slot "0"."""
+    if type(output) in _PLAIN:
+        return [("0", output)]
+    return list(unique_slots(flatten(output, output=True)))
+
+
 def unique_slots(leaves) -> Iterator[Tuple[str, Any]]:
     """The leaves with slot names made unique: {"a.b": x, "a": {"b": y}} flattens to two "a.b"
     slots, and the second would overwrite the first; it becomes "a.b~1"."""
@@ -114,15 +138,9 @@ def storage_key(tensor: torch.Tensor):
     earlier one."""
     if tensor.is_inference():
         return None
-    return (
-        tensor.device.type,
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-        tensor.dtype,
-        tensor._version,
-    )
+    # data_ptr: the storage's address plus the offset; the caller's weak reference proves the
+    # first tensor alive, so no other storage can start at that address meanwhile
+    return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
 
 
 def snapshot(tensor: torch.Tensor) -> torch.Tensor:

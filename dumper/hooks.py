@@ -27,9 +27,9 @@ from .passstate import Call, PassState
 from .writer import PassRecord, PassWriter
 
 log = logging.getLogger("dumper")
-_STORED = frozenset(
-    getattr(torch, name) for name in fmt.STORED_DTYPES if hasattr(torch, name)
-)  # a set lookup per tensor
+# the element types a dump stores -> their names in metadata: one dict lookup per tensor
+_STORED = {getattr(torch, name): name for name in fmt.STORED_DTYPES if hasattr(torch, name)}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _names_under(path: str) -> Dict[str, str]:
@@ -460,12 +460,7 @@ class Dumper:
         current.order += 1
         current.calls.append(call)
         current.nesting.append(call)
-        self._capture(
-            current,
-            call,
-            "in",
-            list(capture.unique_slots(list(capture.flatten(list(args))) + list(capture.flatten(dict(kwargs))))),
-        )
+        self._capture(current, call, "in", capture.call_inputs(args, kwargs))
 
     def _post(self, module, args, kwargs, output) -> None:
         current = self._pass
@@ -483,26 +478,31 @@ class Dumper:
             current.nesting.remove(call)
         call.post = current.order
         current.order += 1
-        self._capture(current, call, "out", list(capture.unique_slots(capture.flatten(output, output=True))))
+        self._capture(current, call, "out", capture.call_outputs(output))
 
     def _capture(self, current: PassState, call: Call, io: str, leaves) -> None:
         for slot, value in leaves:
             if isinstance(value, torch.Tensor):
-                self._capture_tensor(current, call, fmt.tensor_name(call.name, io, slot), value)
+                self._capture_tensor(current, call, f"{call.name}.{io}.{slot}", value)
             elif isinstance(value, capture.JSON_SCALARS):
                 call.values[f"{io}.{slot}"] = value if not isinstance(value, float) or value == value else str(value)
             else:
                 call.skipped[f"{io}.{slot}"] = type(value).__name__
 
     def _capture_tensor(self, current: PassState, call: Call, name: str, tensor: torch.Tensor) -> None:
-        if tensor.layout != torch.strided or tensor.device.type == "meta" or tensor.dtype not in _STORED:
-            call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
-            return
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # a wrapper (DTensor, torchao): no plain storage
+        if type(tensor) not in _PLAIN:  # a wrapper (DTensor, torchao): no plain storage
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
+        if tensor.dtype not in _STORED or tensor.layout != torch.strided or tensor.is_meta:
+            call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
+            return
         info = current.info
-        dims, rows, why = capture.find_token_dims(tensor.shape, info.token_shape, current.n_seqs)
+        found = current.dims_of_shape.get(tensor.shape)  # a pass meets few shapes, each many times
+        if found is None:
+            found = current.dims_of_shape[tensor.shape] = capture.find_token_dims(
+                tensor.shape, info.token_shape, current.n_seqs
+            )
+        dims, rows, why = found
         shifted = self._rows_not_aligned(call.cls, name) if dims is not None else None
         if shifted:
             dims, rows, why = None, None, shifted
@@ -514,8 +514,8 @@ class Dumper:
                 dims, rows = [0], "all"
         meta = {
             "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype).replace("torch.", ""),
-            "token_dims": dims,
+            "dtype": _STORED[tensor.dtype],
+            "token_dims": None if dims is None else list(dims),  # its own: dims are cached per shape
             "rows": rows,
         }
         if dims is None:

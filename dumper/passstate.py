@@ -64,5 +64,6 @@ class PassState:
         self.seen: Dict[tuple, tuple] = {}  # storage key -> (tensor name, weakref), for aliases
         self.kept_index_by_device: Dict[torch.device, torch.Tensor] = {}
         self.n_seqs = len(info.last_rows)
+        self.dims_of_shape: Dict[torch.Size, tuple] = {}  # capture.find_token_dims by tensor shape
         self.cuda_used = False
         self.recording = None  # an arena.Layout while the pass is captured into a CUDA graph
