@@ -219,7 +219,7 @@ class GraphDumps:
         if any(device.type == "cuda" for device in recording.layout.used):
             ready = torch.cuda.Event()
             ready.record()
-        dumper._writer.write_run_info(exp_dir, dumper._run_info())
+        dumper._writer.write_run_info(exp_dir, dumper._run_info)
         cleanup = exp_dir in dumper._cleanup_pending
         dumper._cleanup_pending.discard(exp_dir)
         record = PassRecord(exp_dir, dumper.rank, meta, tensors, ready, cleanup=cleanup, prepare=prepare)

@@ -357,7 +357,7 @@ class Dumper:
         if current.cuda_used:
             ready = torch.cuda.Event()
             ready.record()
-        self._writer.write_run_info(exp_dir, self._run_info())
+        self._writer.write_run_info(exp_dir, self._run_info)
         cleanup = exp_dir in self._cleanup_pending
         self._cleanup_pending.discard(exp_dir)
         if self._writer.submit(PassRecord(exp_dir, self.rank, meta, current.tensors, ready, cleanup=cleanup)):

@@ -287,14 +287,15 @@ class PassWriter:
             journal.close()
         self._journals.clear()
 
-    def write_run_info(self, exp_dir: str, info: dict) -> None:
-        """run.json once per experiment folder. The writer thread writes it only once it holds
-        the rank folder's lock, so a second process started on the same experiment by mistake
-        never overwrites the run.json of the one that owns it."""
+    def write_run_info(self, exp_dir: str, make_info: Callable[[], dict]) -> None:
+        """run.json once per experiment folder, its contents made only then (they walk the model).
+        The writer thread writes it only once it holds the rank folder's lock, so a second process
+        started on the same experiment by mistake never overwrites the run.json of the one that
+        owns it."""
         if exp_dir in self._run_written:
             return
         self._run_written.add(exp_dir)
-        self._run_pending[exp_dir] = info
+        self._run_pending[exp_dir] = make_info()
 
     def _write_run_file(self, exp_dir: str, info: dict) -> None:
         # atomic: ranks of one run write the same file concurrently and must never tear it
