@@ -5,6 +5,7 @@ hooked. The decode time of a state is (generate of 1 + steps tokens) - (generate
 so the prefill is left out; states are measured in interleaved rounds, medians reported:
 
 * plain         no dumper installed                                        the baseline
+* no-op hooks   hooks that do nothing on every module / plain              the floor
   (each ratio is the median of per-round ratios; rounds alternate the order of the states)
 * fingerprint   DUMPER_NON_INTRUSIVE_MODE=fingerprint / plain              GPU target <= 1.4
 * all           mode all without carried prints / plain                    (context)
@@ -74,10 +75,28 @@ def decode_seconds(model, ids, steps, device):
     return generate_seconds(model, ids, steps + 1, device) - generate_seconds(model, ids, 1, device)
 
 
+def noop_hooks(model):
+    """Hooks that do nothing, registered on every module as the dumper registers its own: the
+    floor any hook-based dumper stands on (torch's slow call path with hooks)."""
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True))
+        handles.append(module.register_forward_hook(lambda m, a, k, o: None, with_kwargs=True, always_call=True))
+    return handles
+
+
 def measure(model, ids, steps, device, work, config, name):
-    """(decode seconds, dump folder) of one round of a state; config None: no dumper."""
+    """(decode seconds, dump folder) of one round of a state; config None: no dumper; "noop":
+    no-op hooks only."""
     if config is None:
         return decode_seconds(model, ids, steps, device), None
+    if config == "noop":
+        handles = noop_hooks(model)
+        try:
+            return decode_seconds(model, ids, steps, device), None
+        finally:
+            for handle in handles:
+                handle.remove()
     handle = dumper.install(
         model,
         dumper.DumperConfig(
@@ -153,7 +172,7 @@ def main():
         default=None,
         help="decoder layers (default: the shape's); bytes per layer do not change with it",
     )
-    parser.add_argument("--skip", default="", help="comma list of: all, index")
+    parser.add_argument("--skip", default="", help="comma list of: all, index, noop")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -173,6 +192,8 @@ def main():
     )
     work = tempfile.mkdtemp(prefix="dumpdiff-bench-fp-")
     states = {"plain": None, "fingerprint": {"non_intrusive_mode": "fingerprint"}}
+    if "noop" not in skip:
+        states["no-op hooks"] = "noop"
     if "all" not in skip:
         states.update({"all": {"fingerprints": "0"}, "all+prints": {"fingerprints": "1"}})
     try:
@@ -206,6 +227,14 @@ def main():
             "x",
             f"{step['fingerprint'] * 1e3:.2f} vs {step['plain'] * 1e3:.2f} ms",
         )
+        if "no-op hooks" in step:
+            result(
+                "no-op hooks decode step / plain (the floor)",
+                round(ratio_of("no-op hooks", "plain"), 3),
+                "context",
+                None,
+                "x",
+            )
         if "all" in step:
             result("all decode step / plain", round(ratio_of("all", "plain"), 3), "context", None, "x")
             result("all with carried prints / all", round(ratio_of("all+prints", "all"), 3), "close to 1", None, "x")
