@@ -26,6 +26,7 @@ print.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Dict, Tuple
 
@@ -169,10 +170,12 @@ def as_rows(tensor: torch.Tensor, token_dims) -> torch.Tensor:
     if token_dims is None:
         return tensor.reshape(1, tensor.numel())
     k = len(token_dims)
-    moved = tensor.movedim(list(token_dims), list(range(k))) if list(token_dims) != list(range(k)) else tensor
-    n = rest = 1
-    for size in moved.shape[:k]:
-        n *= size
-    for size in moved.shape[k:]:
-        rest *= size
-    return moved.reshape(n, rest)  # not -1: zero rows is a shape too
+    leading = _LEADING[k] if k < len(_LEADING) else list(range(k))
+    moved = tensor if token_dims == leading else tensor.movedim(list(token_dims), leading)
+    shape = moved.shape
+    if k == 1 and len(shape) == 2:
+        return moved  # already [rows, elements] (hooks stage hundreds of these a step)
+    return moved.reshape(math.prod(shape[:k]), math.prod(shape[k:]))  # not -1: zero rows is a shape too
+
+
+_LEADING = [list(range(k)) for k in range(8)]  # token dims already at the front, compared without a new list
