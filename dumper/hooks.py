@@ -451,9 +451,12 @@ class Dumper:
         current = self._pass
         if current is None or self._pass_thread != threading.get_ident():
             return
-        path = self._name_of(current, module)  # a shared module: under the innermost open holder
-        if module in self._shared and not self._selected(path, type(module).__name__):  # hooked for another name
-            return
+        if module in self._shared:
+            path = self._name_of(current, module)  # under the innermost open holder
+            if not self._selected(path, type(module).__name__):  # hooked for another of its names
+                return
+        else:
+            path = self._paths.get(module, "")
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
         call = Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
@@ -469,13 +472,14 @@ class Dumper:
         # its innermost open call, under whichever of its names its pre-hook chose: the last one
         # open, unless a call inside it ended without its post-hook
         names = self._names(module)
-        call = next((c for c in reversed(current.nesting) if c.module in names), None)
-        if call is None:
-            return
-        if current.nesting[-1] is call:
-            current.nesting.pop()
+        nesting = current.nesting
+        if nesting and nesting[-1].module in names:  # the usual case: the call just opened
+            call = nesting.pop()
         else:
-            current.nesting.remove(call)
+            call = next((c for c in reversed(nesting) if c.module in names), None)
+            if call is None:
+                return
+            nesting.remove(call)
         call.post = current.order
         current.order += 1
         self._capture(current, call, "out", capture.call_outputs(output))
