@@ -23,10 +23,10 @@ BLOCK_BYTES = 8 << 20  # a staging block holds at least this many bytes of rows 
 
 
 class _Block:
-    __slots__ = ("rows", "used", "owners")
+    __slots__ = ("rows", "used", "owners", "capacity")
 
     def __init__(self, rows: torch.Tensor):
-        self.rows, self.used = rows, 0
+        self.rows, self.used, self.capacity = rows, 0, rows.shape[0]
         self.owners: List[Tuple[dict, int, int]] = []  # (tensor metadata, first row, rows)
 
 
@@ -46,7 +46,7 @@ class PassPrints:
         key = (rows.device, rows.dtype, width)
         blocks = self._blocks.get(key)
         block = blocks[-1] if blocks else None  # only the last block of a key has room left
-        if block is None or block.rows.shape[0] - block.used < n:
+        if block is None or block.capacity - block.used < n:
             block = _Block(
                 torch.empty(
                     (max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1), width),
