@@ -70,9 +70,15 @@ def generate_seconds(model, ids, new_tokens, device):
     return time.perf_counter() - start
 
 
-def decode_seconds(model, ids, steps, device):
-    """Time of ``steps`` decode steps: a generate of 1 + steps tokens less one of 1 token."""
-    return generate_seconds(model, ids, steps + 1, device) - generate_seconds(model, ids, 1, device)
+def decode_seconds(model, ids, steps, device, settle=lambda: None):
+    """Time of ``steps`` decode steps: a generate of 1 + steps tokens less one of 1 token.
+    ``settle`` (untimed) runs after each: the dump writer's backlog of one must not fall into
+    the other's time."""
+    long = generate_seconds(model, ids, steps + 1, device)
+    settle()
+    short = generate_seconds(model, ids, 1, device)
+    settle()
+    return long - short
 
 
 def noop_hooks(model):
@@ -104,8 +110,7 @@ def measure(model, ids, steps, device, work, config, name):
         ),
     )
     try:
-        seconds = decode_seconds(model, ids, steps, device)
-        handle.flush()
+        seconds = decode_seconds(model, ids, steps, device, settle=handle.flush)
     finally:
         handle.remove()
     return seconds, os.path.join(work, name)
