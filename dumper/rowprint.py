@@ -27,6 +27,7 @@ print.
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from typing import Dict, Tuple
 
@@ -92,7 +93,9 @@ def element_bits(rows: torch.Tensor) -> torch.Tensor:
     """The rows' elements as signed integers of their width, widened to int64 (a new tensor)."""
     size = rows.element_size()
     bits = rows.view(_INT_OF_SIZE[size]) if rows.dtype != _INT_OF_SIZE[size] else rows
-    return bits.to(torch.int64, copy=True)  # never the caller's own int64 storage: it is worked on in place
+    # a new contiguous tensor: never the caller's own int64 storage (it is worked on in place),
+    # and its 32-bit halves can be viewed (fingerprints)
+    return torch.empty(bits.shape, dtype=torch.int64, device=bits.device).copy_(bits)
 
 
 def fingerprints(rows: torch.Tensor) -> torch.Tensor:
@@ -108,11 +111,24 @@ def fingerprints(rows: torch.Tensor) -> torch.Tensor:
             words = element_bits(rows[start : start + step])
             words += keys
             words *= MIX_1
-            words ^= _shift_right(words, 32)
+            _fold_halves(words)
             words *= MIX_2
             sums[start : start + step] = words.sum(dim=1)
     sums ^= seed(rows.dtype, width)
     return mix(sums)
+
+
+def _fold_halves(words: torch.Tensor) -> None:
+    """words ^= words >>> 32, in place on contiguous int64 words: the high half XORed into the low
+    half, read through an int32 view (little-endian: low half first), with no temporary."""
+    if _LITTLE_ENDIAN and words.is_contiguous():
+        halves = words.view(torch.int32).view(*words.shape, 2)
+        halves[..., 0] ^= halves[..., 1]
+    else:
+        words ^= _shift_right(words, 32)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"  # every CUDA host is; the view is the host's byte order
 
 
 def _chunk_elements(device: torch.device) -> int:
@@ -149,6 +165,13 @@ def magnitudes(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     magnitude = rows.view(_INT_OF_SIZE[size]) & ((1 << (8 * size - 1)) - 1)  # the sign bit cleared
     if size == 1:
         magnitude = magnitude.to(torch.int16)  # few kernels take uint8 reductions alike; values are < 128
+    if width and device.type == "cpu":
+        # rows without inf or NaN (nearly all) need one pass, not four; a GPU would have to wait
+        # for the check, and a graph capture cannot, so it always takes the full path
+        peak = magnitude.amax(dim=1)
+        if not bool((peak > _MAX_FINITE_BITS[rows.dtype]).any()):
+            largest = peak.to(_INT_OF_SIZE[size])
+            return largest.view(rows.dtype).to(torch.float64), torch.zeros(n, dtype=torch.int32)
     too_large = magnitude > _MAX_FINITE_BITS[rows.dtype]
     nonfinite = too_large.sum(dim=1, dtype=torch.int32)
     if not width:

@@ -153,6 +153,22 @@ def test_magnitudes_are_the_largest_finite_value_and_count_nan_and_inf():
     assert torch.isnan(ints[1].view(torch.float64)).all() and ints[2].tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d.is_floating_point], ids=str)
+def test_finite_rows_and_rows_with_one_nan_each_give_their_own_largest_value(dtype):
+    """All-finite rows take a shorter path on a CPU than rows holding inf or NaN: both must give
+    each row's largest |x| exactly, whichever rows share the tensor."""
+    rows = _rows(dtype, n=8, width=33, seed=9)
+    expected = rows.to(torch.float64).abs().amax(dim=1)
+    finite = rowprint.row_stats(rows)
+    assert torch.equal(finite[1].view(torch.float64), expected) and not finite[2].any()
+    rows[2, 5] = float("nan")
+    mixed = rowprint.row_stats(rows)
+    others = [i for i in range(8) if i != 2]
+    assert torch.equal(mixed[1].view(torch.float64)[others], expected[others])
+    assert mixed[2].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert torch.equal(mixed[0][others], finite[0][others]) and mixed[0][2] != finite[0][2]
+
+
 def test_rows_of_token_dims_that_do_not_lead_and_of_no_token_dims():
     t = torch.randn(2, 3, 5, 4)  # [B, heads, S, D]: token dims 0 and 2
     rows = rowprint.as_rows(t, [0, 2])
