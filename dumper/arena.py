@@ -5,9 +5,10 @@ sync or copy to the host; it copies each selected tensor into a slot of an arena
 that copy becomes a node of the graph, rerun by every replay. A slot is a view of the arena
 at a fixed offset, so after each replay it holds that replay's values.
 
-Every recording starts at offset 0: graphs of one model are replayed one after the other on one
-stream, and the dumper copies a replay's slots off (ordered on the stream) before the next replay
-can write them, so the budget is the largest single graph's need, not the sum over graphs.
+Every graph's recordings start at offset 0: graphs of one model are replayed one after the other
+on one stream, and the dumper copies a replay's slots off (ordered on the stream) before the next
+replay can write them, so the budget is the largest single graph's need, not the sum over graphs.
+The forwards one graph captures follow each other in the arena: one replay runs them all.
 Nothing here needs CUDA: an arena on the CPU keeps the same books (tests/test_graph_capture.py).
 """
 
@@ -40,12 +41,21 @@ class Arenas:
         graph's private pool) and never freed while the process lives."""
         found = self._arenas.get(device)
         if found is None:
-            found = self._arenas[device] = torch.empty(self.budget, dtype=torch.uint8, device=device)
+            # the budget rounded up to the slot alignment: a last slot's aligned end may pass the
+            # budget by less than ALIGN, and a replay's copy takes the bytes up to that end
+            found = self._arenas[device] = torch.empty(_aligned(self.budget), dtype=torch.uint8, device=device)
             _KEPT.append(found)
         return found
 
-    def layout(self) -> "Layout":
-        return Layout(self)
+    def layout(self, after: Optional[List["Layout"]] = None) -> "Layout":
+        """A new recording's slots, laid out past those of ``after`` (the recordings one graph
+        already holds: a graph that captures several forwards replays them all before any is
+        copied off)."""
+        base: Dict[torch.device, int] = {}
+        for earlier in after or ():
+            for device, end in earlier.used.items():
+                base[device] = max(base.get(device, 0), end)
+        return Layout(self, base)
 
     @property
     def reserved(self) -> int:
@@ -55,9 +65,10 @@ class Arenas:
 class Layout:
     """The slots of one recording: where each tensor's copy lies, and what did not fit."""
 
-    def __init__(self, arenas: Arenas) -> None:
+    def __init__(self, arenas: Arenas, base: Optional[Dict[torch.device, int]] = None) -> None:
         self.arenas = arenas
-        self.used: Dict[torch.device, int] = {}  # bytes laid out per device (aligned)
+        self.base = dict(base or {})  # per device, where this recording's slots begin
+        self.used: Dict[torch.device, int] = {}  # per device, where its slots end (aligned)
         self.slots: List[Tuple[str, torch.device, int, torch.dtype, tuple]] = []  # name, device, offset, dtype, shape
         self.needed: Dict[torch.device, int] = {}  # bytes the selection needs per device, fitted or not
         self.first_missing: Optional[Tuple[str, int]] = None  # (tensor name, bytes) of the first that did not fit
@@ -67,7 +78,7 @@ class Layout:
         later tensor is only counted: the error says what the whole selection needs)."""
         device = tensor.device
         nbytes = tensor.numel() * tensor.element_size()
-        start = self.needed.get(device, 0)
+        start = self.needed.get(device, self.base.get(device, 0))
         self.needed[device] = start + _aligned(nbytes)
         if self.first_missing is not None or start + nbytes > self.arenas.budget:
             if self.first_missing is None:
@@ -104,9 +115,9 @@ class Layout:
         before reading). The tensors are views of that one copy."""
         blocks = {}
         for device, used in self.used.items():
-            source = self.arenas.arena(device)[:used]
+            source = self.arenas.arena(device)[self.base.get(device, 0) : used]
             if device.type == "cuda":
-                block = torch.empty(used, dtype=torch.uint8, pin_memory=True)
+                block = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
                 block.copy_(source, non_blocking=True)
             else:
                 block = source.clone()
@@ -117,5 +128,6 @@ class Layout:
             for dim in shape:
                 size *= dim
             nbytes = size * dtype.itemsize
-            out[name] = blocks[device][offset : offset + nbytes].view(dtype).view(shape)
+            start = offset - self.base.get(device, 0)
+            out[name] = blocks[device][start : start + nbytes].view(dtype).view(shape)
         return out

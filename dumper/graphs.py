@@ -78,7 +78,10 @@ class GraphDumps:
 
     @contextlib.contextmanager
     def capture(self, graph, **graph_kwargs):
-        """``torch.cuda.graph(graph, **graph_kwargs)`` with the recordings bound to ``graph``."""
+        """``torch.cuda.graph(graph, **graph_kwargs)`` with the recordings bound to ``graph``. The
+        capture is thread-local unless asked otherwise: the dump writer may wait on an event of an
+        earlier pass meanwhile, which a global capture forbids to every thread."""
+        graph_kwargs.setdefault("capture_error_mode", "thread_local")
         with self.graph_recording(graph) as recordings, torch.cuda.graph(graph, **graph_kwargs):
             yield recordings
 
@@ -108,7 +111,8 @@ class GraphDumps:
         current = PassState(
             placeholder_info(shape), None, "", cfg.non_intrusive_mode, PassPrints() if carried else None, every
         )
-        layout = current.recording = self.arenas.layout()
+        key = self._binding[-1] if self._binding else None
+        layout = current.recording = self.arenas.layout([r.layout for r in self._recordings.get(key, [])])
         dumper._pass = current
         try:
             if dumper._hooked_filter != cfg.filter:
@@ -131,7 +135,6 @@ class GraphDumps:
         recording = Recording(
             shape, cfg.non_intrusive_mode, cfg.filter, layout, [c.to_meta() for c in current.calls], args, dict(kwargs)
         )
-        key = self._binding[-1] if self._binding else None
         self._recordings.setdefault(key, []).append(recording)
         return output
 

@@ -500,6 +500,10 @@ class Dumper:
         if tensor.dtype not in _STORED or tensor.layout != torch.strided or tensor.is_meta:
             call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
             return
+        if current.recording is not None and not tensor.is_cuda and capturing():
+            # a graph replays device work only: a slot would keep the capture's values forever
+            call.skipped[name] = "host tensor in a CUDA graph capture (a replay does not recompute it)"
+            return
         info = current.info
         found = current.dims_of_shape.get(tensor.shape)  # a pass meets few shapes, each many times
         if found is None:

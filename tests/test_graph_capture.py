@@ -220,6 +220,39 @@ def test_the_arena_keeps_one_budget_for_the_largest_graph():
     assert torch.equal(second.host_copy()["c"], torch.zeros(ALIGN, dtype=torch.int32))
 
 
+def test_a_budget_off_the_alignment_still_holds_the_last_slot_s_aligned_end():
+    """A replay copies off every byte up to the last slot's aligned end: the arena must hold it
+    when the budget (DUMPER_GRAPH_BUFFER_BYTES=1e7, say) is not a multiple of the alignment."""
+    arenas = Arenas(3 * ALIGN + 40)
+    layout = arenas.layout()
+    assert layout.take("a", torch.zeros(ALIGN // 2)) is not None  # 2 * ALIGN bytes
+    assert layout.take("b", torch.zeros(ALIGN // 4 + 1)) is not None  # ends past 3 * ALIGN + 40
+    device = torch.device("cpu")
+    assert layout.used[device] == 4 * ALIGN <= arenas.arena(device).numel()
+    assert set(layout.host_copy()) == {"a", "b"}
+
+
+def test_forwards_captured_into_one_graph_keep_their_own_slots(model, tmp_path):
+    """A graph capturing two forwards replays both before anything is copied off: each forward's
+    pass must hold its own tensors, not the last forward's."""
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), exp_name="two", graph_buffer_bytes=1 << 22))
+    key = object()
+    first, second = step_inputs(model, batch=2, seed=1), step_inputs(model, batch=2, seed=2)
+    try:
+        with torch.no_grad(), handle.graph_recording(key) as recordings:
+            handle._graphs.captured_forward(handle._original_forward, (), first)
+            handle._graphs.captured_forward(handle._original_forward, (), second)
+        assert len(recordings) == 2
+        handle.configure(enable=True)
+        assert handle.after_replay(key) == 2
+    finally:
+        handle.remove()
+    for index, inputs in enumerate((first, second)):
+        meta, tensors = read_pass(tmp_path / "two", index)
+        assert meta["tokens"]["ids"] == inputs["input_ids"].view(-1).tolist()
+        assert torch.equal(tensors[fmt.ROOT_PATH + "#0.in.input_ids"], inputs["input_ids"]), index
+
+
 def test_the_sglang_adapter_reads_a_captured_batch_s_layout_from_shapes():
     from dumpdiff.dumper.engines.sglang import SglangAdapter
 
