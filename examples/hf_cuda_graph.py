@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 from typing import Optional
 
 import torch
@@ -30,7 +31,7 @@ class GraphDecoder:
 
         self.model, self.handle, self.graphs = model, handle, graphs
         device = next(model.parameters()).device
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = _static_cache(StaticCache, model, batch, max_len, device)
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
@@ -93,6 +94,16 @@ class GraphDecoder:
             token = logits[:, -1].argmax(-1)
             tokens.append(token)
         return torch.stack(tokens, dim=1)
+
+
+def _static_cache(cls, model, batch: int, max_len: int, device):
+    """An HF StaticCache on the model's device and dtype: transformers 5 sizes it from the first
+    update; earlier versions (4.4x-4.5x) take the batch, device and dtype up front."""
+    params = inspect.signature(cls.__init__).parameters
+    if "max_batch_size" in params or "batch_size" in params:
+        sized = {"max_batch_size": batch} if "max_batch_size" in params else {"batch_size": batch}
+        return cls(config=model.config, max_cache_len=max_len, device=device, dtype=model.dtype, **sized)
+    return cls(config=model.config, max_cache_len=max_len)
 
 
 def main() -> None:
