@@ -19,32 +19,21 @@ Needs sglang in this interpreter (scripts/install-sglang-cpu.sh, or make test).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 
-from common import ROOT, dir_bytes, fmt_bytes, median, result
+from common import ROOT, SERVER_SHAPE, dir_bytes, fmt_bytes, median, result, server_workload
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from sglang_server import SglangServer, sglang_installed  # noqa: E402
-from tiny_models import make_tiny_llama  # noqa: E402
 
 STATES = ("plain", "off", "all", "fingerprint")
 # A balanced Latin square: over 4 rounds each state runs once in each position and follows every
 # other state once, so neither a slot in the round nor the state before it favours one state.
 ORDERS = [(0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1)]
-SHAPE = dict(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=688,
-    vocab_size=8192,
-)
 
 
 def control(server: SglangServer, **settings):
@@ -52,22 +41,9 @@ def control(server: SglangServer, **settings):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    args = ap.parse_args(argv)
     if not sglang_installed():
         sys.exit("bench_sglang: no sglang in this interpreter; run with .venv/bin/python after make test")
-    import torch
-
-    work = tempfile.mkdtemp(prefix="bench-sglang-")
-    model = make_tiny_llama(os.path.join(work, "model"), **SHAPE)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(3, SHAPE["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)
-    ]
+    args, work, model, prompts = server_workload(__doc__.splitlines()[0], "bench-sglang-", argv)
     dumps = os.path.join(work, "dumps")
     plain = SglangServer(model, log_path=os.path.join(work, "plain.log"))
     dumper = SglangServer(
@@ -124,7 +100,7 @@ def main(argv=None):
 
     workload = (
         f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, random Llama "
-        f"hidden {SHAPE['hidden_size']} x {SHAPE['num_hidden_layers']} layers, float32, {args.rounds} rounds"
+        f"hidden {SERVER_SHAPE['hidden_size']} x {SERVER_SHAPE['num_hidden_layers']} layers, float32, {args.rounds} rounds"
     )
     ratios = {s: sorted(t / p for t, p in zip(times[s], times["plain"])) for s in STATES[1:]}
     spread = lambda r: f"rounds {r[0]:.2f}..{r[-1]:.2f}"  # noqa: E731 - this machine's noise, said beside each

