@@ -487,7 +487,7 @@ class Dumper:
     def _capture(self, current: PassState, call: Call, io: str, leaves) -> None:
         for slot, value in leaves:
             if isinstance(value, torch.Tensor):
-                self._capture_tensor(current, call, f"{call.name}.{io}.{slot}", value)
+                self._capture_tensor(current, call, fmt.tensor_name(call.name, io, slot), value)
             elif isinstance(value, capture.JSON_SCALARS):
                 call.values[f"{io}.{slot}"] = value if not isinstance(value, float) or value == value else str(value)
             else:
