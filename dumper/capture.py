@@ -35,7 +35,7 @@ def flatten(value: Any, prefix: str = "", depth: int = 0, output: bool = False) 
         yield prefix, value
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not a wrapper subclass: plain storage
 _INDEX_SLOTS = tuple(str(i) for i in range(16))
 
 
@@ -45,7 +45,7 @@ def call_inputs(args: tuple, kwargs: dict) -> list:
     it would name them (hooks run hundreds of times a step)."""
     if not kwargs and len(args) <= len(_INDEX_SLOTS):
         for arg in args:
-            if type(arg) not in _PLAIN:
+            if type(arg) not in PLAIN_TENSORS:
                 break
         else:
             return list(zip(_INDEX_SLOTS, args))
@@ -54,7 +54,7 @@ def call_inputs(args: tuple, kwargs: dict) -> list:
 
 def call_outputs(output) -> list:
     """(slot, leaf) pairs of a call's output; a bare tensor is slot "0"."""
-    if type(output) in _PLAIN:
+    if type(output) in PLAIN_TENSORS:
         return [("0", output)]
     return list(unique_slots(flatten(output, output=True)))
 

@@ -29,7 +29,6 @@ from .writer import PassRecord, PassWriter
 log = logging.getLogger("dumper")
 # the element types a dump stores -> their names in metadata: one dict lookup per tensor
 _STORED = {getattr(torch, name): name for name in fmt.STORED_DTYPES if hasattr(torch, name)}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _names_under(path: str) -> Dict[str, str]:
@@ -494,7 +493,7 @@ class Dumper:
                 call.skipped[f"{io}.{slot}"] = type(value).__name__
 
     def _capture_tensor(self, current: PassState, call: Call, name: str, tensor: torch.Tensor) -> None:
-        if type(tensor) not in _PLAIN:  # a wrapper (DTensor, torchao): no plain storage
+        if type(tensor) not in capture.PLAIN_TENSORS:  # a wrapper (DTensor, torchao): no plain storage
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
         if tensor.dtype not in _STORED or tensor.layout != torch.strided or tensor.is_meta:
