@@ -6,8 +6,9 @@ faster than they run only when the host keeps up), so what the hooks do per call
 fingerprint run adds to it. This benchmark takes the model out: one forward's hooked calls
 (module, args, kwargs, output) are recorded once, then replayed through
 
-* minimal       a hook that stages each new tensor (one identity key, one copy) and nothing
-                else: the floor of any design that copies at hook time            the baseline
+* minimal       a hook that stages each new floating-point tensor (one identity key, one
+                copy) and nothing else: near the floor of any design that copies at hook
+                time                                                              the baseline
 * fingerprint   the dumper's hooks, DUMPER_NON_INTRUSIVE_MODE=fingerprint (staging copies,
                 metadata, aliases; the prints themselves are left out)
 * all           the same in mode all (host copies instead of staging copies)
@@ -22,6 +23,7 @@ are kernel launches, as in a real step.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import threading
 import time
@@ -160,6 +162,7 @@ def main():
         f"{hooked} hooked calls a step; us per call: " + ", ".join(f"{name} {us:.1f}" for name, us in per_call.items()),
         flush=True,
     )
+    shutil.rmtree(work, ignore_errors=True)
     for name in ("fingerprint", "all"):
         ratio = median([x / y for x, y in zip(times[name], times["minimal"])])
         result(

@@ -7,12 +7,14 @@ each prints ratios, not absolute times, next to its target. ``result(...)`` line
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -223,9 +225,6 @@ SERVER_SHAPE = dict(
 def server_workload(description: str, prefix: str, argv=None):
     """(args, work folder, model folder, prompts as token-id lists) of a server benchmark: its
     command line (--rounds, --prompts, --prompt-len, --new-tokens) and the random Llama it serves."""
-    import argparse
-    import tempfile
-
     from tiny_models import make_tiny_llama
 
     ap = argparse.ArgumentParser(description=description)
