@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import fcntl
 import itertools
 import json
 import math
@@ -432,6 +434,26 @@ def print_tables(records: list):
             print(f"  error {r['id']}: {r.get('error')}")
 
 
+@contextlib.contextmanager
+def size_m_slot(slots: str):
+    """Hold one of N lock files under DIR ("DIR:N") for the run; "" holds nothing."""
+    if not slots:
+        yield
+        return
+    folder, count = slots.rsplit(":", 1)
+    os.makedirs(folder, exist_ok=True)
+    while True:
+        for k in range(int(count)):
+            with open(os.path.join(folder, f"slot{k}"), "w") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                yield
+                return
+        time.sleep(2)
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -456,6 +478,12 @@ def main(argv=None):
     )
     ap.add_argument("--jobs", type=int, default=2, help="analyzer processes at once for --reanalyze")
     ap.add_argument("--resume", action="store_true", help="keep OUT/results.jsonl's runs and skip them")
+    ap.add_argument(
+        "--size-m-slots",
+        default="",
+        help="DIR:N: at most N runs of size m at once among every process given the same DIR "
+        "(parallel slices on one disk: a size m run's dumps take several GB)",
+    )
     args = ap.parse_args(argv)
     global SHAPES
     SHAPES = args.shapes
@@ -483,7 +511,8 @@ def main(argv=None):
     start = time.time()
     log(f"{len(runs)} runs on {args.device} -> {path}")
     for i, spec in enumerate(runs, 1):
-        rec = run_one(spec, args)
+        with size_m_slot(args.size_m_slots if spec.size == "m" else ""):
+            rec = run_one(spec, args)
         records.append(rec)
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")

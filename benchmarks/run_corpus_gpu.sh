@@ -3,7 +3,8 @@
 # kind of run: 15 at once on an H100's 16 cores), merged into $1/results.jsonl, tables printed:
 #   benchmarks/run_corpus_gpu.sh OUT [clean|planted|all] [SECONDS]
 # Each slice writes its results.jsonl run by run and resumes from it, so a call cut short by
-# SECONDS (default: no limit) goes on where it stopped when run again over the same OUT.
+# SECONDS (default: no limit) goes on where it stopped when run again over the same OUT. At most
+# 4 runs of size m at once: each one's dumps take several GB of the disk.
 set -u
 out=${1:-corpus-gpu}
 what=${2:-all}
@@ -22,7 +23,7 @@ for i in "${!slices[@]}"; do
   read -r only match dtypes <<<"${slices[$i]}"
   only_arg=(); [ "$only" != all ] && only_arg=(--only "$only")
   timeout "$limit" python3 benchmarks/noise_corpus.py --device cuda "${only_arg[@]}" --match "$match" \
-    --dtypes "$dtypes" --resume --out "$out/slice$i" --models "$out/models" \
+    --dtypes "$dtypes" --resume --out "$out/slice$i" --models "$out/models" --size-m-slots "$out/locks:4" \
     >"$out/slice$i.tables" 2>>"$out/slice$i.log" &
 done
 wait
