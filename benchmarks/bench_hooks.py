@@ -139,7 +139,12 @@ def main():
                 handle = dumper.install(
                     model,
                     dumper.DumperConfig(
-                        enable=True, dir=work, exp_name=name, non_intrusive_mode=name, min_free_bytes=0
+                        enable=True,
+                        dir=work,
+                        exp_name=name,
+                        non_intrusive_mode=name,
+                        min_free_bytes=0,
+                        cleanup_previous=True,
                     ),
                 )
                 with torch.no_grad():
