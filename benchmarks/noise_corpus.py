@@ -328,7 +328,12 @@ def read_results(path: str) -> list:
         lines = [line for line in f if line.strip()]
     if lines and not lines[-1].endswith("\n"):
         lines.pop()  # a run killed while writing its record: it runs again
-    return [json.loads(line) for line in lines]
+    by_id = {}  # a run recorded twice (merged folders): its last record
+    for line in lines:
+        record = json.loads(line)
+        by_id.pop(record["id"], None)
+        by_id[record["id"]] = record
+    return list(by_id.values())
 
 
 def write_results(path: str, records: list):
