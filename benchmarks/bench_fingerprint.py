@@ -11,6 +11,7 @@ so the prefill is left out; states are measured in interleaved rounds, medians r
 * all           mode all without carried prints / plain                    (context)
 * all+prints    mode all with DUMPER_FINGERPRINTS=1 / mode all             the price of carrying them
 * bytes         fingerprint files / the tensor bytes mode all stores       target <= 1%
+* gc            the garbage collector's time per generated token, fingerprint and plain (context)
 * index         the index of a full dump: XXH3 from its bytes, carried prints read, rowprint
                 computed from its bytes (a full dump compared with a fingerprint dump), and
                 the index of the fingerprint dump itself
@@ -24,6 +25,7 @@ so the prefill is left out; states are measured in interleaved rounds, medians r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -79,6 +81,25 @@ def decode_seconds(model, ids, steps, device, settle=lambda: None):
     short = generate_seconds(model, ids, 1, device)
     settle()
     return long - short
+
+
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran while entered: the dumper's per-pass
+    metadata is what makes it run, and a full collection walks every object of the process."""
+
+    def __enter__(self):
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._tick)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._tick)
+
+    def _tick(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
 
 
 def noop_hooks(model):
@@ -205,14 +226,17 @@ def main():
         decode_seconds(model, ids, 2, args.device)  # warm-up: kernels, allocator
         measure(model, ids, 2, args.device, work, states["fingerprint"], "warm")
         times = {name: [] for name in states}
+        collected = {name: [] for name in states}  # garbage collector seconds of each round's generates
         folders = {}
         for r in range(args.rounds):
             order = list(states.items()) if r % 2 == 0 else list(states.items())[::-1]  # drift hits each state alike
             for name, config in order:
-                seconds, folders[name] = measure(
-                    model, ids, args.steps, args.device, work, config, f"{name.replace('+', '-')}-{r}"
-                )
+                with GcClock() as clock:
+                    seconds, folders[name] = measure(
+                        model, ids, args.steps, args.device, work, config, f"{name.replace('+', '-')}-{r}"
+                    )
                 times[name].append(seconds)
+                collected[name].append(clock.seconds)
             print(
                 f"# round {r}: " + ", ".join(f"{n} {t[-1] / args.steps * 1e3:.2f} ms/step" for n, t in times.items()),
                 flush=True,
@@ -243,6 +267,17 @@ def main():
         if "all" in step:
             result("all decode step / plain", round(ratio_of("all", "plain"), 3), "context", None, "x")
             result("all with carried prints / all", round(ratio_of("all+prints", "all"), 3), "close to 1", None, "x")
+        gc_ms = median(collected["fingerprint"]) / (args.steps + 2) * 1e3
+        result(
+            "garbage collector time per generated token, fingerprint",
+            round(gc_ms, 2),
+            "context",
+            None,
+            "ms",
+            f"{gc_ms / (step['fingerprint'] * 1e3):.1%} of its decode step; plain "
+            f"{median(collected['plain']) / (args.steps + 2) * 1e3:.2f} ms",
+        )
+        out["gc_ms_per_token"] = {k: median(v) / (args.steps + 2) * 1e3 for k, v in collected.items()}
         fp_bytes = dir_bytes(folders["fingerprint"])
         full_bytes = tensor_bytes_of(folders["fingerprint"])
         share = fp_bytes / full_bytes

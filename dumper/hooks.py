@@ -517,12 +517,12 @@ class Dumper:
         if dims is None:
             per_token = capture.rows_per_token(tensor.shape, info.token_shape, call.cls)
             if per_token:  # stored as [T, k, ...] (a view): one row per token row, like any other tensor
-                held_as, tensor = list(tensor.shape), tensor.unflatten(0, (-1, per_token))
+                held_as, tensor = tuple(tensor.shape), tensor.unflatten(0, (-1, per_token))
                 dims, rows = [0], "all"
         meta = {
-            "shape": list(tensor.shape),
+            "shape": tuple(tensor.shape),
             "dtype": _STORED[tensor.dtype],
-            "token_dims": None if dims is None else list(dims),  # its own: dims are cached per shape
+            "token_dims": None if dims is None else tuple(dims),  # its own: dims are cached per shape
             "rows": rows,
         }
         if dims is None:

@@ -73,7 +73,7 @@ class PassPrints:
                 if block.used:
                     self._results.append(rowprint.row_stats(block.rows[: block.used]))
                 for meta, first, n in block.owners:
-                    meta["print"] = [self._rows + first, n]
+                    meta["print"] = (self._rows + first, n)
                 self._rows += block.used
                 block.used, block.owners = 0, []
         for blocks in self._blocks.values():  # emptied: the last block of each key is reused

@@ -12,7 +12,6 @@ many rows of padding were trimmed. Plain tensors on any device: nothing here nee
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -51,7 +50,8 @@ class Recording:
         info = trim_info(info, self.token_shape, batch_rows)
         batch = info.token_shape[0]
         kept = kept_rows(info)
-        calls = copy.deepcopy(self.calls)
+        # each tensor's metadata is changed by replacing its values (tuples): a copy of the dicts will do
+        calls = [dict(call, tensors={n: dict(m) for n, m in call["tensors"].items()}) for call in self.calls]
         plan: Dict[str, Tuple[int, Optional[torch.Tensor]]] = {}  # tensor -> (first-dim rows kept, selected rows)
         columns: List[torch.Tensor] = []  # the capture table's columns of each print, in order
         kept_index = torch.tensor(kept, dtype=torch.long) if kept is not None else None
@@ -66,9 +66,10 @@ class Recording:
                 if dims is not None:
                     factor = meta["shape"][0] // captured
                     keep_first = batch * factor
-                    meta["shape"][0] = keep_first
+                    meta["shape"] = (keep_first, *meta["shape"][1:])
                     if "held_as" in meta:
-                        meta["held_as"][0] = meta["held_as"][0] // captured * batch
+                        held = meta["held_as"]
+                        meta["held_as"] = (held[0] // captured * batch, *held[1:])
                     if kept_index is not None and "alias" not in meta:
                         meta["selected"] = rows == "all"
                         select = kept_index if rows == "all" else None
@@ -83,7 +84,7 @@ class Recording:
                             index = index[select]
                     else:
                         index = torch.arange(first, first + count)
-                    meta["print"] = [printed, len(index)]
+                    meta["print"] = (printed, len(index))
                     printed += len(index)
                     columns.append(index)
         views = self.layout.host_copy()
