@@ -8,7 +8,8 @@ a whole block are computed together when the pass ends, or earlier when the stag
 ``stage_bytes`` (a long prefill). The copy is taken at hook time, so a kernel that later
 rewrites the tensor in place cannot change what was captured. Results stay on the device until
 the pass ends and come to the host as one [3, rows] int64 tensor (rowprint.row_stats) with one
-copy.
+copy. Each block's rows take a dozen kernels; the fingerprints' final mix, a dozen more, is
+taken once for all of the pass's rows (a decode step fills about 20 blocks, one per row width).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class PassPrints:
         self.stage_bytes = stage_bytes
         self._blocks: Dict[tuple, List[_Block]] = {}
         self._staged = 0
-        self._results: List[torch.Tensor] = []  # [3, n] per block worked on, on its device
+        # per block worked on, on its device: seeded sums [n], (largest |x| [n], NaN/inf counts [n])
+        self._sums: List[torch.Tensor] = []
+        self._magnitudes: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._rows = 0  # rows worked on so far: where the next block's rows start
         self.on_cuda = False
 
@@ -71,7 +74,9 @@ class PassPrints:
                 if not block.owners:
                     continue
                 if block.used:
-                    self._results.append(rowprint.row_stats(block.rows[: block.used]))
+                    rows = block.rows[: block.used]
+                    self._sums.append(rowprint.seeded_sums(rows))
+                    self._magnitudes.append(rowprint.magnitudes(rows))
                 for meta, first, n in block.owners:
                     meta["print"] = (self._rows + first, n)
                 self._rows += block.used
@@ -87,14 +92,15 @@ class PassPrints:
         table is copied into a static slot; a model on one device)."""
         self._work()
         self._blocks.clear()
-        if not self._results:
+        if not self._sums:
             return None
-        by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for result in self._results:
-            by_device.setdefault(result.device, []).append(result)
-        if len(by_device) > 1:  # a model spread over devices: rows keep their order, gathered on the host
-            return torch.cat([r.cpu() for r in self._results], dim=1)
-        table = torch.cat(self._results, dim=1) if len(self._results) > 1 else self._results[0]
+        if len({sums.device for sums in self._sums}) > 1:
+            # a model spread over devices: rows keep their order, gathered on the host
+            table = rowprint.stats_table(
+                [sums.cpu() for sums in self._sums], [(m[0].cpu(), m[1].cpu()) for m in self._magnitudes]
+            )
+        else:
+            table = rowprint.stats_table(self._sums, self._magnitudes)
         if not table.is_cuda or not host:
             return table
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)

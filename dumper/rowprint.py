@@ -102,20 +102,33 @@ def fingerprints(rows: torch.Tensor) -> torch.Tensor:
     """int64 fingerprint of each row of a 2-D tensor [n, width] of any stored element type."""
     if rows.dim() != 2:
         raise ValueError(f"rows must be 2-D [n, width], not {list(rows.shape)}")
+    return mix(seeded_sums(rows))
+
+
+def seeded_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of mixed words XOR its seed: the fingerprint before its final mix, which
+    the rows of many tensors take together (passprints: a dozen kernels fewer per row width)."""
     n, width = rows.shape
-    sums = torch.zeros(n, dtype=torch.int64, device=rows.device)
     if width:
         keys = _position_keys(width, rows.device)
         step = max(1, _chunk_elements(rows.device) // width)
+        sums = None if step >= n else torch.empty(n, dtype=torch.int64, device=rows.device)
         for start in range(0, n, step):
             words = element_bits(rows[start : start + step])
             words += keys
             words *= MIX_1
             _fold_halves(words)
             words *= MIX_2
-            sums[start : start + step] = words.sum(dim=1)
+            if sums is None:  # one chunk holds every row: its sums are the result
+                sums = words.sum(dim=1)
+            else:
+                sums[start : start + step] = words.sum(dim=1)
+        if sums is None:  # no rows
+            sums = torch.zeros(0, dtype=torch.int64, device=rows.device)
+    else:
+        sums = torch.zeros(n, dtype=torch.int64, device=rows.device)
     sums ^= seed(rows.dtype, width)
-    return mix(sums)
+    return sums
 
 
 def _fold_halves(words: torch.Tensor) -> None:
@@ -183,8 +196,19 @@ def magnitudes(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def row_stats(rows: torch.Tensor) -> torch.Tensor:
     """[3, n] int64 of a 2-D tensor's rows: fingerprint, largest finite |x| (float64 bits; NaN for
     integer rows), NaN/inf count. One tensor: one copy to the host per batch of rows."""
-    largest, nonfinite = magnitudes(rows)
-    return torch.stack([fingerprints(rows), largest.view(torch.int64), nonfinite.to(torch.int64)])
+    return stats_table([seeded_sums(rows)], [magnitudes(rows)])
+
+
+def stats_table(sums: list, magnitudes_of: list) -> torch.Tensor:
+    """row_stats of several row blocks at once, in order, from each block's seeded_sums and
+    magnitudes (on one device): the final mix is one set of kernels for all of them."""
+    one = len(sums) == 1
+    fingerprint = mix(sums[0] if one else torch.cat(sums))
+    largest = [m[0] for m in magnitudes_of]
+    nonfinite = [m[1] for m in magnitudes_of]
+    largest = largest[0] if one else torch.cat(largest)
+    nonfinite = nonfinite[0] if one else torch.cat(nonfinite)
+    return torch.stack([fingerprint, largest.view(torch.int64), nonfinite.to(torch.int64)])
 
 
 def as_rows(tensor: torch.Tensor, token_dims) -> torch.Tensor:

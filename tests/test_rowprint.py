@@ -201,6 +201,7 @@ def test_a_pass_prints_each_tensor_as_alone_and_as_it_was_when_staged(stage_byte
         _rows(torch.int64, n=4, width=1, seed=3),
         _rows(torch.float32, n=0, width=7),
     ]
+    tensors[1][2, 3], tensors[2][1, 0] = float("nan"), float("-inf")  # rows whose largest skips them
     expected = [rowprint.row_stats(t) for t in tensors]
     prints = PassPrints(stage_bytes)
     metas = [{} for _ in tensors]
