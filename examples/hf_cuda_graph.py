@@ -32,6 +32,12 @@ class GraphDecoder:
         self.model, self.handle, self.graphs = model, handle, graphs
         device = next(model.parameters()).device
         self.cache = _static_cache(StaticCache, model, batch, max_len, device)
+        if any(getattr(layer, "is_sliding", False) for layer in getattr(self.cache, "layers", ())):
+            # its length is a Python int a replay does not advance: replays go wrong once the window fills
+            raise ValueError(
+                f"{type(model).__name__} has sliding-window attention layers, whose static cache a CUDA "
+                "graph replay does not keep; this recipe replays full-attention models only"
+            )
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)

@@ -276,3 +276,27 @@ def test_a_replayed_dump_reads_and_compares_as_an_eager_one(model, tmp_path):
     assert code == 0, err
     verdict = json.loads(out)["ranks"]["0"]
     assert verdict["alignment"]["rows_b"] == 3 and verdict["alignment"]["unaligned_b"] == 0
+
+
+def test_the_graph_recipe_refuses_a_sliding_window_cache_and_takes_a_full_one(model, tmp_path):
+    """examples/hf_cuda_graph.py replays a static cache in a graph: a sliding-window layer keeps
+    its length in a Python int that a replay does not advance, so a Gemma-2 is refused up front
+    rather than dumped wrong once its window fills; the Llama builds."""
+    import sys
+
+    from tiny_models import make_tiny_gemma2
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    try:
+        from hf_cuda_graph import GraphDecoder, _static_cache
+    finally:
+        sys.path.pop(0)
+    GraphDecoder(model, batch=2, max_len=32)
+    gemma = load_model(make_tiny_gemma2(tmp_path / "gemma2", hidden_size=64, num_hidden_layers=2))
+    from transformers import StaticCache
+
+    cache = _static_cache(StaticCache, gemma, 2, 32, "cpu")
+    if not any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+        pytest.skip("this transformers' static cache has no sliding-window layers")
+    with pytest.raises(ValueError, match="sliding-window attention layers"):
+        GraphDecoder(gemma, batch=2, max_len=32)
