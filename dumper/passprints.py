@@ -101,6 +101,7 @@ class PassPrints:
             )
         else:
             table = rowprint.stats_table(self._sums, self._magnitudes)
+        self._sums, self._magnitudes = [], []  # consumed by the table (mixed in place)
         if not table.is_cuda or not host:
             return table
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)

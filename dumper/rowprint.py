@@ -109,26 +109,29 @@ def seeded_sums(rows: torch.Tensor) -> torch.Tensor:
     """Each row's sum of mixed words XOR its seed: the fingerprint before its final mix, which
     the rows of many tensors take together (passprints: a dozen kernels fewer per row width)."""
     n, width = rows.shape
-    if width:
+    if not (n and width):
+        sums = torch.zeros(n, dtype=torch.int64, device=rows.device)
+    else:
         keys = _position_keys(width, rows.device)
         step = max(1, _chunk_elements(rows.device) // width)
-        sums = None if step >= n else torch.empty(n, dtype=torch.int64, device=rows.device)
-        for start in range(0, n, step):
-            words = element_bits(rows[start : start + step])
-            words += keys
-            words *= MIX_1
-            _fold_halves(words)
-            words *= MIX_2
-            if sums is None:  # one chunk holds every row: its sums are the result
-                sums = words.sum(dim=1)
-            else:
-                sums[start : start + step] = words.sum(dim=1)
-        if sums is None:  # no rows
-            sums = torch.zeros(0, dtype=torch.int64, device=rows.device)
-    else:
-        sums = torch.zeros(n, dtype=torch.int64, device=rows.device)
+        sums = _joined([_mixed_word_sums(rows[start : start + step], keys) for start in range(0, n, step)])
     sums ^= seed(rows.dtype, width)
     return sums
+
+
+def _mixed_word_sums(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum modulo 2**64 of m(bits_j + (j + 1) * K) over its elements."""
+    words = element_bits(rows)
+    words += keys
+    words *= MIX_1
+    _fold_halves(words)
+    words *= MIX_2
+    return words.sum(dim=1)
+
+
+def _joined(parts: list) -> torch.Tensor:
+    """The parts one after the other: the part itself when there is one (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _fold_halves(words: torch.Tensor) -> None:
@@ -200,14 +203,11 @@ def row_stats(rows: torch.Tensor) -> torch.Tensor:
 
 
 def stats_table(sums: list, magnitudes_of: list) -> torch.Tensor:
-    """row_stats of several row blocks at once, in order, from each block's seeded_sums and
-    magnitudes (on one device): the final mix is one set of kernels for all of them."""
-    one = len(sums) == 1
-    fingerprint = mix(sums[0] if one else torch.cat(sums))
-    largest = [m[0] for m in magnitudes_of]
-    nonfinite = [m[1] for m in magnitudes_of]
-    largest = largest[0] if one else torch.cat(largest)
-    nonfinite = nonfinite[0] if one else torch.cat(nonfinite)
+    """row_stats of several row blocks at once, in order, from each block's seeded_sums (consumed:
+    mixed in place) and magnitudes, on one device: the final mix is one set of kernels for all."""
+    fingerprint = mix(_joined(sums))
+    largest = _joined([m[0] for m in magnitudes_of])
+    nonfinite = _joined([m[1] for m in magnitudes_of])
     return torch.stack([fingerprint, largest.view(torch.int64), nonfinite.to(torch.int64)])
 
 
