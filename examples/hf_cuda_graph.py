@@ -32,7 +32,7 @@ class GraphDecoder:
         self.model, self.handle, self.graphs = model, handle, graphs
         device = next(model.parameters()).device
         self.cache = _static_cache(StaticCache, model, batch, max_len, device)
-        if any(getattr(layer, "is_sliding", False) for layer in getattr(self.cache, "layers", ())):
+        if has_sliding_layers(self.cache):
             # its length is a Python int a replay does not advance: replays go wrong once the window fills
             raise ValueError(
                 f"{type(model).__name__} has sliding-window attention layers, whose static cache a CUDA "
@@ -100,6 +100,11 @@ class GraphDecoder:
             token = logits[:, -1].argmax(-1)
             tokens.append(token)
         return torch.stack(tokens, dim=1)
+
+
+def has_sliding_layers(cache) -> bool:
+    """Whether an HF cache holds a sliding-window layer (transformers 5's cache layers say so)."""
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
 
 
 def _static_cache(cls, model, batch: int, max_len: int, device):

@@ -288,7 +288,7 @@ def test_the_graph_recipe_refuses_a_sliding_window_cache_and_takes_a_full_one(mo
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
     try:
-        from hf_cuda_graph import GraphDecoder, _static_cache
+        from hf_cuda_graph import GraphDecoder, _static_cache, has_sliding_layers
     finally:
         sys.path.pop(0)
     GraphDecoder(model, batch=2, max_len=32)
@@ -296,7 +296,7 @@ def test_the_graph_recipe_refuses_a_sliding_window_cache_and_takes_a_full_one(mo
     from transformers import StaticCache
 
     cache = _static_cache(StaticCache, gemma, 2, 32, "cpu")
-    if not any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+    if not has_sliding_layers(cache):
         pytest.skip("this transformers' static cache has no sliding-window layers")
     with pytest.raises(ValueError, match="sliding-window attention layers"):
         GraphDecoder(gemma, batch=2, max_len=32)
