@@ -8,8 +8,9 @@ a whole block are computed together when the pass ends, or earlier when the stag
 ``stage_bytes`` (a long prefill). The copy is taken at hook time, so a kernel that later
 rewrites the tensor in place cannot change what was captured. Results stay on the device until
 the pass ends and come to the host as one [3, rows] int64 tensor (rowprint.row_stats) with one
-copy. Each block's rows take a dozen kernels; the fingerprints' final mix, a dozen more, is
-taken once for all of the pass's rows (a decode step fills about 20 blocks, one per row width).
+copy. On a GPU with Triton a block's rows take one kernel (rowkernel.py); otherwise a dozen,
+and the fingerprints' final mix, a dozen more, is taken once for all of the pass's rows (a decode
+step fills about 20 blocks, one per row width).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ class PassPrints:
         self.stage_bytes = stage_bytes
         self._blocks: Dict[tuple, List[_Block]] = {}
         self._staged = 0
-        # per block worked on, on its device: seeded sums [n], (largest |x| [n], NaN/inf counts [n])
-        self._sums: List[torch.Tensor] = []
-        self._magnitudes: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        # per block worked on, in order, on its device: its [3, n] stats table (rowkernel), or
+        # (seeded sums [n], (largest |x| [n], NaN/inf counts [n])) to finish with the others
+        self._pieces: list = []
         self._rows = 0  # rows worked on so far: where the next block's rows start
         self.on_cuda = False
 
@@ -69,14 +70,19 @@ class PassPrints:
 
     def _work(self):
         """Fingerprint every staged row; the blocks are then free for more."""
+        kernel = _rowkernel() if self.on_cuda else None
         for blocks in self._blocks.values():
             for block in blocks:
                 if not block.owners:
                     continue
                 if block.used:
                     rows = block.rows[: block.used]
-                    self._sums.append(rowprint.seeded_sums(rows))
-                    self._magnitudes.append(rowprint.magnitudes(rows))
+                    if kernel is not None and kernel.available(rows.device) and kernel.supports(rows.dtype):
+                        table = torch.empty((3, block.used), dtype=torch.int64, device=rows.device)
+                        kernel.row_stats_into(rows, table, 0)
+                        self._pieces.append(table)
+                    else:
+                        self._pieces.append((rowprint.seeded_sums(rows), rowprint.magnitudes(rows)))
                 for meta, first, n in block.owners:
                     meta["print"] = (self._rows + first, n)
                 self._rows += block.used
@@ -92,18 +98,50 @@ class PassPrints:
         table is copied into a static slot; a model on one device)."""
         self._work()
         self._blocks.clear()
-        if not self._sums:
+        if not self._pieces:
             return None
-        if len({sums.device for sums in self._sums}) > 1:
-            # a model spread over devices: rows keep their order, gathered on the host
-            table = rowprint.stats_table(
-                [sums.cpu() for sums in self._sums], [(m[0].cpu(), m[1].cpu()) for m in self._magnitudes]
-            )
-        else:
-            table = rowprint.stats_table(self._sums, self._magnitudes)
-        self._sums, self._magnitudes = [], []  # consumed by the table (mixed in place)
+        tables = _tables(self._pieces)
+        self._pieces = []  # consumed by the tables (sums mixed in place)
+        if len(tables) == 1:
+            table = tables[0]
+        elif len({t.device for t in tables}) == 1:
+            table = torch.cat(tables, dim=1)
+        else:  # a model spread over devices: rows keep their order, gathered on the host
+            table = torch.cat([t.cpu() for t in tables], dim=1)
         if not table.is_cuda or not host:
             return table
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
         host.copy_(table, non_blocking=True)
         return host
+
+
+def _tables(pieces: list) -> List[torch.Tensor]:
+    """The pieces as [3, n] tables in order; runs of unfinished blocks finished together (one
+    final mix for all of them)."""
+    tables, sums, magnitudes = [], [], []
+    for piece in pieces + [None]:
+        if isinstance(piece, tuple):
+            sums.append(piece[0])
+            magnitudes.append(piece[1])
+            continue
+        if sums:
+            if len({s.device for s in sums}) > 1:
+                sums, magnitudes = [s.cpu() for s in sums], [(m[0].cpu(), m[1].cpu()) for m in magnitudes]
+            tables.append(rowprint.stats_table(sums, magnitudes))
+            sums, magnitudes = [], []
+        if piece is not None:
+            tables.append(piece)
+    return tables
+
+
+_kernel_module = []
+
+
+def _rowkernel():
+    """dumper/rowkernel.py, imported on a pass's first GPU block (it imports Triton); None
+    without Triton."""
+    if not _kernel_module:
+        from . import rowkernel
+
+        _kernel_module.append(rowkernel if rowkernel.triton is not None else None)
+    return _kernel_module[0]

@@ -1,0 +1,160 @@
+"""rowprint.row_stats of a block of rows in one GPU kernel launch, where Triton is available.
+
+The torch form of a row's fingerprint and statistics takes about 25 kernel launches per block of
+rows, each a few microseconds of host time, and on a GPU a decode step's host time is the step's
+time. This kernel computes the same three numbers per row (fingerprint, largest finite |x| as
+float64, NaN/inf count) in one launch: one program per row walks the row in chunks. The
+arithmetic is the one rowprint.py defines, on unsigned 64-bit words whose products and sums wrap
+as torch's int64 ones do, so the results are bit for bit those of the torch form
+(tests/test_rowkernel.py checks them against it, on CPU through Triton's interpreter).
+
+Used for eager passes only: a CUDA graph capture keeps the torch form, which needs no compiled
+kernel loaded while the stream is captured.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import rowprint
+
+try:  # Triton comes with CUDA builds of torch; CPU builds may lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installed torch
+    triton = None
+
+# The element types the kernel reads: (int type of their bits, magnitude mask, largest finite bits).
+_FLOATS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F7F),
+    torch.float16: (torch.int16, 0x7FFF, 0x7BFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F7FFFFF),
+    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FEFFFFFFFFFFFFF),
+}
+_INTS = {torch.int8, torch.uint8, torch.bool, torch.int16, torch.int32, torch.int64}
+# How a float type's magnitude bits become a float64 value in the kernel.
+_WIDEN = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+CHUNK = 1024  # elements a program reads at once
+
+
+def available(device: torch.device) -> bool:
+    """Whether blocks on ``device`` can take the kernel: a GPU, Triton, and no CUDA graph capture.
+    DUMPER_ROWKERNEL=0 turns it off (the torch form gives the same numbers)."""
+    if triton is None or device.type != "cuda" or os.environ.get("DUMPER_ROWKERNEL", "1") == "0":
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _FLOATS or dtype in _INTS
+
+
+def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
+    """Write row_stats(rows) into columns first..first+n of ``table`` ([3, N] int64, contiguous,
+    on rows' device). rows: [n, width] with contiguous rows, of a type ``supports`` accepts."""
+    n, width = rows.shape
+    if not n:
+        return
+    if width and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    size = rows.element_size()
+    bits = rows if rows.dtype == _INT_OF_SIZE[size] else rows.view(_INT_OF_SIZE[size])
+    mask, largest = _FLOATS.get(rows.dtype, (None, 0, 0))[1:]
+    block = CHUNK if width >= CHUNK else max(16, 1 << max(width - 1, 0).bit_length())
+    _row_stats[(n,)](
+        bits,
+        table,
+        table.view(torch.float64),
+        bits.stride(0) if width else 0,
+        width,
+        table.stride(0),
+        first,
+        rowprint.seed(rows.dtype, width) & ((1 << 64) - 1),
+        IS_FLOAT=rows.dtype in _FLOATS,
+        MAG_MASK=mask,
+        MAX_FINITE=largest,
+        WIDEN=_WIDEN.get(rows.dtype, 0),
+        BLOCK=block,
+        num_warps=4 if block >= 512 else 1,
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix64(x):
+        x ^= x >> 30
+        x *= 0xBF58476D1CE4E5B9
+        x ^= x >> 27
+        x *= 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit
+    def _row_stats(
+        bits_ptr,
+        out_ptr,
+        out_f64_ptr,
+        row_stride,
+        width,
+        out_stride,
+        first,
+        seed,
+        IS_FLOAT: tl.constexpr,
+        MAG_MASK: tl.constexpr,
+        MAX_FINITE: tl.constexpr,
+        WIDEN: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        base = bits_ptr + row * row_stride
+        sums = tl.zeros([BLOCK], dtype=tl.uint64)
+        peak = tl.zeros([BLOCK], dtype=tl.int64)
+        bad = tl.zeros([BLOCK], dtype=tl.int64)
+        for start in range(0, width, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            inside = j < width
+            raw = tl.load(base + j, mask=inside, other=0).to(tl.int64)  # sign-extended, as torch widens
+            word = raw.to(tl.uint64, bitcast=True) + (j.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
+            word *= 0xBF58476D1CE4E5B9
+            word ^= word >> 32
+            word *= 0x94D049BB133111EB
+            sums += tl.where(inside, word, 0)
+            if IS_FLOAT:
+                magnitude = raw & MAG_MASK
+                finite = magnitude <= MAX_FINITE
+                peak = tl.maximum(peak, tl.where(inside & finite, magnitude, 0))
+                bad += (inside & (magnitude > MAX_FINITE)).to(tl.int64)
+        total = tl.sum(sums, axis=0) ^ seed.to(tl.uint64)  # seed: given unsigned
+        tl.store(out_ptr + first + row, _mix64(total).to(tl.int64, bitcast=True))
+        if IS_FLOAT:
+            # widened before the reduction: magnitudes order as their values do
+            if WIDEN == 0:  # bfloat16: the high half of a float32
+                value = (peak.to(tl.int32) << 16).to(tl.float32, bitcast=True).to(tl.float64)
+            elif WIDEN == 1:
+                value = peak.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float64)
+            elif WIDEN == 2:
+                value = peak.to(tl.int32).to(tl.float32, bitcast=True).to(tl.float64)
+            else:
+                value = peak.to(tl.float64, bitcast=True)
+            tl.store(out_f64_ptr + out_stride + first + row, tl.max(value, axis=0))
+            tl.store(out_ptr + 2 * out_stride + first + row, tl.sum(bad, axis=0))
+        else:
+            tl.store(out_ptr + out_stride + first + row, 0x7FF8000000000000)  # float64 NaN
+            tl.store(out_ptr + 2 * out_stride + first + row, 0)
+
+
+def table_for(rows_total: int, device: torch.device) -> torch.Tensor:
+    return torch.empty((3, rows_total), dtype=torch.int64, device=device)
+
+
+def block_stats(rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """row_stats(rows) by the kernel, or None where it does not apply."""
+    if not (available(rows.device) and supports(rows.dtype)):
+        return None
+    table = table_for(rows.shape[0], rows.device)
+    row_stats_into(rows, table, 0)
+    return table

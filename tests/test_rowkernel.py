@@ -1,0 +1,140 @@
+"""The one-launch GPU kernel of the row statistics gives the torch form's numbers bit for bit.
+
+On a machine without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set
+before Triton compiles anything: hence a child process), which executes the same kernel code on
+CPU tensors with numpy's wrapping 64-bit arithmetic. On a GPU the compiled kernel is checked
+instead (the interpreter of some Triton releases cannot loop over a runtime bound)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+COMMON = """
+import torch
+from dumpdiff.dumper import rowkernel, rowprint
+
+def rows(dtype, n, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        x = (torch.randn(n, width, generator=g) * 1000).to(dtype)
+        flat = x.view(-1)
+        for i, v in zip((1, 2, 3), (float("nan"), float("inf"), -float("inf"))):
+            if i < flat.numel():
+                flat[i] = v
+        return x
+    if dtype == torch.bool:
+        return torch.rand(n, width, generator=g) > 0.5
+    low = 0 if dtype == torch.uint8 else -100
+    return torch.randint(low, 100, (n, width), generator=g).to(dtype)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64,
+          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+"""
+
+
+def _interpreted(body: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run(
+        [sys.executable, "-c", COMMON + textwrap.dedent(body)], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU checks the compiled kernel")
+
+
+@interpreted
+def test_the_kernels_stats_are_the_torch_forms_for_every_type_width_and_row_layout():
+    """Widths across the kernel's chunk size, empty rows, rows with NaN and inf, rows of a
+    larger tensor's columns (a row stride that is not the width), written at a column offset."""
+    done = _interpreted(
+        """
+        chunk = rowkernel.CHUNK
+        for dtype in DTYPES:
+            for n, width in [(5, 37), (2, chunk - 1), (2, chunk + 1), (3, 1), (2, 0), (0, 9)]:
+                x = rows(dtype, n, width, seed=n * width)
+                for layout in ("contiguous", "columns of a wider tensor"):
+                    if layout != "contiguous":
+                        wide = torch.cat([x, rows(dtype, n, 3, seed=1)], dim=1)
+                        x = wide[:, :width]
+                    table = torch.full((3, n + 2), -7, dtype=torch.int64)
+                    rowkernel.row_stats_into(x, table, 1)
+                    want = rowprint.row_stats(x)
+                    assert torch.equal(table[:, 1 : 1 + n], want), (dtype, n, width, layout, table, want)
+                    assert (table[:, 0] == -7).all() and (table[:, n + 1] == -7).all(), "wrote outside its columns"
+        print("checked")
+        """
+    )
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+@interpreted
+def test_a_pass_worked_on_by_the_kernel_gives_the_torch_forms_table():
+    """A pass mixes blocks the kernel takes and blocks it does not (an 8-bit float type): the
+    table keeps every tensor's rows in place either way."""
+    done = _interpreted(
+        """
+        from dumpdiff.dumper import passprints
+
+        tensors = [rows(torch.bfloat16, 3, 64, 1), rows(torch.float32, 5, 7, 2), rows(torch.int64, 4, 1, 3),
+                   rows(torch.float32, 4, 7, 4).to(torch.float8_e4m3fn), rows(torch.bfloat16, 2, 64, 5)]
+
+        def table(kernel):
+            rowkernel.available = lambda device: kernel  # the interpreter runs on CPU tensors
+            prints = passprints.PassPrints(stage_bytes=1 << 30)
+            prints.on_cuda = kernel  # blocks are taken to the kernel only on a GPU
+            metas = [{} for _ in tensors]
+            for meta, tensor in zip(metas, tensors):
+                prints.add(meta, tensor)
+            return prints.finish(), metas
+
+        (with_kernel, metas), (without, metas_without) = table(True), table(False)
+        assert metas == metas_without
+        assert torch.equal(with_kernel, without)
+        for meta, tensor in zip(metas, tensors):
+            first, count = meta["print"]
+            assert torch.equal(with_kernel[:, first : first + count], rowprint.row_stats(tensor))
+        print("checked")
+        """
+    )
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_kernel_gives_the_cpu_stats_and_a_pass_the_torch_forms_table(monkeypatch):
+    from dumpdiff.dumper import passprints, rowkernel, rowprint
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.int64):
+        for n, width in [(300, 4096), (8, 14336), (7, 1), (3, 0)]:
+            x = (torch.randn(n, width, generator=g) * 100).to(dtype)
+            if n * width > 2:
+                x.view(-1)[1] = float("nan") if dtype.is_floating_point else 5
+            for on_gpu in (x.cuda(), torch.cat([x, x], dim=1).cuda()[:, :width]):  # rows apart by their stride
+                table = torch.empty((3, n), dtype=torch.int64, device="cuda")
+                rowkernel.row_stats_into(on_gpu, table, 0)
+                assert torch.equal(table.cpu(), rowprint.row_stats(x)), (dtype, n, width)
+    assert rowkernel.available(torch.device("cuda"))
+    tensors = [
+        (torch.randn(8, w, generator=g) * 9).to(t).cuda() for w, t in [(4096, torch.bfloat16), (7, torch.float32)]
+    ]
+
+    def table():
+        prints = passprints.PassPrints()
+        for tensor in tensors:
+            prints.add({}, tensor)
+        found = prints.finish()
+        torch.cuda.synchronize()
+        return found
+
+    with_kernel = table()
+    monkeypatch.setenv("DUMPER_ROWKERNEL", "0")
+    assert not rowkernel.available(torch.device("cuda"))
+    assert torch.equal(with_kernel, table())
