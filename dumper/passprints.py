@@ -77,7 +77,7 @@ class PassPrints:
                     continue
                 if block.used:
                     rows = block.rows[: block.used]
-                    if kernel is not None and kernel.available(rows.device) and kernel.supports(rows.dtype):
+                    if kernel is not None and kernel.available(rows.device) and kernel.takes(rows):
                         table = torch.empty((3, block.used), dtype=torch.int64, device=rows.device)
                         kernel.row_stats_into(rows, table, 0)
                         self._pieces.append(table)

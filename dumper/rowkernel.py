@@ -8,14 +8,15 @@ arithmetic is the one rowprint.py defines, on unsigned 64-bit words whose produc
 as torch's int64 ones do, so the results are bit for bit those of the torch form
 (tests/test_rowkernel.py checks them against it, on CPU through Triton's interpreter).
 
-Used for eager passes only: a CUDA graph capture keeps the torch form, which needs no compiled
-kernel loaded while the stream is captured.
+Inside a CUDA graph capture the kernel is launched only in a form an eager pass has already
+compiled and loaded (a capture must not load code); otherwise the capture takes the torch form.
+Its integer arguments are not specialized by value, so one compiled form per element type and
+chunk size serves every row count, width and column.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -42,15 +43,33 @@ CHUNK = 1024  # elements a program reads at once
 
 
 def available(device: torch.device) -> bool:
-    """Whether blocks on ``device`` can take the kernel: a GPU, Triton, and no CUDA graph capture.
-    DUMPER_ROWKERNEL=0 turns it off (the torch form gives the same numbers)."""
-    if triton is None or device.type != "cuda" or os.environ.get("DUMPER_ROWKERNEL", "1") == "0":
+    """Whether blocks on ``device`` can take the kernel: a GPU and Triton. DUMPER_ROWKERNEL=0
+    turns it off (the torch form gives the same numbers)."""
+    return triton is not None and device.type == "cuda" and os.environ.get("DUMPER_ROWKERNEL", "1") != "0"
+
+
+def takes(rows: torch.Tensor) -> bool:
+    """Whether the kernel takes these rows now (available() checked by the caller)."""
+    if rows.dtype not in _FLOATS and rows.dtype not in _INTS:
         return False
-    return not torch.cuda.is_current_stream_capturing()
+    if _capturing():
+        return _form(rows) in _loaded
+    return True
 
 
-def supports(dtype: torch.dtype) -> bool:
-    return dtype in _FLOATS or dtype in _INTS
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+_loaded = set()  # the compiled forms an eager launch has loaded: (device, dtype, chunk, warps)
+
+
+def _form(rows: torch.Tensor) -> tuple:
+    return (rows.device, rows.dtype, _chunk(rows.shape[1]))
+
+
+def _chunk(width: int) -> int:
+    return CHUNK if width >= CHUNK else max(16, 1 << max(width - 1, 0).bit_length())
 
 
 def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
@@ -64,7 +83,7 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
     size = rows.element_size()
     bits = rows if rows.dtype == _INT_OF_SIZE[size] else rows.view(_INT_OF_SIZE[size])
     mask, largest = _FLOATS.get(rows.dtype, (None, 0, 0))[1:]
-    block = CHUNK if width >= CHUNK else max(16, 1 << max(width - 1, 0).bit_length())
+    block = _chunk(width)
     _row_stats[(n,)](
         bits,
         table,
@@ -81,6 +100,8 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
         BLOCK=block,
         num_warps=4 if block >= 512 else 1,
     )
+    if not _capturing():
+        _loaded.add(_form(rows))
 
 
 if triton is not None:
@@ -93,7 +114,7 @@ if triton is not None:
         x *= 0x94D049BB133111EB
         return x ^ (x >> 31)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row_stride", "width", "out_stride", "first", "seed"])
     def _row_stats(
         bits_ptr,
         out_ptr,
@@ -145,16 +166,3 @@ if triton is not None:
         else:
             tl.store(out_ptr + out_stride + first + row, 0x7FF8000000000000)  # float64 NaN
             tl.store(out_ptr + 2 * out_stride + first + row, 0)
-
-
-def table_for(rows_total: int, device: torch.device) -> torch.Tensor:
-    return torch.empty((3, rows_total), dtype=torch.int64, device=device)
-
-
-def block_stats(rows: torch.Tensor) -> Optional[torch.Tensor]:
-    """row_stats(rows) by the kernel, or None where it does not apply."""
-    if not (available(rows.device) and supports(rows.dtype)):
-        return None
-    table = table_for(rows.shape[0], rows.device)
-    row_stats_into(rows, table, 0)
-    return table
