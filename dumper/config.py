@@ -155,6 +155,11 @@ class DumperConfig:
         port = int(self.server_port)
         return port if port > 0 else None
 
+    def row_prints(self) -> tuple:
+        """(whether a pass computes row prints on the device, whether of host tensors too)."""
+        every = self.non_intrusive_mode == "fingerprint" or self.fingerprints == "1"
+        return every or (self.non_intrusive_mode == "all" and self.fingerprints == "auto"), every
+
     def resolved_exp_name(self) -> str:
         return self.exp_name or time.strftime("dump_%Y%m%d_%H%M%S")
 

@@ -25,6 +25,7 @@ its replay (docs/models-and-engines.md: the sglang and vLLM graph runners).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 from typing import Dict, List, Optional
@@ -32,7 +33,7 @@ from typing import Dict, List, Optional
 import torch
 
 from . import format as fmt
-from . import rowprint
+from . import passprints, rowprint
 from .arena import Arenas
 from .config import HOOKED_MODES, ConfigError, parse_positions
 from .passinfo import PassInfo, UndescribedPass, WarmupPass
@@ -53,6 +54,22 @@ def capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def _load_print_kernel(model) -> None:
+    """Load the one-launch print kernel (rowkernel.py) for the model's element types and the
+    usual index and mask types before a capture, which cannot load it: else the graph holds the
+    torch form's two dozen kernels per block of rows."""
+    kernel = passprints._rowkernel()
+    if kernel is None or not torch.cuda.is_initialized():
+        return
+    devices, dtypes = set(), {torch.int64, torch.int32, torch.float32, torch.bool}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dtypes.add(tensor.dtype)
+        if tensor.is_cuda:
+            devices.add(tensor.device)
+    for device in devices or {torch.device("cuda")}:
+        kernel.load(device, dtypes)
+
+
 class GraphDumps:
     """The recordings of one dumper, keyed by the graph (or engine key) they were captured for."""
 
@@ -69,6 +86,8 @@ class GraphDumps:
         recordings. The writer is emptied first: a capture in CUDA's default (global) mode fails
         if another thread syncs meanwhile, as the writer does before each file."""
         self.dumper.flush()
+        if self.dumper.config.row_prints()[0] and not capturing():
+            _load_print_kernel(self.dumper.model)
         self._recordings[key] = []
         self._binding.append(key)
         try:
@@ -106,8 +125,7 @@ class GraphDumps:
             dumper._pass_thread = None
             dumper._warn_once("graph-shape", f"dumper: a graph capture not recorded: {exc}")
             return original(*args, **kwargs)
-        every = cfg.non_intrusive_mode == "fingerprint" or cfg.fingerprints == "1"
-        carried = every or (cfg.non_intrusive_mode == "all" and cfg.fingerprints == "auto")
+        carried, every = cfg.row_prints()
         current = PassState(
             placeholder_info(shape), None, "", cfg.non_intrusive_mode, PassPrints() if carried else None, every
         )

@@ -307,8 +307,7 @@ class Dumper:
         exp_dir = self._exp_dir()  # fixed for the whole pass, whatever a control thread changes
         self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
-        every = cfg.non_intrusive_mode == "fingerprint" or cfg.fingerprints == "1"
-        carried = every or (cfg.non_intrusive_mode == "all" and cfg.fingerprints == "auto")
+        carried, every = cfg.row_prints()
         self._pass = PassState(info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None, every)
         if cfg.non_intrusive_mode in HOOKED_MODES:
             if self._hooked_filter != cfg.filter:

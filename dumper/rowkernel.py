@@ -8,10 +8,11 @@ arithmetic is the one rowprint.py defines, on unsigned 64-bit words whose produc
 as torch's int64 ones do, so the results are bit for bit those of the torch form
 (tests/test_rowkernel.py checks them against it, on CPU through Triton's interpreter).
 
-Inside a CUDA graph capture the kernel is launched only in a form an eager pass has already
-compiled and loaded (a capture must not load code); otherwise the capture takes the torch form.
-Its integer arguments are not specialized by value, so one compiled form per element type and
-chunk size serves every row count, width and column.
+Inside a CUDA graph capture the kernel is launched only in a form already compiled and loaded
+(a capture must not load code): ``load`` loads the forms a model needs before its graphs are
+captured; any other capture takes the torch form. Integer arguments are not specialized by
+value and the chunk size is fixed, so one compiled form per element type serves every row
+count, width and column.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _INTS = {torch.int8, torch.uint8, torch.bool, torch.int16, torch.int32, torch.in
 # How a float type's magnitude bits become a float64 value in the kernel.
 _WIDEN = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-CHUNK = 1024  # elements a program reads at once
+CHUNK = 1024  # elements a program reads at once (fewer in a shorter row: the rest masked off)
 
 
 def available(device: torch.device) -> bool:
@@ -52,24 +53,27 @@ def takes(rows: torch.Tensor) -> bool:
     """Whether the kernel takes these rows now (available() checked by the caller)."""
     if rows.dtype not in _FLOATS and rows.dtype not in _INTS:
         return False
-    if _capturing():
-        return _form(rows) in _loaded
-    return True
+    return not _capturing() or (rows.device, rows.dtype) in _loaded
+
+
+def load(device: torch.device, dtypes) -> None:
+    """Compile and load the kernel for these element types on ``device`` (one launch on one
+    element each), so that a CUDA graph captured later can launch it; outside a capture only."""
+    if not available(device) or _capturing():
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    for dtype in dtypes:
+        if (dtype in _FLOATS or dtype in _INTS) and (device, dtype) not in _loaded:
+            table = torch.empty((3, 1), dtype=torch.int64, device=device)
+            row_stats_into(torch.zeros((1, 1), dtype=dtype, device=device), table, 0)
 
 
 def _capturing() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-_loaded = set()  # the compiled forms an eager launch has loaded: (device, dtype, chunk, warps)
-
-
-def _form(rows: torch.Tensor) -> tuple:
-    return (rows.device, rows.dtype, _chunk(rows.shape[1]))
-
-
-def _chunk(width: int) -> int:
-    return CHUNK if width >= CHUNK else max(16, 1 << max(width - 1, 0).bit_length())
+_loaded = set()  # (device, element type) of the forms an eager launch has loaded
 
 
 def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
@@ -83,7 +87,6 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
     size = rows.element_size()
     bits = rows if rows.dtype == _INT_OF_SIZE[size] else rows.view(_INT_OF_SIZE[size])
     mask, largest = _FLOATS.get(rows.dtype, (None, 0, 0))[1:]
-    block = _chunk(width)
     _row_stats[(n,)](
         bits,
         table,
@@ -97,11 +100,11 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
         MAG_MASK=mask,
         MAX_FINITE=largest,
         WIDEN=_WIDEN.get(rows.dtype, 0),
-        BLOCK=block,
-        num_warps=4 if block >= 512 else 1,
+        BLOCK=CHUNK,
+        num_warps=4,
     )
     if not _capturing():
-        _loaded.add(_form(rows))
+        _loaded.add((rows.device, rows.dtype))
 
 
 if triton is not None:
