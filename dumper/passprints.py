@@ -77,9 +77,8 @@ class PassPrints:
                     continue
                 if block.used:
                     rows = block.rows[: block.used]
-                    if kernel is not None and kernel.available(rows.device) and kernel.takes(rows):
-                        table = torch.empty((3, block.used), dtype=torch.int64, device=rows.device)
-                        kernel.row_stats_into(rows, table, 0)
+                    table = _kernel_table(kernel, rows) if kernel is not None else None
+                    if table is not None:
                         self._pieces.append(table)
                     else:
                         self._pieces.append((rowprint.seeded_sums(rows), rowprint.magnitudes(rows)))
@@ -113,6 +112,19 @@ class PassPrints:
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
         host.copy_(table, non_blocking=True)
         return host
+
+
+def _kernel_table(kernel, rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """The rows' [3, n] stats by the one-launch kernel, or None where it does not take them."""
+    if not (kernel.available(rows.device) and kernel.takes(rows)):
+        return None
+    table = torch.empty((3, rows.shape[0]), dtype=torch.int64, device=rows.device)
+    try:
+        kernel.row_stats_into(rows, table, 0)
+    except Exception as exc:  # noqa: BLE001 - the dumper never makes a model fail
+        kernel.disable(exc)
+        return None
+    return table
 
 
 def _tables(pieces: list) -> List[torch.Tensor]:

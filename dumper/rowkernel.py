@@ -17,7 +17,9 @@ count, width and column.
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Optional
 
 import torch
 
@@ -26,8 +28,11 @@ from . import rowprint
 try:  # Triton comes with CUDA builds of torch; CPU builds may lack it
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installed torch
+except Exception:  # pragma: no cover - depends on the installed torch (absent, or broken)
     triton = None
+
+log = logging.getLogger("dumper")
+disabled: Optional[str] = None  # why this process stopped using the kernel (it failed once)
 
 # The element types the kernel reads: (int type of their bits, magnitude mask, largest finite bits).
 _FLOATS = {
@@ -44,9 +49,24 @@ CHUNK = 1024  # elements a program reads at once (fewer in a shorter row: the re
 
 
 def available(device: torch.device) -> bool:
-    """Whether blocks on ``device`` can take the kernel: a GPU and Triton. DUMPER_ROWKERNEL=0
-    turns it off (the torch form gives the same numbers)."""
-    return triton is not None and device.type == "cuda" and os.environ.get("DUMPER_ROWKERNEL", "1") != "0"
+    """Whether blocks on ``device`` can take the kernel: a GPU, Triton, no earlier failure, and
+    Triton not set to interpret (TRITON_INTERPRET, a Triton user's debugging switch, would run it
+    in Python)."""
+    return (
+        triton is not None
+        and device.type == "cuda"
+        and disabled is None
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    )
+
+
+def disable(error: BaseException) -> None:
+    """Stop using the kernel in this process after it failed (a Triton that cannot compile for
+    this GPU, no C compiler for its launcher): the torch form gives the same numbers."""
+    global disabled
+    if disabled is None:
+        disabled = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        log.warning("dumper: row prints fall back to torch kernels (slower on a GPU): %s", disabled)
 
 
 def takes(rows: torch.Tensor) -> bool:
@@ -64,9 +84,12 @@ def load(device: torch.device, dtypes) -> None:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     for dtype in dtypes:
-        if (dtype in _FLOATS or dtype in _INTS) and (device, dtype) not in _loaded:
+        if (dtype in _FLOATS or dtype in _INTS) and (device, dtype) not in _loaded and disabled is None:
             table = torch.empty((3, 1), dtype=torch.int64, device=device)
-            row_stats_into(torch.zeros((1, 1), dtype=dtype, device=device), table, 0)
+            try:
+                row_stats_into(torch.zeros((1, 1), dtype=dtype, device=device), table, 0)
+            except Exception as exc:  # noqa: BLE001 - the dumper never makes a model fail
+                disable(exc)
 
 
 def _capturing() -> bool:

@@ -47,6 +47,32 @@ def _interpreted(body: str) -> subprocess.CompletedProcess:
     )
 
 
+def test_a_kernel_that_fails_leaves_the_torch_form_to_give_the_same_table(monkeypatch, caplog):
+    """A Triton that cannot compile for this GPU, or cannot build its launcher, must not fail the
+    model or lose a print: the pass falls back to the torch form, said once in the log."""
+    from dumpdiff.dumper import passprints, rowkernel, rowprint
+
+    def broken(rows, table, first):
+        raise RuntimeError("ptxas fatal: unsupported GPU architecture\nmore detail")
+
+    monkeypatch.setattr(rowkernel, "available", lambda device: True)  # CPU tensors stand for a GPU's
+    monkeypatch.setattr(rowkernel, "row_stats_into", broken)
+    monkeypatch.setattr(rowkernel, "disabled", None)
+    tensors = [torch.randn(3, 40), torch.randn(2, 7).to(torch.bfloat16)]
+    prints = passprints.PassPrints()
+    prints.on_cuda = True
+    metas = [{}, {}]
+    for meta, tensor in zip(metas, tensors):
+        prints.add(meta, tensor)
+    with caplog.at_level("WARNING", logger="dumper"):
+        table = prints.finish()
+    for meta, tensor in zip(metas, tensors):
+        first, count = meta["print"]
+        assert torch.equal(table[:, first : first + count], rowprint.row_stats(tensor))
+    assert rowkernel.disabled == "RuntimeError: ptxas fatal: unsupported GPU architecture"
+    assert sum("fall back to torch kernels" in r.getMessage() for r in caplog.records) == 1
+
+
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU checks the compiled kernel")
 
 
@@ -135,7 +161,7 @@ def test_on_a_gpu_the_kernel_gives_the_cpu_stats_and_a_pass_the_torch_forms_tabl
         return found
 
     with_kernel = table()
-    monkeypatch.setenv("DUMPER_ROWKERNEL", "0")
+    monkeypatch.setattr(rowkernel, "disabled", "off for this test")
     assert not rowkernel.available(torch.device("cuda"))
     assert torch.equal(with_kernel, table())
 
