@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import format as fmt
+from .metajson import MetaJson
 
 log = logging.getLogger("dumper")
 
@@ -82,6 +83,7 @@ class _RankJournal:
     def __init__(self, rank_dir: str, cleanup: bool = False) -> None:
         os.makedirs(rank_dir, exist_ok=True)
         self.rank_dir = rank_dir
+        self.meta_json = MetaJson()  # this folder's passes, in order: equal calls reuse their JSON
         self.lock_file = open(os.path.join(rank_dir, LOCK_FILE), "a+")
         try:
             fcntl.flock(self.lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -351,7 +353,7 @@ class PassWriter:
             self._note_earlier_passes(rank_dir, journal.passes_found)
         pass_id = journal.next_pass
         meta = dict(record.meta, **{"pass": pass_id})
-        meta_json = json.dumps(meta, separators=(",", ":"))
+        meta_json = journal.meta_json.dumps(meta)
         tensors = record.prepare(record.tensors) if record.prepare is not None else record.tensors
         tensors = {name: t.cpu() if t.device.type != "cpu" else t for name, t in tensors.items()}
         # Before writing: the tensor bytes alone must fit the limit, and the file at its largest

@@ -1,0 +1,56 @@
+"""The writer reuses the JSON of a call equal to the previous pass's: the text must always be that
+pass's own metadata, whatever changed and whatever stayed."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dumpdiff import dumper
+from dumpdiff.dumper import metajson
+from helpers import load_model, prompt_ids
+from tiny_models import make_tiny_llama
+
+
+def test_each_pass_is_written_as_its_own_metadata_with_equal_calls_reused(tmp_path, monkeypatch):
+    """A prefill, decode steps (calls equal pass to pass) and a reference prefill of another
+    length (calls that differ): every text parses to its pass's metadata, and decode steps
+    reuse most calls' text."""
+    encoded, reused = [], []
+    original, plain = metajson.MetaJson.dumps, json.dumps
+
+    def spy(self, meta):
+        calls = meta["calls"]
+        before = {name: text for name, (_, text) in self._previous.items()}
+        text = original(self, meta)
+        reused.append(sum(before.get(c["call"]) is self._previous[c["call"]][1] for c in calls) / len(calls))
+        encoded.append((plain(meta), text))
+        return text
+
+    monkeypatch.setattr(metajson.MetaJson, "dumps", spy)
+    model = load_model(make_tiny_llama(tmp_path / "model", num_hidden_layers=2))
+    for mode in ("fingerprint", "all"):
+        handle = dumper.install(
+            model, dumper.DumperConfig(dir=str(tmp_path / mode), enable=True, exp_name="run", non_intrusive_mode=mode)
+        )
+        with torch.no_grad():
+            output = model.generate(prompt_ids(9), max_new_tokens=5, do_sample=False)
+            model(output)
+        handle.remove()
+    assert len(encoded) == 2 * 6  # per mode: a prefill, 4 decode steps, the reference prefill
+    for whole, text in encoded:
+        assert json.loads(text) == json.loads(whole)
+    decode_steps = reused[2:5] + reused[8:11]
+    assert min(decode_steps) > 0.9 and reused[0] == 0 and max(reused[5], reused[11]) < 0.5
+
+
+def test_a_call_that_changes_is_encoded_again():
+    encoder = metajson.MetaJson()
+    call = {"call": "mlp#0", "tensors": {"mlp#0.out.0": {"shape": (4, 8), "print": (0, 4)}}}
+    first = {"mode": "decode", "calls": [call], "step": 1}
+    assert json.loads(encoder.dumps(first)) == json.loads(json.dumps(first))
+    changed = {"call": "mlp#0", "tensors": {"mlp#0.out.0": {"shape": (4, 8), "print": (4, 4)}}}
+    second = {"mode": "decode", "calls": [changed], "step": 2}
+    assert json.loads(encoder.dumps(second)) == json.loads(json.dumps(second))
+    assert encoder.dumps({"no calls": 1}) == json.dumps({"no calls": 1}, separators=(",", ":"))
