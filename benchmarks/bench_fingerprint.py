@@ -12,12 +12,15 @@ so the prefill is left out; states are measured in interleaved rounds, medians r
 * all+prints    mode all with DUMPER_FINGERPRINTS=1 / mode all             the price of carrying them
 * bytes         fingerprint files / the tensor bytes mode all stores       target <= 1%
 * gc            the garbage collector's time per generated token, fingerprint and plain (context)
+* prefill       with --prefill N: one forward of N tokens dumped in mode fingerprint, its file
+                on disk, less the plain forward (seconds; target: well under one on a GPU)
 * index         the index of a full dump: XXH3 from its bytes, carried prints read, rowprint
                 computed from its bytes (a full dump compared with a fingerprint dump), and
                 the index of the fingerprint dump itself
 
     python benchmarks/bench_fingerprint.py                       (CPU: a small Llama, float32)
-    python benchmarks/bench_fingerprint.py --model 8b --device cuda --skip all,index   (Llama-3-8B's shape, bf16)
+    python benchmarks/bench_fingerprint.py --model 8b --device cuda --skip all,index --prefill 2000
+                                                                  (Llama-3-8B's shape, bf16)
     python benchmarks/bench_fingerprint.py --model 8b --layers 2 --prompt 16 --steps 4 --rounds 1 --skip all,index
                                          (the bytes at Llama-3-8B's row widths, on a CPU)
 """
@@ -112,6 +115,51 @@ def noop_hooks(model):
     return handles
 
 
+def prefill_seconds(model, ids, device, work, fingerprint: bool) -> float:
+    """One forward of ``ids``, plain or dumped in mode fingerprint with its file on disk."""
+    handle = None
+    if fingerprint:
+        config = dumper.DumperConfig(
+            enable=True,
+            dir=work,
+            exp_name="prefill",
+            cleanup_previous=True,
+            non_intrusive_mode="fingerprint",
+            min_free_bytes=0,
+        )
+        handle = dumper.install(model, config)
+    try:
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        if handle is not None:
+            handle.flush()
+        sync(device)
+        return time.perf_counter() - start
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def bench_prefill(model, tokens, vocab, device, work, rounds):
+    ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    prefill_seconds(model, ids, device, work, True)  # warm-up
+    plain, dumped = [], []
+    for r in range(rounds):
+        for fingerprint in (False, True) if r % 2 == 0 else (True, False):
+            (dumped if fingerprint else plain).append(prefill_seconds(model, ids, device, work, fingerprint))
+    extra = median([d - p for d, p in zip(dumped, plain)])
+    result(
+        f"prefill of {tokens} tokens dumped in mode fingerprint, extra seconds",
+        round(extra, 3),
+        "well under 1 s on a GPU",
+        extra < 1.0 if device != "cpu" else None,
+        "s",
+        f"{median(dumped):.3f} vs {median(plain):.3f} s plain",
+    )
+
+
 def measure(model, ids, steps, device, work, config, name):
     """(decode seconds, dump folder) of one round of a state; config None: no dumper; "noop":
     no-op hooks only."""
@@ -199,6 +247,7 @@ def main():
         help="decoder layers (default: the shape's); bytes per layer do not change with it",
     )
     parser.add_argument("--skip", default="", help="comma list of: all, index, noop")
+    parser.add_argument("--prefill", type=int, default=0, help="also time a dumped prefill of this many tokens")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -300,6 +349,8 @@ def main():
                     f"index: {label} / xxh3 of full bytes", round(index_times[label] / base, 3), "context", None, "x"
                 )
             out.update(index_seconds=index_times, index_dump_bytes=sizes)
+        if args.prefill:
+            bench_prefill(model, args.prefill, shape["vocab_size"], args.device, work, args.rounds)
         if args.out:
             with open(args.out, "w") as handle:
                 json.dump(out, handle, indent=1)

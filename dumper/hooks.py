@@ -9,6 +9,7 @@ disabled, a forward pass costs one flag check.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import threading
@@ -244,15 +245,26 @@ class Dumper:
                     self._pass_thread = me
             if not mine:
                 return undumped(args, kwargs)
+            # The pass's metadata (thousands of small containers) lives until the pass ends; the
+            # collector, run every 700 new containers, would push it into the oldest generation,
+            # whose collections walk every object of the process (hundreds of thousands with
+            # torch imported). Paused for the pass, it runs once after it, when the metadata is
+            # a generation younger and mostly written and freed before it could get older.
+            collecting = gc.isenabled()
+            if collecting:
+                gc.disable()
             try:
                 if not self._begin_pass(args, kwargs):
                     self._pass_thread = None
                     return original(*args, **kwargs)
                 output = original(*args, **kwargs)
+                self._end_pass(output)
             except BaseException:
                 self._pass = self._pass_thread = None
                 raise
-            self._end_pass(output)
+            finally:
+                if collecting:
+                    gc.enable()
             return output
 
         def undumped(args, kwargs):

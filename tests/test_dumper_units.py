@@ -126,6 +126,30 @@ def test_capture_names_values_skips_and_clones(tmp_path):
     assert calls["proj#0"]["pre"] < calls["proj#0"]["post"] < calls["<root>#0"]["post"]
 
 
+def test_the_collector_is_paused_for_a_dumped_pass_and_left_as_the_user_set_it(tmp_path):
+    """Paused while a pass is dumped (its metadata would grow old and make full collections
+    run), running again after it, also when the model raises; a collector the user turned off
+    stays off."""
+    model = Toy().eval()
+    seen = []
+    model.proj.register_forward_hook(lambda *a: seen.append(gc.isenabled()))
+    handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="toy"))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    try:
+        with torch.no_grad():
+            model(ids)
+            assert seen == [False] and gc.isenabled()
+            with pytest.raises(IndexError):
+                model(torch.tensor([[3, 99]]))  # an id outside the embedding
+            assert gc.isenabled()
+            gc.disable()
+            model(ids)
+            assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+        handle.remove()
+
+
 def test_files_are_safetensors_and_json_only(tmp_path):
     model = Toy().eval()
     handle = dumper.install(model, DumperConfig(dir=str(tmp_path), enable=True, exp_name="toy"))
