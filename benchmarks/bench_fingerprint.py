@@ -115,19 +115,16 @@ def noop_hooks(model):
     return handles
 
 
+def fingerprint_config(work: str, name: str) -> dumper.DumperConfig:
+    """Mode fingerprint into a fresh experiment folder under ``work``, dumping from the start."""
+    return dumper.DumperConfig(
+        enable=True, dir=work, exp_name=name, cleanup_previous=True, non_intrusive_mode="fingerprint", min_free_bytes=0
+    )
+
+
 def prefill_seconds(model, ids, device, work, fingerprint: bool) -> float:
     """One forward of ``ids``, plain or dumped in mode fingerprint with its file on disk."""
-    handle = None
-    if fingerprint:
-        config = dumper.DumperConfig(
-            enable=True,
-            dir=work,
-            exp_name="prefill",
-            cleanup_previous=True,
-            non_intrusive_mode="fingerprint",
-            min_free_bytes=0,
-        )
-        handle = dumper.install(model, config)
+    handle = dumper.install(model, fingerprint_config(work, "prefill")) if fingerprint else None
     try:
         sync(device)
         start = time.perf_counter()

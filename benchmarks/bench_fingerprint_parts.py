@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
-from common import GPU_LLAMA_8B, llama, median, result, sync  # first: puts the repo on sys.path
+from bench_fingerprint import decode_seconds, fingerprint_config, noop_hooks
+from common import GPU_LLAMA_8B, llama, median, result  # first: puts the repo on sys.path
 
 from dumpdiff import dumper
 from dumpdiff.dumper import hooks, writer
@@ -35,33 +35,11 @@ CPU_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, n
 STATES = ("plain", "no-op hooks", "fingerprint", "no files", "no prints", "bookkeeping only")
 
 
-def decode_seconds(model, ids, steps: int, device: str) -> float:
-    def generate(n):
-        sync(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        sync(device)
-        return time.perf_counter() - start
-
-    return generate(steps + 1) - generate(1)
-
-
 def run_state(state: str, model, ids, steps: int, device: str, work: str) -> float:
     if state == "plain":
         return decode_seconds(model, ids, steps, device)
     if state == "no-op hooks":
-        handles = []
-        for module in model.modules():
-            handles.append(module.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True))
-            handles.append(module.register_forward_hook(lambda m, a, k, o: None, with_kwargs=True, always_call=True))
+        handles = noop_hooks(model)
         try:
             return decode_seconds(model, ids, steps, device)
         finally:
@@ -73,15 +51,7 @@ def run_state(state: str, model, ids, steps: int, device: str, work: str) -> flo
         writer.PassWriter._write = lambda self, record: record.ready is not None and record.ready.synchronize()
     if state in ("no prints", "bookkeeping only"):
         hooks.Dumper._stage_print = lambda *args: None
-    config = dumper.DumperConfig(
-        enable=True,
-        dir=work,
-        exp_name="parts",
-        cleanup_previous=True,
-        non_intrusive_mode="fingerprint",
-        min_free_bytes=0,
-    )
-    handle = dumper.install(model, config)
+    handle = dumper.install(model, fingerprint_config(work, "parts"))
     try:
         seconds = decode_seconds(model, ids, steps, device)
         handle.flush()
