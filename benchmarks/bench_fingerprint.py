@@ -277,6 +277,8 @@ def main():
         for r in range(args.rounds):
             order = list(states.items()) if r % 2 == 0 else list(states.items())[::-1]  # drift hits each state alike
             for name, config in order:
+                if folders.get(name):  # only the last round's dump is read: a mode-all dump at 8B fills disks
+                    shutil.rmtree(folders[name], ignore_errors=True)
                 with GcClock() as clock:
                     seconds, folders[name] = measure(
                         model, ids, args.steps, args.device, work, config, f"{name.replace('+', '-')}-{r}"
