@@ -245,6 +245,13 @@ class Dumper:
                     self._pass_thread = me
             if not mine:
                 return undumped(args, kwargs)
+            try:
+                if not self._begin_pass(args, kwargs):
+                    self._pass_thread = None
+                    return original(*args, **kwargs)
+            except BaseException:
+                self._pass = self._pass_thread = None
+                raise
             # The pass's metadata (thousands of small containers) lives until the pass ends; the
             # collector, run every 700 new containers, would push it into the oldest generation,
             # whose collections walk every object of the process (hundreds of thousands with
@@ -254,14 +261,12 @@ class Dumper:
             if collecting:
                 gc.disable()
             try:
-                if not self._begin_pass(args, kwargs):
-                    self._pass_thread = None
-                    return original(*args, **kwargs)
-                output = original(*args, **kwargs)
+                try:
+                    output = original(*args, **kwargs)
+                except BaseException:
+                    self._pass = self._pass_thread = None
+                    raise
                 self._end_pass(output)
-            except BaseException:
-                self._pass = self._pass_thread = None
-                raise
             finally:
                 if collecting:
                     gc.enable()

@@ -5,9 +5,11 @@ token dims, alias and print range): at 32 layers about 200 KB, a few millisecond
 encoder, which holds the interpreter lock all the while and so stalls the model's thread. Decode
 steps of one batch repeat their calls exactly, and comparing two calls' dicts costs about a
 twentieth of encoding one; so a call equal to the same-named call of the previous pass takes that
-pass's text. Equal values give equal JSON, which is all the reuse relies on: a submitted pass's
-metadata is never changed in place afterwards (the hooks build new dicts for every pass, and a
-graph replay copies its recorded dicts before changing them).
+pass's text. Equal dicts give equal JSON but for the scalars a call's arguments pass ("values"),
+where Python has 1 == 1.0 == True and 0.0 == -0.0: those are compared by type and text too. The
+reuse also relies on a submitted pass's metadata never changing in place afterwards (the hooks
+build new dicts for every pass, and a graph replay copies its recorded dicts before changing
+them). Key order may come from the earlier pass; the JSON objects are the same.
 """
 
 from __future__ import annotations
@@ -33,10 +35,22 @@ class MetaJson:
         for call in calls:
             name = call.get("call") if isinstance(call, dict) else None
             found = previous.get(name) if isinstance(name, str) else None
-            text = found[1] if found is not None and found[0] == call else json.dumps(call, separators=_COMPACT)
+            same = found is not None and found[0] == call and _same_scalars(found[0].get("values"), call.get("values"))
+            text = found[1] if same else json.dumps(call, separators=_COMPACT)
             if isinstance(name, str):
                 now[name] = (call, text)
             parts.append(text)
         self._previous = now
         head = json.dumps(dict(meta, calls=_CALLS_MARK), separators=_COMPACT)
         return head.replace(json.dumps(_CALLS_MARK), "[" + ",".join(parts) + "]", 1)
+
+
+def _same_scalars(before, now) -> bool:
+    """Equal values (already known) that JSON also writes alike: same types, same float text."""
+    if not before:
+        return True
+    for key, value in now.items():
+        earlier = before[key]
+        if type(earlier) is not type(value) or (isinstance(value, float) and repr(earlier) != repr(value)):
+            return False
+    return True

@@ -70,10 +70,21 @@ def disable(error: BaseException) -> None:
 
 
 def takes(rows: torch.Tensor) -> bool:
-    """Whether the kernel takes these rows now (available() checked by the caller)."""
+    """Whether the kernel takes these rows now (available() checked by the caller). Inside a
+    capture only in the compiled form load() made: the element type loaded on this device,
+    contiguous rows at a 16-byte aligned address (Triton compiles a form per pointer alignment),
+    sizes below 2**31 (Triton types an integer argument by its value)."""
     if rows.dtype not in _FLOATS and rows.dtype not in _INTS:
         return False
-    return not _capturing() or (rows.device, rows.dtype) in _loaded
+    if not _capturing():
+        return True
+    n, width = rows.shape
+    return (
+        (rows.device, rows.dtype) in _loaded
+        and rows.data_ptr() % 16 == 0
+        and (width < 2 or rows.stride(1) == 1)
+        and max(n, width, rows.stride(0)) < _SMALL
+    )
 
 
 def load(device: torch.device, dtypes) -> None:
@@ -83,6 +94,8 @@ def load(device: torch.device, dtypes) -> None:
         return
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    # a capture's rows are staging blocks: contiguous, aligned, with a table column offset
+    # (first) and widths of any size, all i32 arguments like these
     for dtype in dtypes:
         if (dtype in _FLOATS or dtype in _INTS) and (device, dtype) not in _loaded and disabled is None:
             table = torch.empty((3, 1), dtype=torch.int64, device=device)
@@ -101,7 +114,7 @@ _loaded = set()  # (device, element type) of the forms an eager launch has loade
 
 def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
     """Write row_stats(rows) into columns first..first+n of ``table`` ([3, N] int64, contiguous,
-    on rows' device). rows: [n, width] with contiguous rows, of a type ``supports`` accepts."""
+    on rows' device). rows: [n, width] of a type ``takes`` accepts."""
     n, width = rows.shape
     if not n:
         return
@@ -110,7 +123,9 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
     size = rows.element_size()
     bits = rows if rows.dtype == _INT_OF_SIZE[size] else rows.view(_INT_OF_SIZE[size])
     mask, largest = _FLOATS.get(rows.dtype, (None, 0, 0))[1:]
-    _row_stats[(n,)](
+    seed = rowprint.seed(rows.dtype, width) & ((1 << 64) - 1)
+    launch = _row_stats[(n,)]
+    arguments = (
         bits,
         table,
         table.view(torch.float64),
@@ -118,7 +133,13 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
         width,
         table.stride(0),
         first,
-        rowprint.seed(rows.dtype, width) & ((1 << 64) - 1),
+        # in three pieces below 2**31: Triton types an integer argument by its value (i32, i64 or
+        # u64), and a new type is a new compiled form, which a graph capture could not load
+        seed >> 42,
+        (seed >> 21) & _PIECE,
+        seed & _PIECE,
+    )
+    constants = dict(
         IS_FLOAT=rows.dtype in _FLOATS,
         MAG_MASK=mask,
         MAX_FINITE=largest,
@@ -126,8 +147,18 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
         BLOCK=CHUNK,
         num_warps=4,
     )
+    device = rows.device
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # Triton launches on the current device and its stream
+            launch(*arguments, **constants)
+    else:
+        launch(*arguments, **constants)
     if not _capturing():
-        _loaded.add((rows.device, rows.dtype))
+        _loaded.add((device, rows.dtype))
+
+
+_PIECE = (1 << 21) - 1
+_SMALL = 1 << 31  # integer arguments below this are typed i32, as in the forms load() compiles
 
 
 if triton is not None:
@@ -140,7 +171,9 @@ if triton is not None:
         x *= 0x94D049BB133111EB
         return x ^ (x >> 31)
 
-    @triton.jit(do_not_specialize=["row_stride", "width", "out_stride", "first", "seed"])
+    @triton.jit(
+        do_not_specialize=["row_stride", "width", "out_stride", "first", "seed_high", "seed_middle", "seed_low"]
+    )
     def _row_stats(
         bits_ptr,
         out_ptr,
@@ -149,7 +182,9 @@ if triton is not None:
         width,
         out_stride,
         first,
-        seed,
+        seed_high,
+        seed_middle,
+        seed_low,
         IS_FLOAT: tl.constexpr,
         MAG_MASK: tl.constexpr,
         MAX_FINITE: tl.constexpr,
@@ -175,7 +210,8 @@ if triton is not None:
                 finite = magnitude <= MAX_FINITE
                 peak = tl.maximum(peak, tl.where(inside & finite, magnitude, 0))
                 bad += (inside & (magnitude > MAX_FINITE)).to(tl.int64)
-        total = tl.sum(sums, axis=0) ^ seed.to(tl.uint64)  # seed: given unsigned
+        seed = (seed_high.to(tl.uint64) << 42) | (seed_middle.to(tl.uint64) << 21) | seed_low.to(tl.uint64)
+        total = tl.sum(sums, axis=0) ^ seed
         tl.store(out_ptr + first + row, _mix64(total).to(tl.int64, bitcast=True))
         if IS_FLOAT:
             # widened before the reduction: magnitudes order as their values do

@@ -129,7 +129,7 @@ def test_capture_names_values_skips_and_clones(tmp_path):
 def test_the_collector_is_paused_for_a_dumped_pass_and_left_as_the_user_set_it(tmp_path):
     """Paused while a pass is dumped (its metadata would grow old and make full collections
     run), running again after it, also when the model raises; a collector the user turned off
-    stays off."""
+    stays off; a forward that is not dumped runs with the collector as it was."""
     model = Toy().eval()
     seen = []
     model.proj.register_forward_hook(lambda *a: seen.append(gc.isenabled()))
@@ -145,6 +145,10 @@ def test_the_collector_is_paused_for_a_dumped_pass_and_left_as_the_user_set_it(t
             gc.disable()
             model(ids)
             assert seen == [False, False] and not gc.isenabled()
+            gc.enable()
+            handle._begin_pass = lambda args, kwargs: False  # a forward the adapter cannot describe
+            model(ids)
+            assert seen == [False, False, True] and gc.isenabled()  # runs undumped, collector on
     finally:
         gc.enable()
         handle.remove()

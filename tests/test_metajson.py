@@ -40,17 +40,23 @@ def test_each_pass_is_written_as_its_own_metadata_with_equal_calls_reused(tmp_pa
         handle.remove()
     assert len(encoded) == 2 * 6  # per mode: a prefill, 4 decode steps, the reference prefill
     for whole, text in encoded:
-        assert json.loads(text) == json.loads(whole)
+        assert _canonical(text) == _canonical(whole)
     decode_steps = reused[2:5] + reused[8:11]
     assert min(decode_steps) > 0.9 and reused[0] == 0 and max(reused[5], reused[11]) < 0.5
 
 
-def test_a_call_that_changes_is_encoded_again():
+def test_a_call_that_changes_is_encoded_again_even_where_python_calls_it_equal():
+    """1, 1.0 and True are equal in Python and 0.0 equals -0.0, but JSON writes each its own way:
+    a call's argument values that change so are written as they are."""
     encoder = metajson.MetaJson()
-    call = {"call": "mlp#0", "tensors": {"mlp#0.out.0": {"shape": (4, 8), "print": (0, 4)}}}
-    first = {"mode": "decode", "calls": [call], "step": 1}
-    assert json.loads(encoder.dumps(first)) == json.loads(json.dumps(first))
-    changed = {"call": "mlp#0", "tensors": {"mlp#0.out.0": {"shape": (4, 8), "print": (4, 4)}}}
-    second = {"mode": "decode", "calls": [changed], "step": 2}
-    assert json.loads(encoder.dumps(second)) == json.loads(json.dumps(second))
+    for step, (first, scale) in enumerate([(0, 1), (0, 1), (0, 1.0), (0, True), (0, 0.0), (0, -0.0), (4, -0.0)]):
+        call = {"call": "mlp#0", "tensors": {"mlp#0.out.0": {"shape": (4, 8), "print": (first, 4)}}}
+        call["values"] = {"in.scale": scale}
+        meta = {"mode": "decode", "calls": [call], "step": step}
+        assert _canonical(encoder.dumps(meta)) == _canonical(json.dumps(meta)), (step, first, scale)
     assert encoder.dumps({"no calls": 1}) == json.dumps({"no calls": 1}, separators=(",", ":"))
+
+
+def _canonical(text: str) -> str:
+    """The JSON as text with keys sorted: 1, 1.0, true and -0.0 stay apart (parsed values would not)."""
+    return json.dumps(json.loads(text), sort_keys=True)

@@ -191,3 +191,39 @@ def test_a_graph_capture_launches_the_kernel_only_once_it_is_loaded():
         rowkernel.load(torch.device("cuda"), [torch.bfloat16])
     assert took == [False, True]
     assert torch.equal(tables[0], want) and torch.equal(tables[1], want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_capture_after_load_launches_the_kernel_and_compiles_nothing_whatever_the_widths(monkeypatch):
+    """Triton compiles a form per argument type and alignment: the form load() makes must be the
+    one every staging block of a capture needs, at any row width and count."""
+    from dumpdiff.dumper import rowkernel, rowprint
+    from dumpdiff.dumper.passprints import PassPrints
+
+    rowkernel._loaded.clear()
+    rowkernel.load(torch.device("cuda"), [torch.bfloat16, torch.int64])
+    compiled, launched = [], []
+    if hasattr(rowkernel._row_stats, "_do_compile"):  # Triton's own compile step, where it has one
+        real = rowkernel._row_stats._do_compile
+        monkeypatch.setattr(rowkernel._row_stats, "_do_compile", lambda *a, **k: compiled.append(a) or real(*a, **k))
+    real_launch = rowkernel.row_stats_into
+    monkeypatch.setattr(rowkernel, "row_stats_into", lambda *a: launched.append(a) or real_launch(*a))
+    g = torch.Generator().manual_seed(2)
+    tensors = [
+        (torch.randn(n, w, generator=g) * 3).to(torch.bfloat16).cuda()
+        for n, w in [(8, 4096), (8, 14336), (3, 128), (8, 7), (8, 1)]
+    ]
+    tensors.append(torch.arange(8).view(8, 1).cuda())
+    metas = [{} for _ in tensors]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prints = PassPrints()
+        for meta, tensor in zip(metas, tensors):
+            prints.add(meta, tensor)
+        table = prints.finish(host=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert compiled == [] and len(launched) == 6  # six blocks: one per element type and width
+    for meta, tensor in zip(metas, tensors):
+        first, count = meta["print"]
+        assert torch.equal(table[:, first : first + count].cpu(), rowprint.row_stats(tensor.cpu()))
