@@ -6,12 +6,15 @@ time. This kernel computes the same three numbers per row (fingerprint, largest 
 float64, NaN/inf count) in one launch: one program per row walks the row in chunks. The
 arithmetic is the one rowprint.py defines, on unsigned 64-bit words whose products and sums wrap
 as torch's int64 ones do, so the results are bit for bit those of the torch form
-(tests/test_rowkernel.py checks them against it, on CPU through Triton's interpreter).
+(tests/test_rowkernel.py checks them against it: compiled on a GPU, and on CPU through
+Triton's interpreter).
 
 Inside a CUDA graph capture the kernel is launched only in a form already compiled and loaded
 (a capture must not load code): ``load`` loads the forms a model needs before its graphs are
-captured; any other capture takes the torch form. Integer arguments are not specialized by
-value and the chunk size is fixed, so one compiled form per element type serves every row
+captured; any other capture takes the torch form. Triton compiles a form per constant, per
+integer argument's type (chosen by its value) and per pointer alignment: the chunk size is
+fixed, integers are not specialized by value and are passed below 2**31 (the 64-bit seed in
+three pieces), and staging blocks are aligned, so one form per element type serves every row
 count, width and column.
 """
 
