@@ -32,13 +32,11 @@ class MetaJson:
         if not isinstance(calls, list):
             return json.dumps(meta, separators=_COMPACT)
         previous, now, parts = self._previous, {}, []
-        for call in calls:
-            name = call.get("call") if isinstance(call, dict) else None
-            found = previous.get(name) if isinstance(name, str) else None
+        for call in calls:  # each a dict named by its "call" (passstate.Call.to_meta)
+            found = previous.get(call["call"])
             same = found is not None and found[0] == call and _same_scalars(found[0].get("values"), call.get("values"))
             text = found[1] if same else json.dumps(call, separators=_COMPACT)
-            if isinstance(name, str):
-                now[name] = (call, text)
+            now[call["call"]] = (call, text)
             parts.append(text)
         self._previous = now
         head = json.dumps(dict(meta, calls=_CALLS_MARK), separators=_COMPACT)

@@ -97,16 +97,13 @@ class PassPrints:
         table is copied into a static slot; a model on one device)."""
         self._work()
         self._blocks.clear()
-        if not self._pieces:
+        pieces, self._pieces = self._pieces, []  # consumed by the tables (sums mixed in place)
+        if not pieces:
             return None
-        tables = _tables(self._pieces)
-        self._pieces = []  # consumed by the tables (sums mixed in place)
-        if len(tables) == 1:
-            table = tables[0]
-        elif len({t.device for t in tables}) == 1:
-            table = torch.cat(tables, dim=1)
-        else:  # a model spread over devices: rows keep their order, gathered on the host
-            table = torch.cat([t.cpu() for t in tables], dim=1)
+        if len({_device(piece) for piece in pieces}) > 1:
+            pieces = [_on_host(piece) for piece in pieces]  # a model spread over devices: rows keep their order
+        tables = _tables(pieces)
+        table = tables[0] if len(tables) == 1 else torch.cat(tables, dim=1)
         if not table.is_cuda or not host:
             return table
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
@@ -127,9 +124,20 @@ def _kernel_table(kernel, rows: torch.Tensor) -> Optional[torch.Tensor]:
     return table
 
 
+def _device(piece) -> torch.device:
+    return (piece if isinstance(piece, torch.Tensor) else piece[0]).device
+
+
+def _on_host(piece):
+    if isinstance(piece, torch.Tensor):
+        return piece.cpu()
+    sums, (largest, nonfinite) = piece
+    return sums.cpu(), (largest.cpu(), nonfinite.cpu())
+
+
 def _tables(pieces: list) -> List[torch.Tensor]:
-    """The pieces as [3, n] tables in order; runs of unfinished blocks finished together (one
-    final mix for all of them)."""
+    """The pieces, all on one device, as [3, n] tables in order; runs of unfinished blocks
+    finished together (one final mix for all of them)."""
     tables, sums, magnitudes = [], [], []
     for piece in pieces + [None]:
         if isinstance(piece, tuple):
@@ -137,8 +145,6 @@ def _tables(pieces: list) -> List[torch.Tensor]:
             magnitudes.append(piece[1])
             continue
         if sums:
-            if len({s.device for s in sums}) > 1:
-                sums, magnitudes = [s.cpu() for s in sums], [(m[0].cpu(), m[1].cpu()) for m in magnitudes]
             tables.append(rowprint.stats_table(sums, magnitudes))
             sums, magnitudes = [], []
         if piece is not None:

@@ -37,17 +37,10 @@ except Exception:  # pragma: no cover - depends on the installed torch (absent, 
 log = logging.getLogger("dumper")
 disabled: Optional[str] = None  # why this process stopped using the kernel (it failed once)
 
-# The element types the kernel reads: (int type of their bits, magnitude mask, largest finite bits).
-_FLOATS = {
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F7F),
-    torch.float16: (torch.int16, 0x7FFF, 0x7BFF),
-    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F7FFFFF),
-    torch.float64: (torch.int64, 0x7FFFFFFFFFFFFFFF, 0x7FEFFFFFFFFFFFFF),
-}
-_INTS = {torch.int8, torch.uint8, torch.bool, torch.int16, torch.int32, torch.int64}
-# How a float type's magnitude bits become a float64 value in the kernel.
+# The float types the kernel reads, and how their magnitude bits become a float64 value in it;
+# their largest finite bits are rowprint's. Integer types are read as their bits alone.
 _WIDEN = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INTS = {torch.int8, torch.uint8, torch.bool, torch.int16, torch.int32, torch.int64}
 CHUNK = 1024  # elements a program reads at once (fewer in a shorter row: the rest masked off)
 
 
@@ -77,7 +70,7 @@ def takes(rows: torch.Tensor) -> bool:
     capture only in the compiled form load() made: the element type loaded on this device,
     contiguous rows at a 16-byte aligned address (Triton compiles a form per pointer alignment),
     sizes below 2**31 (Triton types an integer argument by its value)."""
-    if rows.dtype not in _FLOATS and rows.dtype not in _INTS:
+    if not _reads(rows.dtype):
         return False
     if not _capturing():
         return True
@@ -100,12 +93,16 @@ def load(device: torch.device, dtypes) -> None:
     # a capture's rows are staging blocks: contiguous, aligned, with a table column offset
     # (first) and widths of any size, all i32 arguments like these
     for dtype in dtypes:
-        if (dtype in _FLOATS or dtype in _INTS) and (device, dtype) not in _loaded and disabled is None:
+        if _reads(dtype) and (device, dtype) not in _loaded and disabled is None:
             table = torch.empty((3, 1), dtype=torch.int64, device=device)
             try:
                 row_stats_into(torch.zeros((1, 1), dtype=dtype, device=device), table, 0)
             except Exception as exc:  # noqa: BLE001 - the dumper never makes a model fail
                 disable(exc)
+
+
+def _reads(dtype: torch.dtype) -> bool:
+    return dtype in _WIDEN or dtype in _INTS
 
 
 def _capturing() -> bool:
@@ -124,8 +121,8 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
     if width and rows.stride(1) != 1:
         rows = rows.contiguous()
     size = rows.element_size()
-    bits = rows if rows.dtype == _INT_OF_SIZE[size] else rows.view(_INT_OF_SIZE[size])
-    mask, largest = _FLOATS.get(rows.dtype, (None, 0, 0))[1:]
+    bits = rowprint.signed_bits(rows)
+    is_float = rows.dtype in _WIDEN
     seed = rowprint.seed(rows.dtype, width) & ((1 << 64) - 1)
     launch = _row_stats[(n,)]
     arguments = (
@@ -143,9 +140,9 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
         seed & _PIECE,
     )
     constants = dict(
-        IS_FLOAT=rows.dtype in _FLOATS,
-        MAG_MASK=mask,
-        MAX_FINITE=largest,
+        IS_FLOAT=is_float,
+        MAG_MASK=(1 << (8 * size - 1)) - 1,  # every bit but the sign
+        MAX_FINITE=rowprint.MAX_FINITE_BITS[rows.dtype] if is_float else 0,
         WIDEN=_WIDEN.get(rows.dtype, 0),
         BLOCK=CHUNK,
         num_warps=4,

@@ -46,7 +46,7 @@ def _signed(value: int) -> int:
 GOLDEN = _signed(0x9E3779B97F4A7C15)  # K: odd, so (j + 1) * K differs for every j below 2**64
 MIX_1 = _signed(0xBF58476D1CE4E5B9)
 MIX_2 = _signed(0x94D049BB133111EB)
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 CHUNK_ELEMENTS = 1 << 24  # at most this many elements are worked on at once (int64 temporaries: 128 MB)
 
 
@@ -89,10 +89,15 @@ def _position_keys(width: int, device: torch.device) -> torch.Tensor:
     return found
 
 
+def signed_bits(rows: torch.Tensor) -> torch.Tensor:
+    """The rows' elements as signed integers of their width: a view, or the rows themselves."""
+    kind = INT_OF_SIZE[rows.element_size()]
+    return rows if rows.dtype == kind else rows.view(kind)
+
+
 def element_bits(rows: torch.Tensor) -> torch.Tensor:
     """The rows' elements as signed integers of their width, widened to int64 (a new tensor)."""
-    size = rows.element_size()
-    bits = rows.view(_INT_OF_SIZE[size]) if rows.dtype != _INT_OF_SIZE[size] else rows
+    bits = signed_bits(rows)
     # a new contiguous tensor: never the caller's own int64 storage (it is worked on in place),
     # and its 32-bit halves can be viewed (fingerprints)
     return torch.empty(bits.shape, dtype=torch.int64, device=bits.device).copy_(bits)
@@ -154,7 +159,7 @@ def _chunk_elements(device: torch.device) -> int:
 
 
 # Largest finite magnitude of each float type, as bits without the sign: |x| <= max <=> (bits & ~sign) <= this.
-_MAX_FINITE_BITS = {
+MAX_FINITE_BITS = {
     torch.float64: 0x7FEFFFFFFFFFFFFF,
     torch.float32: 0x7F7FFFFF,
     torch.float16: 0x7BFF,
@@ -162,7 +167,7 @@ _MAX_FINITE_BITS = {
 }
 for _name, _bits in (("float8_e4m3fn", 0x7E), ("float8_e5m2", 0x7B)):
     if hasattr(torch, _name):
-        _MAX_FINITE_BITS[getattr(torch, _name)] = _bits
+        MAX_FINITE_BITS[getattr(torch, _name)] = _bits
 
 
 def magnitudes(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -172,27 +177,27 @@ def magnitudes(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     float64 values are exact: each is one of the row's own elements."""
     n, width = rows.shape
     device = rows.device
-    if rows.dtype not in _MAX_FINITE_BITS:
+    if rows.dtype not in MAX_FINITE_BITS:
         return (
             torch.full((n,), float("nan"), dtype=torch.float64, device=device),
             torch.zeros(n, dtype=torch.int32, device=device),
         )
     size = rows.element_size()
-    magnitude = rows.view(_INT_OF_SIZE[size]) & ((1 << (8 * size - 1)) - 1)  # the sign bit cleared
+    magnitude = rows.view(INT_OF_SIZE[size]) & ((1 << (8 * size - 1)) - 1)  # the sign bit cleared
     if size == 1:
         magnitude = magnitude.to(torch.int16)  # few kernels take uint8 reductions alike; values are < 128
     if width and device.type == "cpu":
         # rows without inf or NaN (nearly all) need one pass, not four; a GPU would have to wait
         # for the check, and a graph capture cannot, so it always takes the full path
         peak = magnitude.amax(dim=1)
-        if not bool((peak > _MAX_FINITE_BITS[rows.dtype]).any()):
-            largest = peak.to(_INT_OF_SIZE[size])
+        if not bool((peak > MAX_FINITE_BITS[rows.dtype]).any()):
+            largest = peak.to(INT_OF_SIZE[size])
             return largest.view(rows.dtype).to(torch.float64), torch.zeros(n, dtype=torch.int32)
-    too_large = magnitude > _MAX_FINITE_BITS[rows.dtype]
+    too_large = magnitude > MAX_FINITE_BITS[rows.dtype]
     nonfinite = too_large.sum(dim=1, dtype=torch.int32)
     if not width:
         return torch.zeros(n, dtype=torch.float64, device=device), nonfinite
-    largest = magnitude.masked_fill_(too_large, 0).amax(dim=1).to(_INT_OF_SIZE[size])
+    largest = magnitude.masked_fill_(too_large, 0).amax(dim=1).to(INT_OF_SIZE[size])
     return largest.view(rows.dtype).to(torch.float64), nonfinite
 
 

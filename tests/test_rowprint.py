@@ -88,7 +88,7 @@ def test_one_ulp_a_sign_flip_a_swapped_pair_or_reordered_elements_change_the_pri
     row = _rows(dtype, n=1, width=4096)
     base = int(rowprint.fingerprints(row)[0])
     size = row.element_size()
-    bits = row.view(rowprint._INT_OF_SIZE[size])
+    bits = row.view(rowprint.INT_OF_SIZE[size])
     changed = []
     for j in (0, 1, 2047, 4095):  # one ulp up at several places
         one = bits.clone()
