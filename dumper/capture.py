@@ -8,7 +8,7 @@ any other object is counted as skipped with its type name, so nothing disappears
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,23 +16,35 @@ MAX_DEPTH = 4
 JSON_SCALARS = (bool, int, float, str, type(None))
 
 
-def flatten(value: Any, prefix: str = "", depth: int = 0, output: bool = False) -> Iterator[Tuple[str, Any]]:
-    """Yield (slot, leaf) pairs; a leaf is a tensor, a JSON scalar or any other object.
-    ``output``: a call's output, whose dataclasses are opened whatever their size (sglang's
+def flatten(value: Any, prefix: str = "", depth: int = 0, output: bool = False) -> List[Tuple[str, Any]]:
+    """(slot, leaf) pairs; a leaf is a tensor, a JSON scalar or any other object. ``output``: a
+    call's output, whose dataclasses are opened whatever their size (sglang's
     LogitsProcessorOutput has 24 fields and holds the logits)."""
-    if isinstance(value, torch.Tensor) or isinstance(value, JSON_SCALARS) or depth >= MAX_DEPTH:
-        yield prefix, value
+    leaves: List[Tuple[str, Any]] = []
+    _flatten_into(leaves, value, prefix, depth, output)
+    return leaves
+
+
+_LEAVES = (torch.Tensor,) + JSON_SCALARS
+
+
+def _flatten_into(leaves: list, value: Any, prefix: str, depth: int, output: bool) -> None:
+    # a list filled in place, not nested generators: a decoder layer's call passes a dozen
+    # keyword arguments, on every layer of every step
+    if isinstance(value, _LEAVES) or depth >= MAX_DEPTH:
+        leaves.append((prefix, value))
     elif isinstance(value, dict):  # includes HF ModelOutput (an OrderedDict)
         for key, item in value.items():
-            yield from flatten(item, _join(prefix, str(key)), depth + 1, output)
+            _flatten_into(leaves, item, f"{prefix}.{key}" if prefix else str(key), depth + 1, output)
     elif isinstance(value, (tuple, list)):
         for index, item in enumerate(value):
-            yield from flatten(item, _join(prefix, str(index)), depth + 1, output)
+            _flatten_into(leaves, item, f"{prefix}.{index}" if prefix else str(index), depth + 1, output)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type) and (output or _is_small_dataclass(value)):
         for field in dataclasses.fields(value):
-            yield from flatten(getattr(value, field.name), _join(prefix, field.name), depth + 1, output)
+            name = field.name
+            _flatten_into(leaves, getattr(value, name), f"{prefix}.{name}" if prefix else name, depth + 1, output)
     else:
-        yield prefix, value
+        leaves.append((prefix, value))
 
 
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # not a wrapper subclass: plain storage
@@ -49,20 +61,24 @@ def call_inputs(args: tuple, kwargs: dict) -> list:
                 break
         else:
             return list(zip(_INDEX_SLOTS, args))
-    return list(unique_slots(list(flatten(list(args))) + list(flatten(dict(kwargs)))))
+    leaves: List[Tuple[str, Any]] = []
+    _flatten_into(leaves, list(args), "", 0, False)
+    _flatten_into(leaves, dict(kwargs), "", 0, False)
+    return unique_slots(leaves)
 
 
 def call_outputs(output) -> list:
     """(slot, leaf) pairs of a call's output; a bare tensor is slot "0"."""
     if type(output) in PLAIN_TENSORS:
         return [("0", output)]
-    return list(unique_slots(flatten(output, output=True)))
+    return unique_slots(flatten(output, output=True))
 
 
-def unique_slots(leaves) -> Iterator[Tuple[str, Any]]:
+def unique_slots(leaves: List[Tuple[str, Any]]) -> List[Tuple[str, Any]]:
     """The leaves with slot names made unique: {"a.b": x, "a": {"b": y}} flattens to two "a.b"
     slots, and the second would overwrite the first; it becomes "a.b~1"."""
     seen = set()
+    named = []
     for slot, value in leaves:
         slot = slot or "0"  # a bare tensor
         name, k = slot, 0
@@ -70,17 +86,14 @@ def unique_slots(leaves) -> Iterator[Tuple[str, Any]]:
             k += 1
             name = f"{slot}~{k}"
         seen.add(name)
-        yield name, value
+        named.append((name, value))
+    return named
 
 
 def _is_small_dataclass(value) -> bool:
     # Engine state objects passed in (sglang's ForwardBatch) are dataclasses with dozens of
     # fields and pools of the whole KV cache; they are pass metadata, not an operator's input.
     return len(dataclasses.fields(value)) <= 16
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
 
 
 def find_token_dims(
@@ -129,6 +142,39 @@ def rows_per_token(shape: Sequence[int], token_shape: Sequence[int], cls: str) -
     if tokens <= 0 or first <= tokens or first % tokens:
         return None
     return first // tokens
+
+
+class Layout:
+    """How a tensor of one shape is stored and printed in one pass: its token dims, and the
+    [rows, width] view its row fingerprints are taken from (rowprint.as_rows, with the whole
+    tensor as one row where its token rows are not the pass's count). Worked out once per shape
+    and pass: hooks meet hundreds of tensors a step, of a few shapes."""
+
+    __slots__ = ("shape", "dims", "rows", "why", "token_dims", "print_shape", "print_dims")
+
+    def __init__(self, shape, dims, rows, why, expected_rows: Optional[int] = None) -> None:
+        self.shape = tuple(shape)
+        self.dims, self.rows, self.why = dims, rows, why
+        self.token_dims = None if dims is None else tuple(dims)
+        # print_shape: the rows are data.reshape(print_shape) (token dims leading, or one row);
+        # else (print_shape None) rowprint.as_rows(data, print_dims) moves the token dims first
+        self.print_dims = dims
+        self.print_shape: Optional[tuple] = None
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        n = None
+        if dims is not None:
+            n = 1
+            for d in dims:
+                n *= self.shape[d]
+        if dims is None or (expected_rows is not None and n != expected_rows):
+            self.print_dims, self.print_shape = None, (1, numel)
+        elif list(dims) == list(range(len(dims))):
+            width = 1
+            for size in self.shape[len(dims) :]:
+                width *= size
+            self.print_shape = (n, width)
 
 
 def storage_key(tensor: torch.Tensor):

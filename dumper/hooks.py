@@ -91,7 +91,7 @@ class Dumper:
         self._removed = False
         self._warned: set = set()  # warnings given once
         # an engine's outputs whose rows are not its token rows though their count is (None: none known)
-        self._rows_not_aligned = getattr(adapter, "rows_not_aligned", lambda cls, name: None)
+        self._rows_not_aligned = getattr(adapter, "rows_not_aligned", None)
         self._wrap_root()
         self._announce()
 
@@ -478,7 +478,10 @@ class Dumper:
         current.order += 1
         current.calls.append(call)
         current.nesting.append(call)
-        self._capture(current, call, "in", capture.call_inputs(args, kwargs))
+        if not kwargs and len(args) == 1 and type(args[0]) in capture.PLAIN_TENSORS:  # most calls: one tensor
+            self._capture_tensor(current, call, fmt.tensor_name(call.name, "in", "0"), args[0])
+        else:
+            self._capture(current, call, "in", capture.call_inputs(args, kwargs))
 
     def _post(self, module, args, kwargs, output) -> None:
         current = self._pass
@@ -497,7 +500,10 @@ class Dumper:
             nesting.remove(call)
         call.post = current.order
         current.order += 1
-        self._capture(current, call, "out", capture.call_outputs(output))
+        if type(output) in capture.PLAIN_TENSORS:  # most calls: one tensor
+            self._capture_tensor(current, call, fmt.tensor_name(call.name, "out", "0"), output)
+        else:
+            self._capture(current, call, "out", capture.call_outputs(output))
 
     def _capture(self, current: PassState, call: Call, io: str, leaves) -> None:
         for slot, value in leaves:
@@ -509,45 +515,48 @@ class Dumper:
                 call.skipped[f"{io}.{slot}"] = type(value).__name__
 
     def _capture_tensor(self, current: PassState, call: Call, name: str, tensor: torch.Tensor) -> None:
+        # Runs for every tensor of every hooked call (hundreds a decode step, on the model's
+        # thread): what depends on the shape alone is worked out once per pass (capture.Layout).
         if type(tensor) not in capture.PLAIN_TENSORS:  # a wrapper (DTensor, torchao): no plain storage
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
-        if tensor.dtype not in _STORED or tensor.layout != torch.strided or tensor.is_meta:
-            call.skipped[name] = f"tensor layout={tensor.layout} dtype={tensor.dtype} device={tensor.device}"
+        dtype = tensor.dtype
+        if dtype not in _STORED or tensor.layout != torch.strided or tensor.is_meta:
+            call.skipped[name] = f"tensor layout={tensor.layout} dtype={dtype} device={tensor.device}"
             return
         if current.recording is not None and not tensor.is_cuda and capturing():
             # a graph replays device work only: a slot would keep the capture's values forever
             call.skipped[name] = "host tensor in a CUDA graph capture (a replay does not recompute it)"
             return
-        info = current.info
-        found = current.dims_of_shape.get(tensor.shape)  # a pass meets few shapes, each many times
-        if found is None:
-            found = current.dims_of_shape[tensor.shape] = capture.find_token_dims(
-                tensor.shape, info.token_shape, current.n_seqs
-            )
-        dims, rows, why = found
-        shifted = self._rows_not_aligned(call.cls, name) if dims is not None else None
-        if shifted:
-            dims, rows, why = None, None, shifted
+        shape = tensor.shape
+        layout = current.layouts.get(shape)  # a pass meets few shapes, each many times
+        if layout is None:
+            layout = current.layouts[shape] = current.layout(shape)
+        if layout.dims is not None and self._rows_not_aligned is not None:
+            shifted = self._rows_not_aligned(call.cls, name)
+            if shifted:
+                layout = capture.Layout(shape, None, None, shifted)
         held_as = None
-        if dims is None:
-            per_token = capture.rows_per_token(tensor.shape, info.token_shape, call.cls)
+        if layout.dims is None:
+            per_token = capture.rows_per_token(shape, current.info.token_shape, call.cls)
             if per_token:  # stored as [T, k, ...] (a view): one row per token row, like any other tensor
-                held_as, tensor = tuple(tensor.shape), tensor.unflatten(0, (-1, per_token))
-                dims, rows = [0], "all"
-        meta = {
-            "shape": tuple(tensor.shape),
-            "dtype": _STORED[tensor.dtype],
-            "token_dims": None if dims is None else tuple(dims),  # its own: dims are cached per shape
-            "rows": rows,
-        }
-        if dims is None:
-            meta["why"] = why
+                held_as, tensor = layout.shape, tensor.unflatten(0, (-1, per_token))
+                shape = tensor.shape
+                layout = current.layout(shape, ([0], "all", ""))
+        meta = {"shape": layout.shape, "dtype": _STORED[dtype], "token_dims": layout.token_dims, "rows": layout.rows}
+        if layout.dims is None:
+            meta["why"] = layout.why
         if held_as is not None:
             meta["held_as"] = held_as
-        # of the tensor as stored (its shape is in the key): a norm's [T, k, ...] view is never
-        # taken for an earlier capture of the same [T*k, ...] storage, whose rows are laid out otherwise
-        key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
+        # Identity of the contents (capture.storage_key, inlined: equal keys, equal bytes) of the
+        # tensor as stored (its shape is in the key): a norm's [T, k, ...] view is never taken
+        # for an earlier capture of the same [T*k, ...] storage, whose rows are laid out otherwise.
+        # An inference tensor has no version counter: never taken for an earlier one.
+        key = (
+            None
+            if tensor.is_inference()
+            else (tensor.device, tensor.data_ptr(), shape, tensor.stride(), dtype, tensor._version)
+        )
         alias, ref = current.seen.get(key, (None, None))  # None is never stored: no alias then
         if alias is not None and ref() is not None:
             meta["alias"] = alias
@@ -558,32 +567,30 @@ class Dumper:
         if key is not None:
             current.seen[key] = (name, weakref.ref(tensor))
         data, fresh = tensor, False
-        if current.kept_index is not None and dims is not None and rows == "all":
-            data, fresh = capture.select_rows(tensor, dims, _kept_index_on(current, tensor.device)), True
+        if current.kept_index is not None and layout.dims is not None and layout.rows == "all":
+            data, fresh = capture.select_rows(tensor, layout.dims, _kept_index_on(current, tensor.device)), True
             meta["selected"] = True
-        elif current.kept_index is not None and dims is not None:
+        elif current.kept_index is not None and layout.dims is not None:
             meta["selected"] = False  # one row per sequence: small, kept whole
         call.tensors[name] = meta
         if current.prints is not None and (current.print_host_tensors or data.is_cuda):
-            self._stage_print(current, meta, data, dims)
+            self._stage_print(current, meta, data, layout)
         if current.mode != "fingerprint":
             if current.recording is not None:  # captured into a CUDA graph: a static slot, no host copy
                 current.recording.record(name, data)
             else:
                 current.tensors[name] = self._copy_off(current, data, fresh)
 
-    def _stage_print(self, current: PassState, meta: dict, data: torch.Tensor, dims):
+    def _stage_print(self, current: PassState, meta: dict, data: torch.Tensor, layout: capture.Layout):
         """Stage the tensor's rows for their fingerprints, laid out as the analyzer reads a stored
         tensor's rows (analyzer/index/rowplan.py): selected rows as they are, token dims flattened to the
         front, or the whole tensor as one row where it has none or their count is not the pass's."""
-        info = current.info
         if meta.get("selected"):
             rows = rowprint.as_rows(data, [0])
-        else:
-            rows = rowprint.as_rows(data, dims)
-            expected = len(info.last_rows) if meta["rows"] == "last" else len(info.ids)
-            if dims is not None and rows.shape[0] != expected:
-                rows = rowprint.as_rows(data, None)
+        elif layout.print_shape is None:
+            rows = rowprint.as_rows(data, layout.print_dims)
+        else:  # token dims already leading: a reshape (a view where the strides allow)
+            rows = data if data.shape == layout.print_shape else data.reshape(layout.print_shape)
         current.prints.add(meta, rows)
 
     def _copy_off(self, current: PassState, tensor: torch.Tensor, fresh: bool = False) -> torch.Tensor:

@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .capture import Layout, find_token_dims
 from .passinfo import PassInfo
 from .passprints import PassPrints
 
@@ -64,6 +65,13 @@ class PassState:
         self.seen: Dict[tuple, tuple] = {}  # storage key -> (tensor name, weakref), for aliases
         self.kept_index_by_device: Dict[torch.device, torch.Tensor] = {}
         self.n_seqs = len(info.last_rows)
-        self.dims_of_shape: Dict[torch.Size, tuple] = {}  # capture.find_token_dims by tensor shape
+        self.layouts: Dict[torch.Size, Layout] = {}  # by tensor shape: what a shape alone decides
         self.cuda_used = False
         self.recording = None  # an arena.Layout while the pass is captured into a CUDA graph
+
+    def layout(self, shape, found: Optional[tuple] = None) -> Layout:
+        """A tensor shape's Layout in this pass; ``found``: its (token dims, rows, why), when
+        known otherwise than from the shape (capture.find_token_dims)."""
+        dims, rows, why = found or find_token_dims(shape, self.info.token_shape, self.n_seqs)
+        expected = len(self.info.last_rows) if rows == "last" else len(self.info.ids)
+        return Layout(shape, dims, rows, why, expected)
