@@ -517,6 +517,17 @@ class Dumper:
     def _capture_tensor(self, current: PassState, call: Call, name: str, tensor: torch.Tensor) -> None:
         # Runs for every tensor of every hooked call (hundreds a decode step, on the model's
         # thread): what depends on the shape alone is worked out once per pass (capture.Layout).
+        seen_object = current.seen_objects.get(id(tensor))
+        if seen_object is not None:  # half a step's tensors: the very object an earlier call passed on
+            ref, version, address, shape, meta = seen_object
+            if (
+                ref() is tensor
+                and tensor._version == version
+                and tensor.data_ptr() == address
+                and tensor.shape == shape
+            ):
+                call.tensors[name] = meta  # unchanged since: an alias of its first capture
+                return
         if type(tensor) not in capture.PLAIN_TENSORS:  # a wrapper (DTensor, torchao): no plain storage
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
@@ -565,7 +576,13 @@ class Dumper:
         # The weak reference proves the first tensor is still alive: a freed tensor's memory can
         # be handed to a new tensor of the same shape, which must not pass for the old one.
         if key is not None:
-            current.seen[key] = (name, weakref.ref(tensor))
+            ref = weakref.ref(tensor)
+            current.seen[key] = (name, ref)
+            if layout.dims is not None and held_as is None and self._rows_not_aligned is None:
+                # its later captures as this same object, unchanged, are told by identity; their
+                # metadata is this one's but for the alias (not for a norm's per-head view, nor
+                # where the engine's adapter decides a tensor's rows by its name)
+                current.seen_objects[id(tensor)] = (ref, key[5], key[1], shape, dict(meta, alias=name))
         data, fresh = tensor, False
         if current.kept_index is not None and layout.dims is not None and layout.rows == "all":
             data, fresh = capture.select_rows(tensor, layout.dims, _kept_index_on(current, tensor.device)), True
@@ -586,12 +603,11 @@ class Dumper:
         tensor's rows (analyzer/index/rowplan.py): selected rows as they are, token dims flattened to the
         front, or the whole tensor as one row where it has none or their count is not the pass's."""
         if meta.get("selected"):
-            rows = rowprint.as_rows(data, [0])
+            current.prints.add(meta, rowprint.as_rows(data, [0]))
         elif layout.print_shape is None:
-            rows = rowprint.as_rows(data, layout.print_dims)
-        else:  # token dims already leading: a reshape (a view where the strides allow)
-            rows = data if data.shape == layout.print_shape else data.reshape(layout.print_shape)
-        current.prints.add(meta, rows)
+            current.prints.add(meta, rowprint.as_rows(data, layout.print_dims))
+        else:  # token dims already leading: the rows are data.reshape(print_shape)
+            current.prints.add(meta, data, layout.print_shape)
 
     def _copy_off(self, current: PassState, tensor: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """A private host copy of ``tensor``; ``fresh``: it is already a private copy (selected rows)."""

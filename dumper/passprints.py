@@ -43,10 +43,12 @@ class PassPrints:
         self._rows = 0  # rows worked on so far: where the next block's rows start
         self.on_cuda = False
 
-    def add(self, meta: dict, rows: torch.Tensor):
-        """Stage a tensor's [n, width] rows; ``meta["print"]`` becomes [first row, n] of the pass's
-        fingerprint table when they are worked on. Called once per captured tensor: kept short."""
-        n, width = rows.shape
+    def add(self, meta: dict, rows: torch.Tensor, shape: Optional[Tuple[int, int]] = None):
+        """Stage a tensor's [n, width] rows: ``rows`` itself, or with ``shape`` (n, width)
+        ``rows.reshape(shape)``.
+        ``meta["print"]`` becomes [first row, n] of the pass's fingerprint table when they are
+        worked on. Called once per captured tensor: kept short."""
+        n, width = rows.shape if shape is None else shape
         key = (rows.device, rows.dtype, width)
         blocks = self._blocks.get(key)
         block = blocks[-1] if blocks else None  # only the last block of a key has room left
@@ -61,7 +63,7 @@ class PassPrints:
             self._blocks.setdefault(key, []).append(block)
             self.on_cuda |= rows.is_cuda
         used = block.used
-        block.rows[used : used + n].copy_(rows)
+        block.rows[used : used + n].copy_(rows if shape is None else rows.reshape(shape))
         block.owners.append((meta, used, n))
         block.used = used + n
         self._staged += n * width * rows.element_size()

@@ -105,6 +105,54 @@ def read_pass(path):
         return meta, {k: handle.get_tensor(k) for k in handle.keys()}
 
 
+class PassOn(torch.nn.Module):
+    """One hidden tensor object handed from call to call: unchanged, rewritten in place, given
+    other storage through .data (no version bump), then unchanged again."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.first, self.second, self.third, self.fourth = (torch.nn.Identity() for _ in range(4))
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        self.first(hidden)
+        hidden.mul_(3.0)
+        self.second(hidden)
+        hidden.data = hidden.data.flip(-1).clone()
+        self.third(hidden)
+        return self.fourth(hidden)
+
+
+@pytest.mark.parametrize("mode", ["all", "fingerprint"])
+def test_the_same_tensor_object_is_an_alias_only_while_unchanged(tmp_path, mode):
+    torch.manual_seed(0)
+    model = PassOn().eval()
+    config = DumperConfig(dir=str(tmp_path), enable=True, exp_name=mode, non_intrusive_mode=mode)
+    handle = dumper.install(model, config)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        out = model(ids)
+        model(ids)  # a second pass: every tensor object is new, nothing taken from the first
+    handle.remove()
+    embedded = model.embed(ids).detach()
+    for pass_id in (0, 1):
+        meta, tensors = read_pass(tmp_path / mode / "rank0" / fmt.pass_file_name(pass_id))
+        metas = {name: m for c in meta["calls"] for name, m in c["tensors"].items()}
+        assert metas["first#0.in.0"]["alias"] == "embed#0.out.0"
+        assert metas["first#0.out.0"]["alias"] == "embed#0.out.0"
+        assert "alias" not in metas["second#0.in.0"]  # rewritten in place since
+        assert metas["second#0.out.0"]["alias"] == "second#0.in.0"
+        assert "alias" not in metas["third#0.in.0"]  # other storage since
+        assert metas["fourth#0.out.0"]["alias"] == "third#0.in.0"
+        if mode == "all":
+            assert torch.equal(tensors["embed#0.out.0"], embedded)
+            assert torch.equal(tensors["second#0.in.0"], embedded * 3.0)
+            assert torch.equal(tensors["third#0.in.0"], out)
+        else:
+            assert all("alias" in m or "print" in m for m in metas.values())
+
+
 def test_capture_names_values_skips_and_clones(tmp_path):
     torch.manual_seed(0)
     model = Toy().eval()
