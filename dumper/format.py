@@ -88,22 +88,21 @@ MODES = ("prefill", "extend", "decode", "mixed", "unknown")
 # Element types a pass file holds (the analyzer reads each one, analyzer/dump/dtypes.py); a tensor of
 # any other type (complex, quantized, float8 variants without a safetensors code) is recorded
 # under the call's "skipped", with its type.
-STORED_DTYPES = frozenset(
-    {
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint64",
-        "uint32",
-        "uint16",
-        "uint8",
-        "bool",
-    }
-)
+SAFETENSORS_CODES = {  # each stored type's code in a safetensors header
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+STORED_DTYPES = frozenset(SAFETENSORS_CODES)

@@ -15,7 +15,7 @@ them). Key order may come from the earlier pass; the JSON objects are the same.
 from __future__ import annotations
 
 import json
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 _COMPACT = (",", ":")
 _CALLS_MARK = "\x00calls of this pass\x00"  # stands in for the calls while the rest is encoded
@@ -25,22 +25,43 @@ class MetaJson:
     """Encoder of one rank's passes, in order."""
 
     def __init__(self) -> None:
-        self._previous: Dict[str, Tuple[dict, str]] = {}  # call name -> (its dict, its JSON)
+        # call name -> (its dict, its JSON, that JSON escaped as a JSON string's contents or None)
+        self._previous: Dict[str, Tuple[dict, str, Optional[str]]] = {}
 
     def dumps(self, meta: dict) -> str:
+        return self._encode(meta, escaped=False)
+
+    def dumps_escaped(self, meta: dict) -> str:
+        """``dumps(meta)`` as it stands between the quotes of a JSON string (a safetensors header
+        holds it so): escaping text escapes each part alone, so each call's is kept too."""
+        return self._encode(meta, escaped=True)
+
+    def _encode(self, meta: dict, escaped: bool) -> str:
         calls = meta.get("calls")
         if not isinstance(calls, list):
-            return json.dumps(meta, separators=_COMPACT)
+            text = json.dumps(meta, separators=_COMPACT)
+            return _escape(text) if escaped else text
         previous, now, parts = self._previous, {}, []
         for call in calls:  # each a dict named by its "call" (passstate.Call.to_meta)
             found = previous.get(call["call"])
-            same = found is not None and found[0] == call and _same_scalars(found[0].get("values"), call.get("values"))
-            text = found[1] if same else json.dumps(call, separators=_COMPACT)
-            now[call["call"]] = (call, text)
-            parts.append(text)
+            if found is not None and found[0] == call and _same_scalars(found[0].get("values"), call.get("values")):
+                text, escaped_text = found[1], found[2]
+            else:
+                text, escaped_text = json.dumps(call, separators=_COMPACT), None
+            if escaped and escaped_text is None:
+                escaped_text = _escape(text)
+            now[call["call"]] = (call, text, escaped_text)
+            parts.append(escaped_text if escaped else text)
         self._previous = now
         head = json.dumps(dict(meta, calls=_CALLS_MARK), separators=_COMPACT)
-        return head.replace(json.dumps(_CALLS_MARK), "[" + ",".join(parts) + "]", 1)
+        mark = json.dumps(_CALLS_MARK)
+        if escaped:
+            head, mark = _escape(head), _escape(mark)
+        return head.replace(mark, "[" + ",".join(parts) + "]", 1)
+
+
+def _escape(text: str) -> str:
+    return json.dumps(text)[1:-1]
 
 
 def _same_scalars(before, now) -> bool:

@@ -99,8 +99,8 @@ class Recording:
         dims_of = {name: meta["token_dims"] for call in calls for name, meta in call["tensors"].items()}
 
         def prepare(host: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-            """Run by the writer once the copy is complete: every tensor in storage of its own
-            (safetensors refuses tensors that share one), rows selected as an eager pass's."""
+            """Run by the writer once the copy is complete: rows selected as an eager pass's
+            (the other tensors are written from the host copy as they lie)."""
             out = {}
             for name, tensor in host.items():
                 if name == fmt.ROWPRINTS_TENSOR:
@@ -108,7 +108,7 @@ class Recording:
                 elif selects.get(name) is not None:
                     out[name] = capture.select_rows(tensor, dims_of[name], selects[name])
                 else:
-                    out[name] = tensor.clone()
+                    out[name] = tensor
             return out
 
         self.replays += 1

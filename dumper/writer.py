@@ -11,7 +11,6 @@ one loud log line and an INCOMPLETE marker; the model process keeps running.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import fcntl
 import itertools
@@ -26,32 +25,12 @@ import weakref
 from typing import Callable, Dict, Optional
 
 import torch
-from safetensors.torch import save_file
 
 from . import format as fmt
+from . import stfile
 from .metajson import MetaJson
 
 log = logging.getLogger("dumper")
-
-
-def _process_umask() -> int:
-    """The umask, read without changing it where /proc says (another thread could create a file
-    while it is changed); else set and put back, once, at import."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    old = os.umask(0)
-    os.umask(old)
-    return old
-
-
-# The mode a plain open() gives: safetensors writes through a 0600 temp file, and a dump written by
-# a server's user must be readable by the analyst that the umask would let read it.
-FILE_MODE = 0o666 & ~_process_umask()
 
 
 @dataclasses.dataclass
@@ -65,7 +44,7 @@ class PassRecord:
     cleanup: bool = False  # DUMPER_CLEANUP_PREVIOUS: empty the rank folder once its lock is held
     finish: bool = False  # not a pass: close the experiment's rank folders (see PassWriter.finish)
     # run by the writer once ``ready`` is reached: the tensors to write, made from ``tensors`` (a
-    # graph replay's host copy: padding trimmed, rows selected, each tensor in storage of its own)
+    # graph replay's host copy: padding trimmed, rows selected)
     prepare: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None
 
 
@@ -353,13 +332,13 @@ class PassWriter:
             self._note_earlier_passes(rank_dir, journal.passes_found)
         pass_id = journal.next_pass
         meta = dict(record.meta, **{"pass": pass_id})
-        meta_json = journal.meta_json.dumps(meta)
+        meta_escaped = journal.meta_json.dumps_escaped(meta)
         tensors = record.prepare(record.tensors) if record.prepare is not None else record.tensors
         tensors = {name: t.cpu() if t.device.type != "cpu" else t for name, t in tensors.items()}
         # Before writing: the tensor bytes alone must fit the limit, and the file at its largest
         # (the header holds the metadata JSON escaped, plus one entry per tensor) the floor.
         self._check_limit(record.nbytes)
-        self._check_floor(rank_dir, record.nbytes + 2 * len(meta_json) + 256 * len(tensors))
+        self._check_floor(rank_dir, record.nbytes + len(meta_escaped) + 256 * len(tensors))
         run_info = self._run_pending.pop(record.exp_dir, None)
         if run_info is not None:
             self._write_run_file(record.exp_dir, run_info)
@@ -367,10 +346,9 @@ class PassWriter:
         final = os.path.join(rank_dir, name)
         tmp = os.path.join(rank_dir, f".{name}.tmp")
         try:
-            save_file(tensors, tmp, metadata={fmt.PASS_META_KEY: meta_json})
-            with open(tmp, "rb") as handle:
-                with contextlib.suppress(OSError):  # a mount that refuses chmod keeps the dump going
-                    os.fchmod(handle.fileno(), FILE_MODE)
+            with open(tmp, "wb") as handle:
+                stfile.write(handle, tensors, {fmt.PASS_META_KEY: meta_escaped})
+                handle.flush()
                 os.fsync(handle.fileno())
             size = os.path.getsize(tmp)
             self._check_limit(size)  # exact now: DUMPER_MAX_BYTES counts real file sizes, headers included

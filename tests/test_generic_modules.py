@@ -304,6 +304,7 @@ def test_every_element_type_the_dumper_stores_is_one_the_analyzer_reads():
     from dumpdiff.analyzer.dump.dtypes import BY_NAME
 
     assert fmt.STORED_DTYPES == set(BY_NAME)
+    assert {name: BY_NAME[name].code for name in BY_NAME} == fmt.SAFETENSORS_CODES  # the writer's codes
 
 
 def test_a_dump_stopped_before_its_first_pass_says_why(tmp_path):

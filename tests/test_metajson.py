@@ -18,17 +18,17 @@ def test_each_pass_is_written_as_its_own_metadata_with_equal_calls_reused(tmp_pa
     length (calls that differ): every text parses to its pass's metadata, and decode steps
     reuse most calls' text."""
     encoded, reused = [], []
-    original, plain = metajson.MetaJson.dumps, json.dumps
+    original, plain = metajson.MetaJson.dumps_escaped, json.dumps
 
     def spy(self, meta):
         calls = meta["calls"]
-        before = {name: text for name, (_, text) in self._previous.items()}
-        text = original(self, meta)
-        reused.append(sum(before.get(c["call"]) is self._previous[c["call"]][1] for c in calls) / len(calls))
-        encoded.append((plain(meta), text))
-        return text
+        before = {name: escaped for name, (_, _, escaped) in self._previous.items()}
+        escaped = original(self, meta)
+        reused.append(sum(before.get(c["call"]) is self._previous[c["call"]][2] for c in calls) / len(calls))
+        encoded.append((plain(meta), json.loads('"' + escaped + '"')))  # as the header's string holds it
+        return escaped
 
-    monkeypatch.setattr(metajson.MetaJson, "dumps", spy)
+    monkeypatch.setattr(metajson.MetaJson, "dumps_escaped", spy)
     model = load_model(make_tiny_llama(tmp_path / "model", num_hidden_layers=2))
     for mode in ("fingerprint", "all"):
         handle = dumper.install(
@@ -54,6 +54,10 @@ def test_a_call_that_changes_is_encoded_again_even_where_python_calls_it_equal()
         call["values"] = {"in.scale": scale}
         meta = {"mode": "decode", "calls": [call], "step": step}
         assert _canonical(encoder.dumps(meta)) == _canonical(json.dumps(meta)), (step, first, scale)
+        escaped = encoder.dumps_escaped(dict(meta, note='a "quoted" \\ path\n'))
+        assert _canonical(json.loads('"' + escaped + '"')) == _canonical(
+            json.dumps(dict(meta, note='a "quoted" \\ path\n'))
+        )
     assert encoder.dumps({"no calls": 1}) == json.dumps({"no calls": 1}, separators=(",", ":"))
 
 
