@@ -38,26 +38,74 @@ class Recording:
     kwargs: dict = dataclasses.field(default_factory=dict)
     replays: int = 0
     pending: Optional[PassInfo] = None  # read before the replay (before_replay)
+    _plans: dict = dataclasses.field(default_factory=dict)  # (batch, kept rows) -> _ReplayPlan
 
     def replay_pass(
         self, info: PassInfo, batch_rows: Optional[int], kept_rows: Callable[[PassInfo], Optional[List[int]]]
     ) -> Tuple[PassInfo, List[dict], Optional[List[int]], Dict[str, torch.Tensor], Callable, dict]:
         """What one replay writes: (the pass's info with padding rows trimmed, its calls' metadata,
         the kept rows, the slots' host views (their bytes counted for the writer's queue), the
-        function the writer runs once the host copy is complete (trim, select, own storage per
-        tensor), the ``graph`` entry of the pass metadata)."""
+        function the writer runs once the host copy is complete (trim, select), the ``graph``
+        entry of the pass metadata)."""
         captured = self.token_shape[0]
         info = trim_info(info, self.token_shape, batch_rows)
         batch = info.token_shape[0]
         kept = kept_rows(info)
+        # Replays of one batch size and row selection write the same metadata: worked out once
+        # (decode steps replay one graph thousands of times; at 16 layers the metadata took a
+        # millisecond per replay), shared by their passes and never changed after.
+        key = (batch, None if kept is None else tuple(kept))
+        plan = self._plans.pop(key, None) or _ReplayPlan(self, batch, kept)
+        self._plans[key] = plan  # the most recent last
+        while len(self._plans) > PLANS_KEPT:
+            del self._plans[next(iter(self._plans))]
+        views = self.layout.host_copy()
+        trimmed = {name: (views[name][:keep] if views[name].dim() else views[name]) for name, keep in plan.keep.items()}
+        if fmt.ROWPRINTS_TENSOR in views and plan.table_index is not None:
+            trimmed[fmt.ROWPRINTS_TENSOR] = views[fmt.ROWPRINTS_TENSOR][:, : len(plan.table_index)]
+
+        def prepare(host: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+            """Run by the writer once the copy is complete: rows selected as an eager pass's
+            (the other tensors are written from the host copy as they lie)."""
+            out = {}
+            for name, tensor in host.items():
+                if name == fmt.ROWPRINTS_TENSOR:
+                    out[name] = views[name].index_select(1, plan.table_index)
+                elif plan.selects.get(name) is not None:
+                    out[name] = capture.select_rows(tensor, plan.dims_of[name], plan.selects[name])
+                else:
+                    out[name] = tensor
+            return out
+
+        self.replays += 1
+        graph = {
+            "captured_token_shape": list(self.token_shape),
+            "batch_rows": batch,
+            "padding_rows_trimmed": captured - batch,
+            "replay": self.replays,
+        }
+        return info, plan.calls, kept, trimmed, prepare, graph
+
+
+PLANS_KEPT = 8  # replay plans kept per recording: batch sizes and selections seen lately
+
+
+class _ReplayPlan:
+    """What every replay of one recording with one batch size and row selection writes alike:
+    its calls' metadata trimmed to the batch, each stored tensor's kept first-dim rows and
+    selected rows, and the fingerprint table's columns."""
+
+    def __init__(self, recording: Recording, batch: int, kept: Optional[List[int]]) -> None:
+        captured = recording.token_shape[0]
         # each tensor's metadata is changed by replacing its values (tuples): a copy of the dicts will do
-        calls = [dict(call, tensors={n: dict(m) for n, m in call["tensors"].items()}) for call in self.calls]
-        plan: Dict[str, Tuple[int, Optional[torch.Tensor]]] = {}  # tensor -> (first-dim rows kept, selected rows)
+        self.calls = [dict(call, tensors={n: dict(m) for n, m in call["tensors"].items()}) for call in recording.calls]
+        self.keep: Dict[str, int] = {}  # stored tensor -> first-dim rows kept
+        self.selects: Dict[str, Optional[torch.Tensor]] = {}  # stored tensor -> rows selected
         columns: List[torch.Tensor] = []  # the capture table's columns of each print, in order
         kept_index = torch.tensor(kept, dtype=torch.long) if kept is not None else None
-        stored = {slot[0] for slot in self.layout.slots}  # aliases have no slot of their own
+        stored = {slot[0] for slot in recording.layout.slots}  # aliases have no slot of their own
         printed = 0
-        for call in calls:
+        for call in self.calls:
             for name, meta in call["tensors"].items():
                 dims, rows = meta["token_dims"], meta["rows"]
                 keep_first = meta["shape"][0] if meta["shape"] else 0
@@ -74,7 +122,7 @@ class Recording:
                         meta["selected"] = rows == "all"
                         select = kept_index if rows == "all" else None
                 if name in stored:
-                    plan[name] = (keep_first, select)
+                    self.keep[name], self.selects[name] = keep_first, select
                 if "print" in meta:
                     first, count = meta["print"]
                     if dims is not None and count == captured_rows:
@@ -87,38 +135,8 @@ class Recording:
                     meta["print"] = (printed, len(index))
                     printed += len(index)
                     columns.append(index)
-        views = self.layout.host_copy()
-        trimmed = {}
-        for name, (keep_first, _) in plan.items():
-            view = views[name]
-            trimmed[name] = view[:keep_first] if view.dim() else view
-        table_index = torch.cat(columns) if columns else None
-        if fmt.ROWPRINTS_TENSOR in views and table_index is not None:
-            trimmed[fmt.ROWPRINTS_TENSOR] = views[fmt.ROWPRINTS_TENSOR][:, : len(table_index)]
-        selects = {name: select for name, (_, select) in plan.items()}
-        dims_of = {name: meta["token_dims"] for call in calls for name, meta in call["tensors"].items()}
-
-        def prepare(host: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-            """Run by the writer once the copy is complete: rows selected as an eager pass's
-            (the other tensors are written from the host copy as they lie)."""
-            out = {}
-            for name, tensor in host.items():
-                if name == fmt.ROWPRINTS_TENSOR:
-                    out[name] = views[name].index_select(1, table_index)
-                elif selects.get(name) is not None:
-                    out[name] = capture.select_rows(tensor, dims_of[name], selects[name])
-                else:
-                    out[name] = tensor
-            return out
-
-        self.replays += 1
-        graph = {
-            "captured_token_shape": list(self.token_shape),
-            "batch_rows": batch,
-            "padding_rows_trimmed": captured - batch,
-            "replay": self.replays,
-        }
-        return info, calls, kept, trimmed, prepare, graph
+        self.table_index = torch.cat(columns) if columns else None
+        self.dims_of = {name: meta["token_dims"] for call in self.calls for name, meta in call["tensors"].items()}
 
 
 def _token_rows(meta: dict) -> int:

@@ -117,6 +117,38 @@ def test_padding_rows_are_trimmed_from_every_tensor_and_the_rows(model, tmp_path
         assert torch.equal(tensors_g[name], expected), name
 
 
+@pytest.mark.parametrize("mode", ["all", "fingerprint"])
+def test_replays_of_other_batch_sizes_in_turn_each_write_their_own_pass(model, tmp_path, mode):
+    """Replays of one graph with 4, 2, 4 and 1 real batch rows (the metadata of each batch size
+    is worked out once and shared): each pass is the one a single replay of that size writes."""
+    inputs = step_inputs(model, batch=4)
+    handle = dumper.install(
+        model,
+        DumperConfig(dir=str(tmp_path), exp_name="turns", graph_buffer_bytes=1 << 22, non_intrusive_mode=mode),
+    )
+    key = object()
+    sizes = [4, 2, 4, 1]
+    try:
+        with torch.no_grad(), handle.graph_recording(key):
+            handle._graphs.captured_forward(handle._original_forward, (), inputs)
+        handle.configure(enable=True)
+        for rows in sizes:
+            assert handle.after_replay(key, batch_rows=rows) == 1
+    finally:
+        handle.remove()
+    for index, rows in enumerate(sizes):
+        meta_t, tensors_t = read_pass(tmp_path / "turns", index)
+        inputs["past_key_values"] = step_inputs(model, batch=4)["past_key_values"]
+        meta_1, tensors_1 = replayed_pass(
+            model, tmp_path / f"single{index}", inputs, batch_rows=rows, non_intrusive_mode=mode
+        )
+        assert meta_t["token_shape"] == meta_1["token_shape"] == [rows, 1]
+        assert_same_calls(meta_1, meta_t)
+        assert tensors_t.keys() == tensors_1.keys()
+        for name, tensor in tensors_1.items():
+            assert torch.equal(tensors_t[name], tensor), (rows, name)
+
+
 def test_row_selection_applies_to_the_replay_s_real_rows(model, tmp_path):
     inputs = step_inputs(model, batch=2, seq=4, start=0)
     meta_e, tensors_e = eager_pass(model, tmp_path, inputs, positions="2:")
