@@ -35,7 +35,7 @@ def _flatten_into(leaves: list, value: Any, prefix: str, depth: int, output: boo
         leaves.append((prefix, value))
     elif isinstance(value, dict):  # includes HF ModelOutput (an OrderedDict)
         for key, item in value.items():
-            _flatten_into(leaves, item, f"{prefix}.{key}" if prefix else str(key), depth + 1, output)
+            _flatten_into(leaves, item, f"{prefix}.{key!s}" if prefix else str(key), depth + 1, output)
     elif isinstance(value, (tuple, list)):
         for index, item in enumerate(value):
             _flatten_into(leaves, item, f"{prefix}.{index}" if prefix else str(index), depth + 1, output)
@@ -175,18 +175,6 @@ class Layout:
             for size in self.shape[len(dims) :]:
                 width *= size
             self.print_shape = (n, width)
-
-
-def storage_key(tensor: torch.Tensor):
-    """Identity of a tensor's current contents: equal keys mean equal bytes (PyTorch counts every
-    in-place write in the version; one that bypasses it, through .data or a numpy view, is not
-    seen). None for an inference tensor: it has no version counter, so it is never taken for an
-    earlier one."""
-    if tensor.is_inference():
-        return None
-    # data_ptr: the storage's address plus the offset; the caller's weak reference proves the
-    # first tensor alive, so no other storage can start at that address meanwhile
-    return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
 
 
 def snapshot(tensor: torch.Tensor) -> torch.Tensor:

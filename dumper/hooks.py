@@ -519,14 +519,17 @@ class Dumper:
         # thread): what depends on the shape alone is worked out once per pass (capture.Layout).
         seen_object = current.seen_objects.get(id(tensor))
         if seen_object is not None:  # half a step's tensors: the very object an earlier call passed on
-            ref, version, address, shape, meta = seen_object
-            if (
-                ref() is tensor
-                and tensor._version == version
-                and tensor.data_ptr() == address
-                and tensor.shape == shape
+            ref, key, meta = seen_object
+            # its storage key unchanged (.data = ... changes strides or type without a new version)
+            if ref() is tensor and key == (
+                tensor.device,
+                tensor.data_ptr(),
+                tensor.shape,
+                tensor.stride(),
+                tensor.dtype,
+                tensor._version,
             ):
-                call.tensors[name] = meta  # unchanged since: an alias of its first capture
+                call.tensors[name] = meta  # an alias of its first capture
                 return
         if type(tensor) not in capture.PLAIN_TENSORS:  # a wrapper (DTensor, torchao): no plain storage
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
@@ -559,10 +562,13 @@ class Dumper:
             meta["why"] = layout.why
         if held_as is not None:
             meta["held_as"] = held_as
-        # Identity of the contents (capture.storage_key, inlined: equal keys, equal bytes) of the
+        # Identity of the tensor's contents: equal keys, equal bytes (PyTorch counts every in-place
+        # write in the version; one that bypasses it, through a numpy view, is not seen). Of the
         # tensor as stored (its shape is in the key): a norm's [T, k, ...] view is never taken
         # for an earlier capture of the same [T*k, ...] storage, whose rows are laid out otherwise.
-        # An inference tensor has no version counter: never taken for an earlier one.
+        # data_ptr is the storage's address plus the offset; the weak reference below proves the
+        # first tensor alive, so no other storage can start there meanwhile. An inference tensor
+        # has no version counter: never taken for an earlier one.
         key = (
             None
             if tensor.is_inference()
@@ -582,7 +588,7 @@ class Dumper:
                 # its later captures as this same object, unchanged, are told by identity; their
                 # metadata is this one's but for the alias (not for a norm's per-head view, nor
                 # where the engine's adapter decides a tensor's rows by its name)
-                current.seen_objects[id(tensor)] = (ref, key[5], key[1], shape, dict(meta, alias=name))
+                current.seen_objects[id(tensor)] = (ref, key, dict(meta, alias=name))
         data, fresh = tensor, False
         if current.kept_index is not None and layout.dims is not None and layout.rows == "all":
             data, fresh = capture.select_rows(tensor, layout.dims, _kept_index_on(current, tensor.device)), True

@@ -63,7 +63,7 @@ class PassState:
         self.order = 0
         self.tensors: Dict[str, torch.Tensor] = {}
         self.seen: Dict[tuple, tuple] = {}  # storage key -> (tensor name, weakref), for aliases
-        self.seen_objects: Dict[int, tuple] = {}  # id -> (weakref, version, data_ptr, shape, alias metadata)
+        self.seen_objects: Dict[int, tuple] = {}  # id -> (weakref, storage key, alias metadata)
         self.kept_index_by_device: Dict[torch.device, torch.Tensor] = {}
         self.n_seqs = len(info.last_rows)
         self.layouts: Dict[torch.Size, Layout] = {}  # by tensor shape: what a shape alone decides

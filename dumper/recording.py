@@ -38,7 +38,8 @@ class Recording:
     kwargs: dict = dataclasses.field(default_factory=dict)
     replays: int = 0
     pending: Optional[PassInfo] = None  # read before the replay (before_replay)
-    _plans: dict = dataclasses.field(default_factory=dict)  # (batch, kept rows) -> _ReplayPlan
+    # (batch, kept rows) -> _ReplayPlan
+    _plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def replay_pass(
         self, info: PassInfo, batch_rows: Optional[int], kept_rows: Callable[[PassInfo], Optional[List[int]]]

@@ -140,7 +140,8 @@ def _recover(rank_dir: str, manifest_path: str):
         except (ValueError, KeyError, TypeError):
             continue  # not ours to judge; readers report it
     for name in os.listdir(rank_dir):
-        # ".pass-N.safetensors.tmp" is ours, ".tmpXXXXXX" the temp file safetensors writes through
+        # ".pass-N.safetensors.tmp" is ours; ".tmpXXXXXX" the temp file safetensors' save_file wrote
+        # through when it wrote pass files (a dump of an earlier version may hold one)
         uncommitted = (
             name.startswith(".tmp")
             or name.endswith(".tmp")
@@ -338,7 +339,7 @@ class PassWriter:
         # Before writing: the tensor bytes alone must fit the limit, and the file at its largest
         # (the header holds the metadata JSON escaped, plus one entry per tensor) the floor.
         self._check_limit(record.nbytes)
-        self._check_floor(rank_dir, record.nbytes + len(meta_escaped) + 256 * len(tensors))
+        self._check_floor(rank_dir, record.nbytes + len(meta_escaped) + 256 * (len(tensors) + 1))
         run_info = self._run_pending.pop(record.exp_dir, None)
         if run_info is not None:
             self._write_run_file(record.exp_dir, run_info)

@@ -107,12 +107,14 @@ def read_pass(path):
 
 class PassOn(torch.nn.Module):
     """One hidden tensor object handed from call to call: unchanged, rewritten in place, given
-    other storage through .data (no version bump), then unchanged again."""
+    other storage through .data (no version bump), then unchanged again; then, through .data
+    again, the same memory read with other strides and as another type."""
 
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(50, 8)
         self.first, self.second, self.third, self.fourth = (torch.nn.Identity() for _ in range(4))
+        self.fifth, self.sixth = torch.nn.Identity(), torch.nn.Identity()
 
     def forward(self, input_ids):
         hidden = self.embed(input_ids)
@@ -121,7 +123,14 @@ class PassOn(torch.nn.Module):
         self.second(hidden)
         hidden.data = hidden.data.flip(-1).clone()
         self.third(hidden)
-        return self.fourth(hidden)
+        out = self.fourth(hidden)
+        square = hidden.data.reshape(1, 4, 8)[..., :4].clone()  # [1, 4, 4]: a transpose keeps its shape
+        self.fifth(square)
+        square.data = square.data.transpose(1, 2)
+        self.fifth(square)
+        square.data = square.data.view(torch.int32)
+        self.sixth(square)
+        return out
 
 
 @pytest.mark.parametrize("mode", ["all", "fingerprint"])
@@ -145,10 +154,13 @@ def test_the_same_tensor_object_is_an_alias_only_while_unchanged(tmp_path, mode)
         assert metas["second#0.out.0"]["alias"] == "second#0.in.0"
         assert "alias" not in metas["third#0.in.0"]  # other storage since
         assert metas["fourth#0.out.0"]["alias"] == "third#0.in.0"
+        assert "alias" not in metas["fifth#1.in.0"]  # other strides over the same memory
+        assert "alias" not in metas["sixth#0.in.0"] and metas["sixth#0.in.0"]["dtype"] == "int32"
         if mode == "all":
             assert torch.equal(tensors["embed#0.out.0"], embedded)
             assert torch.equal(tensors["second#0.in.0"], embedded * 3.0)
             assert torch.equal(tensors["third#0.in.0"], out)
+            assert torch.equal(tensors["fifth#1.in.0"], tensors["fifth#0.in.0"].transpose(1, 2))
         else:
             assert all("alias" in m or "print" in m for m in metas.values())
 
