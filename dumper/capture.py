@@ -8,6 +8,7 @@ any other object is counted as skipped with its type name, so nothing disappears
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -160,21 +161,25 @@ class Layout:
         # else (print_shape None) rowprint.as_rows(data, print_dims) moves the token dims first
         self.print_dims = dims
         self.print_shape: Optional[tuple] = None
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        n = None
-        if dims is not None:
-            n = 1
-            for d in dims:
-                n *= self.shape[d]
+        n = None if dims is None else math.prod(self.shape[d] for d in dims)
         if dims is None or (expected_rows is not None and n != expected_rows):
-            self.print_dims, self.print_shape = None, (1, numel)
+            self.print_dims, self.print_shape = None, (1, math.prod(self.shape))
         elif list(dims) == list(range(len(dims))):
-            width = 1
-            for size in self.shape[len(dims) :]:
-                width *= size
-            self.print_shape = (n, width)
+            self.print_shape = (n, math.prod(self.shape[len(dims) :]))
+
+
+def storage_key(tensor: torch.Tensor):
+    """Identity of a tensor's current contents: equal keys mean equal bytes (PyTorch counts every
+    in-place write in the version; one that bypasses it, through a numpy view, is not seen; .data
+    assigned keeps the version but changes the address, shape, strides or type). Of the tensor as
+    stored: a norm's [T, k, ...] view is never taken for the same [T*k, ...] storage, whose rows
+    are laid out otherwise. None for an inference tensor: it has no version counter, so it is
+    never taken for an earlier one."""
+    if tensor.is_inference():
+        return None
+    # data_ptr: the storage's address plus the offset; the caller's weak reference proves the
+    # first tensor alive, so no other storage can start at that address meanwhile
+    return (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor._version)
 
 
 def snapshot(tensor: torch.Tensor) -> torch.Tensor:

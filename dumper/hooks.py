@@ -520,15 +520,7 @@ class Dumper:
         seen_object = current.seen_objects.get(id(tensor))
         if seen_object is not None:  # half a step's tensors: the very object an earlier call passed on
             ref, key, meta = seen_object
-            # its storage key unchanged (.data = ... changes strides or type without a new version)
-            if ref() is tensor and key == (
-                tensor.device,
-                tensor.data_ptr(),
-                tensor.shape,
-                tensor.stride(),
-                tensor.dtype,
-                tensor._version,
-            ):
+            if ref() is tensor and key == capture.storage_key(tensor):  # unchanged since
                 call.tensors[name] = meta  # an alias of its first capture
                 return
         if type(tensor) not in capture.PLAIN_TENSORS:  # a wrapper (DTensor, torchao): no plain storage
@@ -562,18 +554,7 @@ class Dumper:
             meta["why"] = layout.why
         if held_as is not None:
             meta["held_as"] = held_as
-        # Identity of the tensor's contents: equal keys, equal bytes (PyTorch counts every in-place
-        # write in the version; one that bypasses it, through a numpy view, is not seen). Of the
-        # tensor as stored (its shape is in the key): a norm's [T, k, ...] view is never taken
-        # for an earlier capture of the same [T*k, ...] storage, whose rows are laid out otherwise.
-        # data_ptr is the storage's address plus the offset; the weak reference below proves the
-        # first tensor alive, so no other storage can start there meanwhile. An inference tensor
-        # has no version counter: never taken for an earlier one.
-        key = (
-            None
-            if tensor.is_inference()
-            else (tensor.device, tensor.data_ptr(), shape, tensor.stride(), dtype, tensor._version)
-        )
+        key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
         alias, ref = current.seen.get(key, (None, None))  # None is never stored: no alias then
         if alias is not None and ref() is not None:
             meta["alias"] = alias
