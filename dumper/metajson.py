@@ -1,4 +1,5 @@
-"""A pass's metadata as JSON, each call's text reused from the previous pass where the call is equal.
+"""A pass's metadata as the JSON string a pass file's header holds, each call's text reused from
+the previous pass where the call is equal.
 
 The writer encodes every pass's metadata (one entry per hooked call, with each tensor's shape,
 token dims, alias and print range): at 32 layers about 200 KB, a few milliseconds of the C
@@ -7,15 +8,18 @@ steps of one batch repeat their calls exactly, and comparing two calls' dicts co
 twentieth of encoding one; so a call equal to the same-named call of the previous pass takes that
 pass's text. Equal dicts give equal JSON but for the scalars a call's arguments pass ("values"),
 where Python has 1 == 1.0 == True and 0.0 == -0.0: those are compared by type and text too. The
+text is kept escaped as the contents of a JSON string, as the safetensors header holds it
+(stfile.py): escaping text escapes each part alone, so the parts join as the whole would. The
 reuse also relies on a submitted pass's metadata never changing in place afterwards (the hooks
-build new dicts for every pass, and a graph replay copies its recorded dicts before changing
-them). Key order may come from the earlier pass; the JSON objects are the same.
+build new dicts for every pass; a graph replay's are copies of its recorded ones, made once per
+batch size and never changed after). Key order may come from the earlier pass; the JSON objects
+are the same.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 _COMPACT = (",", ":")
 _CALLS_MARK = "\x00calls of this pass\x00"  # stands in for the calls while the rest is encoded
@@ -25,39 +29,23 @@ class MetaJson:
     """Encoder of one rank's passes, in order."""
 
     def __init__(self) -> None:
-        # call name -> (its dict, its JSON, that JSON escaped as a JSON string's contents or None)
-        self._previous: Dict[str, Tuple[dict, str, Optional[str]]] = {}
-
-    def dumps(self, meta: dict) -> str:
-        return self._encode(meta, escaped=False)
+        self._previous: Dict[str, Tuple[dict, str]] = {}  # call name -> (its dict, its escaped JSON)
 
     def dumps_escaped(self, meta: dict) -> str:
-        """``dumps(meta)`` as it stands between the quotes of a JSON string (a safetensors header
-        holds it so): escaping text escapes each part alone, so each call's is kept too."""
-        return self._encode(meta, escaped=True)
-
-    def _encode(self, meta: dict, escaped: bool) -> str:
+        """``json.dumps(meta)`` (compact) as it stands between the quotes of a JSON string."""
         calls = meta.get("calls")
         if not isinstance(calls, list):
-            text = json.dumps(meta, separators=_COMPACT)
-            return _escape(text) if escaped else text
+            return _escape(json.dumps(meta, separators=_COMPACT))
         previous, now, parts = self._previous, {}, []
         for call in calls:  # each a dict named by its "call" (passstate.Call.to_meta)
             found = previous.get(call["call"])
-            if found is not None and found[0] == call and _same_scalars(found[0].get("values"), call.get("values")):
-                text, escaped_text = found[1], found[2]
-            else:
-                text, escaped_text = json.dumps(call, separators=_COMPACT), None
-            if escaped and escaped_text is None:
-                escaped_text = _escape(text)
-            now[call["call"]] = (call, text, escaped_text)
-            parts.append(escaped_text if escaped else text)
+            same = found is not None and found[0] == call and _same_scalars(found[0].get("values"), call.get("values"))
+            text = found[1] if same else _escape(json.dumps(call, separators=_COMPACT))
+            now[call["call"]] = (call, text)
+            parts.append(text)
         self._previous = now
-        head = json.dumps(dict(meta, calls=_CALLS_MARK), separators=_COMPACT)
-        mark = json.dumps(_CALLS_MARK)
-        if escaped:
-            head, mark = _escape(head), _escape(mark)
-        return head.replace(mark, "[" + ",".join(parts) + "]", 1)
+        head = _escape(json.dumps(dict(meta, calls=_CALLS_MARK), separators=_COMPACT))
+        return head.replace(_escape(json.dumps(_CALLS_MARK)), "[" + ",".join(parts) + "]", 1)
 
 
 def _escape(text: str) -> str:

@@ -22,9 +22,9 @@ def test_each_pass_is_written_as_its_own_metadata_with_equal_calls_reused(tmp_pa
 
     def spy(self, meta):
         calls = meta["calls"]
-        before = {name: escaped for name, (_, _, escaped) in self._previous.items()}
+        before = {name: escaped for name, (_, escaped) in self._previous.items()}
         escaped = original(self, meta)
-        reused.append(sum(before.get(c["call"]) is self._previous[c["call"]][2] for c in calls) / len(calls))
+        reused.append(sum(before.get(c["call"]) is self._previous[c["call"]][1] for c in calls) / len(calls))
         encoded.append((plain(meta), json.loads('"' + escaped + '"')))  # as the header's string holds it
         return escaped
 
@@ -53,12 +53,15 @@ def test_a_call_that_changes_is_encoded_again_even_where_python_calls_it_equal()
         call = {"call": "mlp#0", "tensors": {"mlp#0.out.0": {"shape": (4, 8), "print": (first, 4)}}}
         call["values"] = {"in.scale": scale}
         meta = {"mode": "decode", "calls": [call], "step": step}
-        assert _canonical(encoder.dumps(meta)) == _canonical(json.dumps(meta)), (step, first, scale)
-        escaped = encoder.dumps_escaped(dict(meta, note='a "quoted" \\ path\n'))
-        assert _canonical(json.loads('"' + escaped + '"')) == _canonical(
-            json.dumps(dict(meta, note='a "quoted" \\ path\n'))
-        )
-    assert encoder.dumps({"no calls": 1}) == json.dumps({"no calls": 1}, separators=(",", ":"))
+        assert _canonical(_unescaped(encoder, meta)) == _canonical(json.dumps(meta)), (step, first, scale)
+        noted = dict(meta, note='a "quoted" \\ path\n')
+        assert _canonical(_unescaped(encoder, noted)) == _canonical(json.dumps(noted))
+    assert _unescaped(encoder, {"no calls": 1}) == json.dumps({"no calls": 1}, separators=(",", ":"))
+
+
+def _unescaped(encoder, meta) -> str:
+    """The JSON text a header's string holds (the encoder's escaped text, read as that string)."""
+    return json.loads('"' + encoder.dumps_escaped(meta) + '"')
 
 
 def _canonical(text: str) -> str:
