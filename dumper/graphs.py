@@ -127,7 +127,12 @@ class GraphDumps:
             return original(*args, **kwargs)
         carried, every = cfg.row_prints()
         current = PassState(
-            placeholder_info(shape), None, "", cfg.non_intrusive_mode, PassPrints() if carried else None, every
+            placeholder_info(shape),
+            None,
+            "",
+            cfg.non_intrusive_mode,
+            PassPrints(raw_copies=False) if carried else None,  # the capture records copy_'s nodes
+            every,
         )
         key = self._binding[-1] if self._binding else None
         layout = current.recording = self.arenas.layout([r.layout for r in self._recordings.get(key, [])])

@@ -8,7 +8,8 @@ a whole block are computed together when the pass ends, or earlier when the stag
 ``stage_bytes`` (a long prefill). The copy is taken at hook time, so a kernel that later
 rewrites the tensor in place cannot change what was captured. Results stay on the device until
 the pass ends and come to the host as one [3, rows] int64 tensor (rowprint.row_stats) with one
-copy. On a GPU with Triton a block's rows take one kernel (rowkernel.py); otherwise a dozen,
+copy. Contiguous rows are staged as raw byte copies (rawcopy.py). On a GPU with Triton a
+block's rows take one kernel (rowkernel.py); otherwise a dozen,
 and the fingerprints' final mix, a dozen more, is taken once for all of the pass's rows (a decode
 step fills about 20 blocks, one per row width).
 """
@@ -19,22 +20,24 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import rowprint
+from . import rawcopy, rowprint
 
 BLOCK_BYTES = 8 << 20  # a staging block holds at least this many bytes of rows (or one tensor's)
 
 
 class _Block:
-    __slots__ = ("rows", "used", "owners", "capacity")
+    __slots__ = ("rows", "used", "owners", "capacity", "address", "row_bytes")
 
     def __init__(self, rows: torch.Tensor):
         self.rows, self.used, self.capacity = rows, 0, rows.shape[0]
+        self.address, self.row_bytes = rows.data_ptr(), rows.shape[1] * rows.element_size()
         self.owners: List[Tuple[dict, int, int]] = []  # (tensor metadata, first row, rows)
 
 
 class PassPrints:
-    def __init__(self, stage_bytes: int = 256 << 20):
+    def __init__(self, stage_bytes: int = 256 << 20, raw_copies: bool = True):
         self.stage_bytes = stage_bytes
+        self.raw_copies = raw_copies  # contiguous rows staged by rawcopy.py (not in a graph capture)
         self._blocks: Dict[tuple, List[_Block]] = {}
         self._staged = 0
         # per block worked on, in order, on its device: its [3, n] stats table (rowkernel), or
@@ -45,7 +48,7 @@ class PassPrints:
 
     def add(self, meta: dict, rows: torch.Tensor, shape: Optional[Tuple[int, int]] = None):
         """Stage a tensor's [n, width] rows: ``rows`` itself, or with ``shape`` (n, width)
-        ``rows.reshape(shape)``.
+        ``rows.reshape(shape)`` (not made where the bytes are copied as they lie).
         ``meta["print"]`` becomes [first row, n] of the pass's fingerprint table when they are
         worked on. Called once per captured tensor: kept short."""
         n, width = rows.shape if shape is None else shape
@@ -63,7 +66,9 @@ class PassPrints:
             self._blocks.setdefault(key, []).append(block)
             self.on_cuda |= rows.is_cuda
         used = block.used
-        block.rows[used : used + n].copy_(rows if shape is None else rows.reshape(shape))
+        # contiguous rows are their reshape's bytes in order: copied as raw bytes, no view made
+        if not (self.raw_copies and rawcopy.copy_rows(block.address + used * block.row_bytes, rows)):
+            block.rows[used : used + n].copy_(rows if shape is None else rows.reshape(shape))
         block.owners.append((meta, used, n))
         block.used = used + n
         self._staged += n * width * rows.element_size()
