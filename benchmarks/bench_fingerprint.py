@@ -269,8 +269,9 @@ def main():
     if "all" not in skip:
         states.update({"all": {"fingerprints": "0"}, "all+prints": {"fingerprints": "1"}})
     try:
-        decode_seconds(model, ids, 2, args.device)  # warm-up: kernels, allocator
-        measure(model, ids, 2, args.device, work, states["fingerprint"], "warm")
+        # warm-up at the measured length: a first generate of new cache lengths runs far slower
+        decode_seconds(model, ids, args.steps, args.device)
+        measure(model, ids, args.steps, args.device, work, states["fingerprint"], "warm")
         times = {name: [] for name in states}
         collected = {name: [] for name in states}  # garbage collector seconds of each round's generates
         folders = {}

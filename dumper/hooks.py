@@ -92,6 +92,9 @@ class Dumper:
         self._warned: set = set()  # warnings given once
         # an engine's outputs whose rows are not its token rows though their count is (None: none known)
         self._rows_not_aligned = getattr(adapter, "rows_not_aligned", None)
+        # (module path, call index) -> (call name, its first input's name, its first output's):
+        # the same few hundred names every step, formatted once
+        self._call_names: Dict[tuple, tuple] = {}
         self._wrap_root()
         self._announce()
 
@@ -474,12 +477,20 @@ class Dumper:
             path = self._paths.get(module, "")
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
-        call = Call(fmt.call_name(path, index), path, type(module).__name__, current.order)
+        names = self._call_names.get((path, index))
+        if names is None:
+            name = fmt.call_name(path, index)
+            names = self._call_names[(path, index)] = (
+                name,
+                fmt.tensor_name(name, "in", "0"),
+                fmt.tensor_name(name, "out", "0"),
+            )
+        call = Call(names, path, type(module).__name__, current.order)
         current.order += 1
         current.calls.append(call)
         current.nesting.append(call)
         if not kwargs and len(args) == 1 and type(args[0]) in capture.PLAIN_TENSORS:  # most calls: one tensor
-            self._capture_tensor(current, call, fmt.tensor_name(call.name, "in", "0"), args[0])
+            self._capture_tensor(current, call, names[1], args[0])
         else:
             self._capture(current, call, "in", capture.call_inputs(args, kwargs))
 
@@ -501,7 +512,7 @@ class Dumper:
         call.post = current.order
         current.order += 1
         if type(output) in capture.PLAIN_TENSORS:  # most calls: one tensor
-            self._capture_tensor(current, call, fmt.tensor_name(call.name, "out", "0"), output)
+            self._capture_tensor(current, call, call.names[2], output)
         else:
             self._capture(current, call, "out", capture.call_outputs(output))
 

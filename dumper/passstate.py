@@ -12,10 +12,11 @@ from .passprints import PassPrints
 
 
 class Call:
-    __slots__ = ("name", "module", "cls", "pre", "post", "tensors", "values", "skipped")
+    __slots__ = ("name", "names", "module", "cls", "pre", "post", "tensors", "values", "skipped")
 
-    def __init__(self, name, module, cls, pre) -> None:
-        self.name, self.module, self.cls, self.pre = name, module, cls, pre
+    def __init__(self, names, module, cls, pre) -> None:
+        # names: (the call's name, its first input's tensor name, its first output's)
+        self.name, self.names, self.module, self.cls, self.pre = names[0], names, module, cls, pre
         self.post = None
         self.tensors: Dict[str, dict] = {}
         self.values: Dict[str, Any] = {}
