@@ -7,14 +7,14 @@ fingerprint run adds to it. This benchmark takes the model out: one forward's ho
 (module, args, kwargs, output) are recorded once, then replayed through
 
 * minimal       a hook that stages each new floating-point tensor (one identity key, one
-                copy) and nothing else: near the floor of any design that copies at hook
-                time                                                              the baseline
+                copy made as the dumper makes it: raw bytes where contiguous) and nothing
+                else: near the floor of any design that copies at hook time       the baseline
 * fingerprint   the dumper's hooks, DUMPER_NON_INTRUSIVE_MODE=fingerprint (staging copies,
                 metadata, aliases; the prints themselves are left out)
 * all           the same in mode all (host copies instead of staging copies)
 
 in interleaved rounds; each ratio is the median of per-round ratios. On a CUDA device the copies
-are kernel launches, as in a real step.
+are queued on the device, as in a real step.
 
     python benchmarks/bench_hooks.py                  (CPU: a random Llama, 16 layers)
     python benchmarks/bench_hooks.py --device cuda --hidden 4096 --layers 32 --batch 8
@@ -32,6 +32,7 @@ import torch
 from common import llama, median, result, sync
 
 from dumpdiff import dumper
+from dumpdiff.dumper import rawcopy
 
 
 def record_calls(model, ids):
@@ -60,10 +61,12 @@ def record_calls(model, ids):
 
 
 class MinimalStager:
-    """Stage each tensor not seen before in this pass into one preallocated buffer."""
+    """Stage each tensor not seen before in this pass into one preallocated buffer, by the
+    dumper's own cheapest copy (dumper/rawcopy.py: raw bytes where the tensor is contiguous)."""
 
     def __init__(self, device):
-        self.buffer = torch.empty(1 << 24, device=device)
+        self.buffer = torch.empty(1 << 26, dtype=torch.uint8, device=device)
+        self.address = self.buffer.data_ptr()
         self.seen, self.used = set(), 0
 
     def stage(self, tensor):
@@ -71,11 +74,12 @@ class MinimalStager:
         if key in self.seen or not tensor.is_floating_point():
             return
         self.seen.add(key)
-        n = tensor.numel()
+        n = tensor.numel() * tensor.element_size()
         if self.used + n > self.buffer.numel():
             self.used = 0
-        self.buffer[self.used : self.used + n].view(tensor.shape).copy_(tensor)
-        self.used += n
+        if not rawcopy.copy_rows(self.address + self.used, tensor):
+            self.buffer[self.used : self.used + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.used += -(-n // 16) * 16  # the next tensor's view starts aligned
 
     def replay(self, events):
         self.seen.clear()
