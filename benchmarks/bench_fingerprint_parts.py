@@ -77,8 +77,8 @@ def main():
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (args.batch, 32), generator=torch.Generator().manual_seed(0)).to(args.device)
     work = tempfile.mkdtemp(prefix="dumpdiff-bench-parts-")
-    for state in STATES:  # warm: kernels compiled, caches filled
-        run_state(state, model, ids, 2, args.device, work)
+    for state in STATES:  # warm at the measured length: kernels compiled, caches filled
+        run_state(state, model, ids, args.steps, args.device, work)
     times = {state: [] for state in STATES}
     for r in range(args.rounds):
         for state in STATES if r % 2 == 0 else STATES[::-1]:
