@@ -19,6 +19,7 @@ from .config import ConfigError, DumperConfig
 log = logging.getLogger("dumper")
 
 METHODS = ("configure", "reset", "get_state")
+PORT_TAKEN = "dumper: cannot listen for control requests on port"
 # Not over HTTP, fixed at launch: where the dumps go (with DUMPER_SERVER_PORT=reuse the route is
 # on the engine's own port, which may listen beyond this host: a request must never make the
 # server write, or clean up, files outside DUMPER_DIR) and the resources it may take (host
@@ -78,7 +79,13 @@ def start_endpoint(dumper, port: int, rank: int, world_size: int) -> ThreadingHT
         def log_message(self, *args) -> None:  # keep the server's stderr for real problems
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port + rank), Handler)
+    try:
+        server = ThreadingHTTPServer(("127.0.0.1", port + rank), Handler)
+    except OSError as exc:  # taken: say which setting and port, not a socket traceback alone
+        raise RuntimeError(
+            f"{PORT_TAKEN} {port + rank} (DUMPER_SERVER_PORT={port}, rank {rank}): {exc.strerror or exc}; "
+            "set DUMPER_SERVER_PORT to a free port, or to 'reuse' for the engine's own port"
+        ) from exc
     threading.Thread(target=server.serve_forever, name="dumper-control", daemon=True).start()
     log.info("dumper: control endpoint on http://127.0.0.1:%d/dumper/{configure,reset,get_state}", port + rank)
     return server

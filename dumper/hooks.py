@@ -737,7 +737,11 @@ def install(model: torch.nn.Module, config: Optional[DumperConfig] = None, adapt
     dumper = Dumper(model, config, adapter)
     model._dumpdiff_dumper = dumper
     getattr(adapter, "attach", lambda model: None)(model)
-    dumper.start_endpoint(_world_size())
+    try:
+        dumper.start_endpoint(_world_size())
+    except BaseException:
+        dumper.remove()  # the model as it was: a failed install leaves nothing behind
+        raise
     return dumper
 
 

@@ -131,19 +131,24 @@ class SglangServer:
     # -- lifecycle -------------------------------------------------------------------------
 
     # The port is free when picked, but another process (sglang's own workers pick ports for their
-    # sockets) can take it before the server binds it; the server then stays up without HTTP.
+    # sockets) can take it before the server binds it; the server then stays up without HTTP. The
+    # dumper's own control port (DUMPER_SERVER_PORT) can be lost the same way; its start fails.
     BIND_FAILED = "error while attempting to bind on address"
+    BIND_MARKERS = (BIND_FAILED, "dumper: cannot listen for control requests on port")
     PORT_ATTEMPTS = 3
 
     def start(self) -> "SglangServer":
         for attempt in range(self.PORT_ATTEMPTS):
-            if attempt:  # lost the port race: again on another port
-                self.port = free_port()
-                self.url = f"http://127.0.0.1:{self.port}"
-                self.cmd[self.cmd.index("--port") + 1] = str(self.port)
+            if attempt:  # lost the port race: again on other ports
+                self._new_ports()
             if self._start_once():
                 return self
         raise RuntimeError(f"sglang server could not bind a port {self.PORT_ATTEMPTS} times\n{self.log_tail()}")
+
+    def _new_ports(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd[self.cmd.index("--port") + 1] = str(self.port)
 
     def _start_once(self) -> bool:
         """Start the server and wait for it; False when its port was taken (it is stopped)."""
@@ -163,10 +168,13 @@ class SglangServer:
         t0 = time.monotonic()
         try:
             while True:
-                if self.BIND_FAILED.encode() in self._log_bytes(logged):
+                text = self._log_bytes(logged)
+                if any(marker.encode() in text for marker in self.BIND_MARKERS):
                     self.stop()
                     return False
                 if self.proc.poll() is not None:
+                    if any(marker.encode() in self._log_bytes(logged) for marker in self.BIND_MARKERS):
+                        return False  # it said so just before it exited
                     raise RuntimeError(
                         f"sglang server exited with {self.proc.returncode} during start-up\n{self.log_tail()}"
                     )

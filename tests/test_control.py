@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
 import torch
 
 from dumpdiff import dumper
@@ -52,3 +53,17 @@ def test_ctl_enables_dumping_and_rejects_bad_requests(tmp_path):
     lines = open(tmp_path / "dumps" / "dec" / "rank0" / fmt.MANIFEST_FILE).read().splitlines()
     assert len(lines) == 1
     assert not (tmp_path / "elsewhere").exists()  # a request never leads the dumps out of DUMPER_DIR
+
+
+def test_a_taken_control_port_is_named_and_the_model_left_as_it_was(tmp_path):
+    model = load_model(make_tiny_llama(tmp_path / "model"))
+    forward = model.forward
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        config = dumper.DumperConfig(dir=str(tmp_path / "dumps"), server_port=str(port))
+        with pytest.raises(RuntimeError, match=f"control requests on port {port} .*DUMPER_SERVER_PORT={port}"):
+            dumper.install(model, config)
+    assert model.forward == forward and getattr(model, "_dumpdiff_dumper", None) is None
+    dumper.install(model, dumper.DumperConfig(dir=str(tmp_path / "dumps"))).remove()  # installs again

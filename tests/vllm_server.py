@@ -62,7 +62,8 @@ class VllmServer(SglangServer):
         tp: int = 1,
     ):
         env = dict(env or {})
-        if env.get("DUMPER_SERVER_PORT") == "auto":
+        self._auto_dumper_port = env.get("DUMPER_SERVER_PORT") == "auto"
+        if self._auto_dumper_port:
             env["DUMPER_SERVER_PORT"] = str(free_port())
         if tp > 1:  # one group of cores per rank, as vLLM's CPU workers bind them
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(tp))
@@ -88,6 +89,12 @@ class VllmServer(SglangServer):
         self.env.pop("SGLANG_USE_CPU_ENGINE", None)
         port = self.env.get("DUMPER_SERVER_PORT", "-1")
         self.dumper_url = f"http://127.0.0.1:{port}" if port.isdigit() else None
+
+    def _new_ports(self) -> None:
+        super()._new_ports()
+        if self._auto_dumper_port:  # the dumper's endpoint may be the port that was lost
+            self.env["DUMPER_SERVER_PORT"] = str(free_port())
+            self.dumper_url = f"http://127.0.0.1:{self.env['DUMPER_SERVER_PORT']}"
 
     @property
     def control_url(self) -> str:
