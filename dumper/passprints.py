@@ -9,9 +9,9 @@ a whole block are computed together when the pass ends, or earlier when the stag
 rewrites the tensor in place cannot change what was captured. Results stay on the device until
 the pass ends and come to the host as one [3, rows] int64 tensor (rowprint.row_stats) with one
 copy. Contiguous rows are staged as raw byte copies (rawcopy.py). On a GPU with Triton a
-block's rows take one kernel (rowkernel.py); otherwise a dozen,
-and the fingerprints' final mix, a dozen more, is taken once for all of the pass's rows (a decode
-step fills about 20 blocks, one per row width).
+block's rows take one kernel (rowkernel.py); otherwise a dozen, and the fingerprints' final mix,
+a dozen more, is taken once for all of the pass's rows (a decode step fills about 20 blocks, one
+per row width).
 """
 
 from __future__ import annotations

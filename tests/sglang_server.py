@@ -30,6 +30,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dumpdiff.dumper.control import PORT_TAKEN
+
 RIG = Path(__file__).resolve().parent / "sglang_rig"
 
 # CPU-only flags (shared/notes/sglang-on-cpu.md).  A small static memory fraction and token
@@ -134,7 +136,7 @@ class SglangServer:
     # sockets) can take it before the server binds it; the server then stays up without HTTP. The
     # dumper's own control port (DUMPER_SERVER_PORT) can be lost the same way; its start fails.
     BIND_FAILED = "error while attempting to bind on address"
-    BIND_MARKERS = (BIND_FAILED, "dumper: cannot listen for control requests on port")
+    BIND_MARKERS = (BIND_FAILED, PORT_TAKEN)
     PORT_ATTEMPTS = 3
 
     def start(self) -> "SglangServer":
@@ -168,13 +170,12 @@ class SglangServer:
         t0 = time.monotonic()
         try:
             while True:
-                text = self._log_bytes(logged)
-                if any(marker.encode() in text for marker in self.BIND_MARKERS):
+                if self._port_lost(logged):
                     self.stop()
                     return False
                 if self.proc.poll() is not None:
-                    if any(marker.encode() in self._log_bytes(logged) for marker in self.BIND_MARKERS):
-                        return False  # it said so just before it exited
+                    if self._port_lost(logged):  # it said so just before it exited
+                        return False
                     raise RuntimeError(
                         f"sglang server exited with {self.proc.returncode} during start-up\n{self.log_tail()}"
                     )
@@ -294,6 +295,11 @@ class SglangServer:
         return self.request("/server_info")
 
     # -- logs ------------------------------------------------------------------------------
+
+    def _port_lost(self, logged: int) -> bool:
+        """Whether the log since ``logged`` says a port was taken before the server bound it."""
+        text = self._log_bytes(logged)
+        return any(marker.encode() in text for marker in self.BIND_MARKERS)
 
     def _log_bytes(self, start: int) -> bytes:
         with open(self.log_path, "rb") as handle:

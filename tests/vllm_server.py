@@ -87,14 +87,16 @@ class VllmServer(SglangServer):
             *map(str, extra_args),
         ]
         self.env.pop("SGLANG_USE_CPU_ENGINE", None)
-        port = self.env.get("DUMPER_SERVER_PORT", "-1")
-        self.dumper_url = f"http://127.0.0.1:{port}" if port.isdigit() else None
 
     def _new_ports(self) -> None:
         super()._new_ports()
         if self._auto_dumper_port:  # the dumper's endpoint may be the port that was lost
             self.env["DUMPER_SERVER_PORT"] = str(free_port())
-            self.dumper_url = f"http://127.0.0.1:{self.env['DUMPER_SERVER_PORT']}"
+
+    @property
+    def dumper_url(self) -> str | None:
+        port = self.env.get("DUMPER_SERVER_PORT", "-1")
+        return f"http://127.0.0.1:{port}" if port.isdigit() else None
 
     @property
     def control_url(self) -> str:
