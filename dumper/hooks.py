@@ -485,7 +485,7 @@ class Dumper:
                 fmt.tensor_name(name, "in", "0"),
                 fmt.tensor_name(name, "out", "0"),
             )
-        call = Call(names, path, type(module).__name__, current.order)
+        call = Call(names, path, type(module).__name__, current.order, module)
         current.order += 1
         current.calls.append(call)
         current.nesting.append(call)
@@ -500,11 +500,11 @@ class Dumper:
             return
         # its innermost open call, under whichever of its names its pre-hook chose: the last one
         # open, unless a call inside it ended without its post-hook
-        names = self._names(module)
         nesting = current.nesting
-        if nesting and nesting[-1].module in names:  # the usual case: the call just opened
+        if nesting and nesting[-1].obj is module:  # the usual case: the call just opened
             call = nesting.pop()
         else:
+            names = self._names(module)
             call = next((c for c in reversed(nesting) if c.module in names), None)
             if call is None:
                 return
@@ -538,7 +538,8 @@ class Dumper:
             call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
             return
         dtype = tensor.dtype
-        if dtype not in _STORED or tensor.layout != torch.strided or tensor.is_meta:
+        stored = _STORED.get(dtype)
+        if stored is None or tensor.layout != torch.strided or tensor.is_meta:
             call.skipped[name] = f"tensor layout={tensor.layout} dtype={dtype} device={tensor.device}"
             return
         if current.recording is not None and not tensor.is_cuda and capturing():
@@ -560,7 +561,7 @@ class Dumper:
                 held_as, tensor = layout.shape, tensor.unflatten(0, (-1, per_token))
                 shape = tensor.shape
                 layout = current.layout(shape, ([0], "all", ""))
-        meta = {"shape": layout.shape, "dtype": _STORED[dtype], "token_dims": layout.token_dims, "rows": layout.rows}
+        meta = {"shape": layout.shape, "dtype": stored, "token_dims": layout.token_dims, "rows": layout.rows}
         if layout.dims is None:
             meta["why"] = layout.why
         if held_as is not None:

@@ -56,24 +56,25 @@ class PassPrints:
         blocks = self._blocks.get(key)
         block = blocks[-1] if blocks else None  # only the last block of a key has room left
         if block is None or block.capacity - block.used < n:
-            block = _Block(
-                torch.empty(
-                    (max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1), width),
-                    dtype=rows.dtype,
-                    device=rows.device,
-                )
-            )
-            self._blocks.setdefault(key, []).append(block)
-            self.on_cuda |= rows.is_cuda
-        used = block.used
+            block = self._new_block(key, rows, n)
+        used, row_bytes = block.used, block.row_bytes  # the block's rows have the tensor's type
+        nbytes = n * row_bytes
         # contiguous rows are their reshape's bytes in order: copied as raw bytes, no view made
-        if not (self.raw_copies and rawcopy.copy_rows(block.address + used * block.row_bytes, rows)):
+        if not (self.raw_copies and rawcopy.copy_rows(block.address + used * row_bytes, rows, nbytes)):
             block.rows[used : used + n].copy_(rows if shape is None else rows.reshape(shape))
         block.owners.append((meta, used, n))
         block.used = used + n
-        self._staged += n * width * rows.element_size()
+        self._staged += nbytes
         if self._staged > self.stage_bytes:
             self._work()
+
+    def _new_block(self, key: tuple, rows: torch.Tensor, n: int) -> _Block:
+        device, dtype, width = key
+        size = max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1)
+        block = _Block(torch.empty((size, width), dtype=dtype, device=device))
+        self._blocks.setdefault(key, []).append(block)
+        self.on_cuda |= rows.is_cuda
+        return block
 
     def _work(self):
         """Fingerprint every staged row; the blocks are then free for more."""

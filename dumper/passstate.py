@@ -12,11 +12,13 @@ from .passprints import PassPrints
 
 
 class Call:
-    __slots__ = ("name", "names", "module", "cls", "pre", "post", "tensors", "values", "skipped")
+    __slots__ = ("name", "names", "module", "cls", "pre", "post", "tensors", "values", "skipped", "obj")
 
-    def __init__(self, names, module, cls, pre) -> None:
-        # names: (the call's name, its first input's tensor name, its first output's)
+    def __init__(self, names, module, cls, pre, obj=None) -> None:
+        # names: (the call's name, its first input's tensor name, its first output's); module:
+        # the module's path in this call; obj: the module itself
         self.name, self.names, self.module, self.cls, self.pre = names[0], names, module, cls, pre
+        self.obj = obj
         self.post = None
         self.tensors: Dict[str, dict] = {}
         self.values: Dict[str, Any] = {}

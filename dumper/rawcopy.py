@@ -33,12 +33,13 @@ _driver: list = []  # (cuMemcpyDtoDAsync, current device's index, a device's cur
 _memmove = ctypes.memmove
 
 
-def copy_rows(address: int, rows: torch.Tensor) -> bool:
-    """Copy tensor ``rows``'s bytes to ``address`` (memory of its device with room for them);
-    False where nothing was copied (copy_ must do it)."""
+def copy_rows(address: int, rows: torch.Tensor, nbytes: Optional[int] = None) -> bool:
+    """Copy tensor ``rows``'s bytes (``nbytes`` of them, where the caller knows) to ``address``
+    (memory of its device with room for them); False where nothing was copied (copy_ must do it)."""
     if not rows.is_contiguous():
         return False
-    nbytes = rows.numel() * rows.element_size()
+    if nbytes is None:
+        nbytes = rows.numel() * rows.element_size()
     if rows.is_cpu:
         if nbytes > CPU_MOST:
             return False

@@ -50,7 +50,7 @@ def _table(tensors, raw: bool):
 def test_raw_copies_stage_the_bytes_copy_stages(monkeypatch, device):
     used = []
     real = rawcopy.copy_rows
-    monkeypatch.setattr(rawcopy, "copy_rows", lambda address, rows: used.append(real(address, rows)) or used[-1])
+    monkeypatch.setattr(rawcopy, "copy_rows", lambda *args: used.append(real(*args)) or used[-1])
     tensors = _tensors(device)
     raw = _table(tensors, raw=True)
     assert rawcopy.disabled is None
