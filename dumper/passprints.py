@@ -8,10 +8,11 @@ a whole block are computed together when the pass ends, or earlier when the stag
 ``stage_bytes`` (a long prefill). The copy is taken at hook time, so a kernel that later
 rewrites the tensor in place cannot change what was captured. Results stay on the device until
 the pass ends and come to the host as one [3, rows] int64 tensor (rowprint.row_stats) with one
-copy. Contiguous rows are staged as raw byte copies (rawcopy.py). On a GPU with Triton a
-block's rows take one kernel (rowkernel.py); otherwise a dozen, and the fingerprints' final mix,
-a dozen more, is taken once for all of the pass's rows (a decode step fills about 20 blocks, one
-per row width).
+copy. Contiguous rows are staged as raw byte copies (rawcopy.py). On a GPU with Triton the
+blocks of one element type take one kernel launch together (rowkernel.py; inside a graph
+capture one per block); otherwise a block takes a dozen kernels, and the fingerprints' final
+mix, a dozen more, is taken once for all of the pass's rows (a decode step fills about 20
+blocks, one per row width).
 """
 
 from __future__ import annotations
@@ -79,10 +80,9 @@ class PassPrints:
     def _work(self):
         """Fingerprint every staged row; the blocks are then free for more."""
         kernel = _rowkernel() if self.on_cuda else None
-        for blocks in self._blocks.values():
-            for block in blocks:
-                if not block.owners:
-                    continue
+        full = [block for blocks in self._blocks.values() for block in blocks if block.owners]
+        if not (kernel is not None and self._work_grouped(kernel, full)):
+            for block in full:
                 if block.used:
                     rows = block.rows[: block.used]
                     table = _kernel_table(kernel, rows) if kernel is not None else None
@@ -90,13 +90,35 @@ class PassPrints:
                         self._pieces.append(table)
                     else:
                         self._pieces.append((rowprint.seeded_sums(rows), rowprint.magnitudes(rows)))
-                for meta, first, n in block.owners:
-                    meta["print"] = (self._rows + first, n)
-                self._rows += block.used
-                block.used, block.owners = 0, []
+        for block in full:
+            for meta, first, n in block.owners:
+                meta["print"] = (self._rows + first, n)
+            self._rows += block.used
+            block.used, block.owners = 0, []
         for blocks in self._blocks.values():  # emptied: the last block of each key is reused
             del blocks[:-1]
         self._staged = 0
+
+    def _work_grouped(self, kernel, full: List[_Block]) -> bool:
+        """The blocks' rows into one table, in the blocks' order, by one kernel launch per element
+        type (rowkernel's grouped form); False, with nothing done, where they cannot all go that
+        way."""
+        full = [block for block in full if block.used]
+        if not full or not kernel.available(full[0].rows.device):
+            return False
+        firsts, total = [], 0
+        for block in full:
+            firsts.append(total)
+            total += block.used
+        table = torch.empty((3, total), dtype=torch.int64, device=full[0].rows.device)
+        try:
+            if not kernel.grouped_row_stats_into([block.rows[: block.used] for block in full], table, firsts):
+                return False
+        except Exception as exc:  # noqa: BLE001 - the dumper never makes a model fail
+            kernel.disable(exc)
+            return False
+        self._pieces.append(table)
+        return True
 
     def finish(self, host: bool = True) -> Optional[torch.Tensor]:
         """The pass's [3, rows] table on the host (None if nothing was staged). From a GPU: copied

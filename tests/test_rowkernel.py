@@ -57,6 +57,7 @@ def test_a_kernel_that_fails_leaves_the_torch_form_to_give_the_same_table(monkey
 
     monkeypatch.setattr(rowkernel, "available", lambda device: True)  # CPU tensors stand for a GPU's
     monkeypatch.setattr(rowkernel, "row_stats_into", broken)
+    monkeypatch.setattr(rowkernel, "grouped_row_stats_into", broken)  # a pass's blocks launched together
     monkeypatch.setattr(rowkernel, "disabled", None)
     tensors = [torch.randn(3, 40), torch.randn(2, 7).to(torch.bfloat16)]
     prints = passprints.PassPrints()
@@ -103,16 +104,14 @@ def test_the_kernels_stats_are_the_torch_forms_for_every_type_width_and_row_layo
 
 @interpreted
 def test_a_pass_worked_on_by_the_kernel_gives_the_torch_forms_table():
-    """A pass mixes blocks the kernel takes and blocks it does not (an 8-bit float type): the
-    table keeps every tensor's rows in place either way."""
+    """A pass's blocks go to the kernel together (one launch per element type), or one by one
+    where one of them is of a type it does not read (an 8-bit float): the table keeps every
+    tensor's rows in place either way."""
     done = _interpreted(
         """
         from dumpdiff.dumper import passprints
 
-        tensors = [rows(torch.bfloat16, 3, 64, 1), rows(torch.float32, 5, 7, 2), rows(torch.int64, 4, 1, 3),
-                   rows(torch.float32, 4, 7, 4).to(torch.float8_e4m3fn), rows(torch.bfloat16, 2, 64, 5)]
-
-        def table(kernel):
+        def table(tensors, kernel):
             rowkernel.available = lambda device: kernel  # the interpreter runs on CPU tensors
             prints = passprints.PassPrints(stage_bytes=1 << 30)
             prints.on_cuda = kernel  # blocks are taken to the kernel only on a GPU
@@ -121,12 +120,19 @@ def test_a_pass_worked_on_by_the_kernel_gives_the_torch_forms_table():
                 prints.add(meta, tensor)
             return prints.finish(), metas
 
-        (with_kernel, metas), (without, metas_without) = table(True), table(False)
-        assert metas == metas_without
-        assert torch.equal(with_kernel, without)
-        for meta, tensor in zip(metas, tensors):
-            first, count = meta["print"]
-            assert torch.equal(with_kernel[:, first : first + count], rowprint.row_stats(tensor))
+        def check(tensors):
+            (with_kernel, metas), (without, metas_without) = table(tensors, True), table(tensors, False)
+            assert rowkernel.disabled is None, rowkernel.disabled
+            assert metas == metas_without
+            assert torch.equal(with_kernel, without)
+            for meta, tensor in zip(metas, tensors):
+                first, count = meta["print"]
+                assert torch.equal(with_kernel[:, first : first + count], rowprint.row_stats(tensor))
+
+        tensors = [rows(torch.bfloat16, 3, 64, 1), rows(torch.float32, 5, 7, 2), rows(torch.int64, 4, 1, 3),
+                   rows(torch.float32, 4, 7, 4).to(torch.float8_e4m3fn), rows(torch.bfloat16, 2, 64, 5)]
+        check(tensors)  # one by one: the kernel does not read float8
+        check(tensors[:3] + tensors[4:])  # together
         print("checked")
         """
     )
@@ -227,3 +233,42 @@ def test_a_capture_after_load_launches_the_kernel_and_compiles_nothing_whatever_
     for meta, tensor in zip(metas, tensors):
         first, count = meta["print"]
         assert torch.equal(table[:, first : first + count].cpu(), rowprint.row_stats(tensor.cpu()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pass_of_many_widths_takes_one_launch_per_element_type(monkeypatch):
+    """Outside a capture a pass's blocks, one per element type and row width, are printed by one
+    grouped launch per element type, each row in its tensor's columns; rows beyond the grid's
+    programs are looped over."""
+    from dumpdiff.dumper import rowkernel, rowprint
+    from dumpdiff.dumper.passprints import PassPrints
+
+    monkeypatch.setattr(rowkernel, "_MOST_PROGRAMS", 3)  # blocks of more rows loop
+    grids, single = [], []
+    real_kernel, real_single = rowkernel._grouped_row_stats, rowkernel.row_stats_into
+
+    class CountedKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real_kernel[grid]
+
+    monkeypatch.setattr(rowkernel, "_grouped_row_stats", CountedKernel())
+    monkeypatch.setattr(rowkernel, "row_stats_into", lambda *a: single.append(a) or real_single(*a))
+    g = torch.Generator().manual_seed(3)
+    shapes = [(8, 4096, torch.bfloat16), (8, 14336, torch.bfloat16), (11, 7, torch.float32), (8, 4096, torch.bfloat16)]
+    shapes += [(5, 1, torch.int64), (2, 1025, torch.float32), (1, 0, torch.bfloat16), (0, 5, torch.bfloat16)]
+    tensors = [(torch.randn(n, w, generator=g) * 7).to(t).cuda() for n, w, t in shapes]
+    tensors[0].view(-1)[3] = float("inf")
+    metas = [{} for _ in tensors]
+    prints = PassPrints()
+    for meta, tensor in zip(metas, tensors):
+        prints.add(meta, tensor)
+    table = prints.finish()
+    torch.cuda.synchronize()
+    assert rowkernel.disabled is None
+    # bfloat16 (widths 4096, 14336, 0), float32 (7, 1025), int64: the empty block is not worked on
+    assert sorted(grids) == [(1, 3), (2, 3), (3, 3)] and single == []
+    for meta, tensor in zip(metas, tensors):
+        first, count = meta["print"]
+        assert count == tensor.shape[0]
+        assert torch.equal(table[:, first : first + count], rowprint.row_stats(tensor.cpu())), tensor.shape
