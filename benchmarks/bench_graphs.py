@@ -1,7 +1,8 @@
 """What dumping CUDA graph replays costs, against the plain replay measured in the same run.
 
-A random HF Llama in bf16 (``--model 1b``: benchmarks/common.py GPU_LLAMA; ``tiny``: a small
-one for a smoke run), a batch of prompts prefilled eagerly, then greedy decode steps, each one
+A random HF Llama in bf16 (``--model 1b``: benchmarks/common.py GPU_LLAMA; ``8b``: Llama-3-8B's
+shape, GPU_LLAMA_8B; ``tiny``: a small one for a smoke run; the states' models share one set of
+weights), a batch of prompts prefilled eagerly, then greedy decode steps, each one
 replay of a graph captured with a static KV cache (examples/hf_cuda_graph.py). Every module is
 hooked. States, timed over the decode steps in interleaved rounds (medians of per-round ratios):
 
@@ -14,6 +15,7 @@ hooked. States, timed over the decode steps in interleaved rounds (medians of pe
 Also printed: the bytes written per decode step and the static buffer bytes each mode needed.
 
     python benchmarks/bench_graphs.py --model 1b --out DIR      (needs CUDA)
+    python benchmarks/bench_graphs.py --model 8b --out DIR      (the shape of the 1.1x target)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import tempfile
 import time
 
 import torch
-from common import GPU_LLAMA, llama, median, result  # first: puts the repo on sys.path
+from common import GPU_LLAMA, GPU_LLAMA_8B, llama, median, result  # first: puts the repo on sys.path
 
 from dumpdiff import dumper
 
@@ -79,7 +81,7 @@ def main() -> None:
     from hf_cuda_graph import GraphDecoder
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("1b", "tiny"), default="1b")
+    parser.add_argument("--model", choices=("1b", "8b", "tiny"), default="1b")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
@@ -91,7 +93,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_graphs: needs a CUDA device")
     work = args.work or tempfile.mkdtemp(prefix="bench_graphs_")
-    shape = GPU_LLAMA if args.model == "1b" else TINY
+    shape = {"1b": GPU_LLAMA, "8b": GPU_LLAMA_8B, "tiny": TINY}[args.model]
     base = llama(dtype=torch.bfloat16, device="cuda", **shape)
     max_len = args.prompt + args.steps + 2
     prompt = torch.randint(3, base.config.vocab_size, (args.batch, args.prompt), device="cuda")
@@ -107,7 +109,10 @@ def main() -> None:
         ("eager", None, False),
         ("eager all", "all", False),
     ):
-        model = copy.deepcopy(base) if name != "plain" else base
+        # a copy of its own (each state's dumper hooks its model), sharing the weights: five 8B
+        # models would not fit one GPU
+        shared = {id(tensor): tensor for tensor in (*base.parameters(), *base.buffers())}
+        model = copy.deepcopy(base, memo=shared) if name != "plain" else base
         handle = None
         if mode is not None:
             handle = dumper.install(

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The CUDA graph checks and figures on a CUDA machine, results under $1 (default ./graphs-gpu):
 # tests/test_gpu_graphs.py (replays dumped as eager steps, padding trimmed, a stale static buffer
-# named, the budget error), then bench_graphs.py (MODEL: 1b by default, or tiny).
+# named, the budget error), then bench_graphs.py (MODEL: 1b by default, 8b or tiny).
 set -u
 out=${1:-graphs-gpu}
 model=${2:-1b}
