@@ -121,9 +121,7 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
         return
     if width and rows.stride(1) != 1:
         rows = rows.contiguous()
-    size = rows.element_size()
     bits = rowprint.signed_bits(rows)
-    is_float = rows.dtype in _WIDEN
     seed = rowprint.seed(rows.dtype, width) & ((1 << 64) - 1)
     launch = _row_stats[(n,)]
     arguments = (
@@ -140,22 +138,27 @@ def row_stats_into(rows: torch.Tensor, table: torch.Tensor, first: int) -> None:
         (seed >> 21) & _PIECE,
         seed & _PIECE,
     )
+    _launch(launch, arguments, rows.dtype, rows.device)
+    if not _capturing():
+        _loaded.add((rows.device, rows.dtype))
+
+
+def _launch(launch, arguments: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """Launch a kernel form on ``device`` with the constants of rows of ``dtype``."""
+    is_float, size = dtype in _WIDEN, dtype.itemsize
     constants = dict(
         IS_FLOAT=is_float,
         MAG_MASK=(1 << (8 * size - 1)) - 1,  # every bit but the sign
-        MAX_FINITE=rowprint.MAX_FINITE_BITS[rows.dtype] if is_float else 0,
-        WIDEN=_WIDEN.get(rows.dtype, 0),
+        MAX_FINITE=rowprint.MAX_FINITE_BITS[dtype] if is_float else 0,
+        WIDEN=_WIDEN.get(dtype, 0),
         BLOCK=CHUNK,
         num_warps=4,
     )
-    device = rows.device
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):  # Triton launches on the current device and its stream
             launch(*arguments, **constants)
     else:
         launch(*arguments, **constants)
-    if not _capturing():
-        _loaded.add((device, rows.dtype))
 
 
 def grouped_row_stats_into(blocks, table: torch.Tensor, firsts) -> bool:
@@ -195,22 +198,8 @@ def grouped_row_stats_into(blocks, table: torch.Tensor, firsts) -> bool:
     on_gpu = device.type == "cuda"  # (else Triton's interpreter, in tests)
     for dtype, bits, described, most in launches:
         description = torch.tensor(described, dtype=torch.int64, pin_memory=on_gpu).to(device, non_blocking=True)
-        is_float, size = dtype in _WIDEN, bits.element_size()
         launch = _grouped_row_stats[(len(described), min(most, _MOST_PROGRAMS))]
-        arguments = (bits, description, table, table.view(torch.float64), table.stride(0))
-        constants = dict(
-            IS_FLOAT=is_float,
-            MAG_MASK=(1 << (8 * size - 1)) - 1,
-            MAX_FINITE=rowprint.MAX_FINITE_BITS[dtype] if is_float else 0,
-            WIDEN=_WIDEN.get(dtype, 0),
-            BLOCK=CHUNK,
-            num_warps=4,
-        )
-        if on_gpu and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):  # Triton launches on the current device and its stream
-                launch(*arguments, **constants)
-        else:
-            launch(*arguments, **constants)
+        _launch(launch, (bits, description, table, table.view(torch.float64), table.stride(0)), dtype, device)
     return True
 
 
