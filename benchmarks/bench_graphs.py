@@ -98,6 +98,9 @@ def main() -> None:
     max_len = args.prompt + args.steps + 2
     prompt = torch.randint(3, base.config.vocab_size, (args.batch, args.prompt), device="cuda")
     states = {}
+    # each state's model a copy of its own (each state's dumper hooks its model), sharing the
+    # weights: five 8B models would not fit one GPU
+    shared = {id(tensor): tensor for tensor in (*base.parameters(), *base.buffers())}
     log_lines = [
         f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, model {args.model}, "
         f"batch {args.batch}, prompt {args.prompt}, steps {args.steps}, rounds {args.rounds}"
@@ -109,9 +112,6 @@ def main() -> None:
         ("eager", None, False),
         ("eager all", "all", False),
     ):
-        # a copy of its own (each state's dumper hooks its model), sharing the weights: five 8B
-        # models would not fit one GPU
-        shared = {id(tensor): tensor for tensor in (*base.parameters(), *base.buffers())}
         model = copy.deepcopy(base, memo=shared) if name != "plain" else base
         handle = None
         if mode is not None:

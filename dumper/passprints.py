@@ -57,7 +57,7 @@ class PassPrints:
         blocks = self._blocks.get(key)
         block = blocks[-1] if blocks else None  # only the last block of a key has room left
         if block is None or block.capacity - block.used < n:
-            block = self._new_block(key, rows, n)
+            block = self._new_block(key, n)
         used, row_bytes = block.used, block.row_bytes  # the block's rows have the tensor's type
         nbytes = n * row_bytes
         # contiguous rows are their reshape's bytes in order: copied as raw bytes, no view made
@@ -69,12 +69,13 @@ class PassPrints:
         if self._staged > self.stage_bytes:
             self._work()
 
-    def _new_block(self, key: tuple, rows: torch.Tensor, n: int) -> _Block:
+    def _new_block(self, key: tuple, n: int) -> _Block:
+        """A block for rows of ``key`` (device, element type, width) with room for ``n`` of them."""
         device, dtype, width = key
-        size = max(n, BLOCK_BYTES // max(width * rows.element_size(), 1), 1)
+        size = max(n, BLOCK_BYTES // max(width * dtype.itemsize, 1), 1)
         block = _Block(torch.empty((size, width), dtype=dtype, device=device))
         self._blocks.setdefault(key, []).append(block)
-        self.on_cuda |= rows.is_cuda
+        self.on_cuda |= device.type == "cuda"
         return block
 
     def _work(self):
