@@ -8,6 +8,8 @@ so the prefill is left out; states are measured in interleaved rounds, medians r
 * no-op hooks   hooks that do nothing on every module / plain              the floor
   (each ratio is the median of per-round ratios; rounds alternate the order of the states)
 * fingerprint   DUMPER_NON_INTRUSIVE_MODE=fingerprint / plain              GPU target <= 1.4
+* general       the same with plans off (dumper/passplan.py): every decode step worked out
+                by the general hooks / plain                               (context)
 * all           mode all without carried prints / plain                    (context)
 * all+prints    mode all with DUMPER_FINGERPRINTS=1 / mode all             the price of carrying them
 * bytes         fingerprint files / the tensor bytes mode all stores       target <= 1%
@@ -47,6 +49,7 @@ from common import (  # first: puts the repo on sys.path
 )
 
 from dumpdiff import dumper
+from dumpdiff.dumper import passplan
 
 CPU_LLAMA = dict(
     hidden_size=256,
@@ -169,6 +172,8 @@ def measure(model, ids, steps, device, work, config, name):
         finally:
             for handle in handles:
                 handle.remove()
+    config = dict(config)
+    passplan.PLANS = config.pop("plans", True)
     handle = dumper.install(
         model,
         dumper.DumperConfig(
@@ -243,7 +248,7 @@ def main():
         default=None,
         help="decoder layers (default: the shape's); bytes per layer do not change with it",
     )
-    parser.add_argument("--skip", default="", help="comma list of: all, index, noop")
+    parser.add_argument("--skip", default="", help="comma list of: all, index, noop, general")
     parser.add_argument("--prefill", type=int, default=0, help="also time a dumped prefill of this many tokens")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -266,6 +271,8 @@ def main():
     states = {"plain": None, "fingerprint": {"non_intrusive_mode": "fingerprint"}}
     if "noop" not in skip:
         states["no-op hooks"] = "noop"
+    if "general" not in skip:
+        states["general"] = {"non_intrusive_mode": "fingerprint", "plans": False}
     if "all" not in skip:
         states.update({"all": {"fingerprints": "0"}, "all+prints": {"fingerprints": "1"}})
     try:
@@ -312,6 +319,15 @@ def main():
                 "context",
                 None,
                 "x",
+            )
+        if "general" in step:
+            result(
+                "fingerprint with plans off (general hooks) decode step / plain",
+                round(ratio_of("general", "plain"), 3),
+                "context",
+                None,
+                "x",
+                f"{step['general'] * 1e3:.2f} ms",
             )
         if "all" in step:
             result("all decode step / plain", round(ratio_of("all", "plain"), 3), "context", None, "x")

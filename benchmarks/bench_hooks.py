@@ -9,8 +9,11 @@ fingerprint run adds to it. This benchmark takes the model out: one forward's ho
 * minimal       a hook that stages each new floating-point tensor (one identity key, one
                 copy made as the dumper makes it: raw bytes where contiguous) and nothing
                 else: near the floor of any design that copies at hook time       the baseline
-* fingerprint   the dumper's hooks, DUMPER_NON_INTRUSIVE_MODE=fingerprint (staging copies,
-                metadata, aliases; the prints themselves are left out)
+* fingerprint   the dumper's hooks, DUMPER_NON_INTRUSIVE_MODE=fingerprint, on a pass that
+                repeats a traced one (dumper/passplan.py: each call checked against the plan,
+                staging copies to fixed places; the prints themselves are left out)
+* general       the same with plans off: every call worked out by the general hooks (staging
+                copies, metadata, aliases)
 * all           the same in mode all (host copies instead of staging copies)
 
 in interleaved rounds; each ratio is the median of per-round ratios. On a CUDA device the copies
@@ -32,7 +35,7 @@ import torch
 from common import llama, median, result, sync
 
 from dumpdiff import dumper
-from dumpdiff.dumper import rawcopy
+from dumpdiff.dumper import passplan, rawcopy
 
 
 def record_calls(model, ids):
@@ -134,25 +137,26 @@ def main():
     hooked = sum(kind == "pre" for kind, *_ in events)
     minimal = MinimalStager(args.device)
     work = tempfile.mkdtemp(prefix="dumpdiff-bench-hooks-")
-    times = {name: [] for name in ("minimal", "fingerprint", "all")}
+    times = {name: [] for name in ("minimal", "fingerprint", "general", "all")}
     for r in range(args.rounds):
         order = list(times) if r % 2 == 0 else list(times)[::-1]  # drift hits each state alike
         for name in order:
             handle = None
             if name != "minimal":
+                passplan.PLANS = name == "fingerprint"
                 handle = dumper.install(
                     model,
                     dumper.DumperConfig(
                         enable=True,
                         dir=work,
                         exp_name=name,
-                        non_intrusive_mode=name,
+                        non_intrusive_mode="fingerprint" if name == "general" else name,
                         min_free_bytes=0,
                         cleanup_previous=True,
                     ),
                 )
                 with torch.no_grad():
-                    model(ids, use_cache=False)  # hooks attached, caches warm
+                    model(ids, use_cache=False)  # hooks attached, caches warm, the pass traced
                 handle.flush()
                 open_pass(handle, ids)
             sync(args.device)
@@ -172,10 +176,10 @@ def main():
         flush=True,
     )
     shutil.rmtree(work, ignore_errors=True)
-    for name in ("fingerprint", "all"):
+    for name in ("fingerprint", "general", "all"):
         ratio = median([x / y for x, y in zip(times[name], times["minimal"])])
         result(
-            f"hooks per call, mode {name} / minimal staging hook",
+            f"hooks per call, {name if name != 'all' else 'mode all'} / minimal staging hook",
             round(ratio, 2),
             "context",
             None,

@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
-from . import capture, rowprint
+from . import capture, passplan, rowprint
 from . import format as fmt
 from .config import HOOKED_MODES, ConfigError, DumperConfig, check_exp_name, compile_filter, parse_positions
 from .graphs import GraphDumps, capturing
@@ -95,6 +95,7 @@ class Dumper:
         # (module path, call index) -> (call name, its first input's name, its first output's):
         # the same few hundred names every step, formatted once
         self._call_names: Dict[tuple, tuple] = {}
+        self._plans = passplan.Plans()  # fingerprint passes that repeat a traced one's calls
         self._wrap_root()
         self._announce()
 
@@ -328,16 +329,31 @@ class Dumper:
         self._fill_prefixes(info, exp_dir)
         kept = info.kept_rows(parse_positions(cfg.positions), cfg.last_rows)
         carried, every = cfg.row_prints()
-        self._pass = PassState(info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None, every)
+        current = self._pass = PassState(
+            info, kept, exp_dir, cfg.non_intrusive_mode, PassPrints() if carried else None, every
+        )
         if cfg.non_intrusive_mode in HOOKED_MODES:
             if self._hooked_filter != cfg.filter:
                 self._detach_hooks()
                 self._attach_hooks(cfg.filter)
+            if cfg.non_intrusive_mode == "fingerprint" and kept is None:
+                self._plan_pass(current, (cfg.filter, every))
             if compile_filter(cfg.filter)(fmt.ROOT_PATH, type(self.model).__name__):
                 self._pre(self.model, args, kwargs)
         else:
             self._detach_hooks()
         return True
+
+    def _plan_pass(self, current: PassState, settings: tuple) -> None:
+        """Have the pass follow the plan of its structure (passplan.py), or be traced to make one:
+        the settings and the token layout a tensor's metadata depends on beside its shape."""
+        info = current.info
+        key = current.plan_key = settings + (tuple(info.token_shape), len(info.ids), len(info.last_rows))
+        plan = self._plans.find(key)
+        if plan is not None:
+            plan.start(current)
+        elif self._plans.tracing(key):
+            current.trace = passplan.Trace()
 
     def _fill_prefixes(self, info: PassInfo, exp_dir: str) -> None:
         """Record a sequence's earlier token ids when this dump does not hold them already
@@ -352,29 +368,39 @@ class Dumper:
 
     def _end_pass(self, output) -> None:
         current = self._pass
-        if current.mode in HOOKED_MODES and any(c.module == "" for c in current.nesting):
+        plan = current.plan
+        if plan is not None:
+            if plan.next_is_post_of(current, self.model):
+                self._post(self.model, (), {}, output)
+            if current.plan is not None and current.plan_at < plan.count:  # calls the plan has left
+                self._leave_plan(current)
+        if current.mode in HOOKED_MODES and current.plan is None and any(c.module == "" for c in current.nesting):
             self._post(self.model, (), {}, output)
         self.adapter.after_pass(self.model, current.info, output)
         self._pass = self._pass_thread = None
         exp_dir = current.exp_dir
         meta = current.info.to_meta()
-        meta.update(
-            step=self.step,
-            rank=self.rank,
-            calls=[c.to_meta() for c in current.calls],
-            kept_rows=current.kept_rows,
-            dump_mode=current.mode,
-        )
+        calls = current.plan.calls_meta if current.plan is not None else [c.to_meta() for c in current.calls]
+        meta.update(step=self.step, rank=self.rank, calls=calls, kept_rows=current.kept_rows, dump_mode=current.mode)
+        trace = current.trace
         if current.prints is not None:
+            if current.plan is not None:
+                current.plan.finish(current)
+                self._plans.followed += 1
+            elif trace is not None and current.prints.worked:  # rows printed mid-pass: too large a pass to plan
+                trace = None
             table = current.prints.finish()
             if table is not None:
                 current.tensors[fmt.ROWPRINTS_TENSOR] = table
                 current.cuda_used |= current.prints.on_cuda
                 meta["rowprint"] = rowprint.VERSION
+        if trace is not None and trace.ok:
+            self._plans.add(current.plan_key, trace, calls)
         ready = None
         if current.cuda_used:
             ready = torch.cuda.Event()
             ready.record()
+            self._plans.pool.read_by = ready
         self._writer.write_run_info(exp_dir, self._run_info)
         cleanup = exp_dir in self._cleanup_pending
         self._cleanup_pending.discard(exp_dir)
@@ -464,16 +490,27 @@ class Dumper:
             handle.remove()
         self._hook_handles.clear()
         self._hooked_filter = None
+        self._plans.clear()
+
+    def _leave_plan(self, current: PassState) -> None:
+        """The pass differs from its plan at the plan's next event: on with the general hooks."""
+        current.plan.leave(current)
+        self._plans.missed(current.plan_key)
 
     def _pre(self, module, args, kwargs) -> None:
         current = self._pass
         if current is None or self._pass_thread != threading.get_ident():
             return
+        path = None
         if module in self._shared:
             path = self._name_of(current, module)  # under the innermost open holder
             if not self._selected(path, type(module).__name__):  # hooked for another of its names
                 return
-        else:
+        if current.plan is not None:
+            if current.plan.pre(current, module, path, args, kwargs):
+                return
+            self._leave_plan(current)
+        if path is None:
             path = self._paths.get(module, "")
         index = current.counts.get(path, 0)
         current.counts[path] = index + 1
@@ -490,14 +527,23 @@ class Dumper:
         current.calls.append(call)
         current.nesting.append(call)
         if not kwargs and len(args) == 1 and type(args[0]) in capture.PLAIN_TENSORS:  # most calls: one tensor
+            if current.trace is not None:
+                current.trace.event(False, module, path, call)
             self._capture_tensor(current, call, names[1], args[0])
         else:
-            self._capture(current, call, "in", capture.call_inputs(args, kwargs))
+            leaves = capture.call_inputs(args, kwargs)
+            if current.trace is not None:
+                current.trace.event(False, module, path, call, leaves)
+            self._capture(current, call, "in", leaves)
 
     def _post(self, module, args, kwargs, output) -> None:
         current = self._pass
         if current is None or self._pass_thread != threading.get_ident():
             return
+        if current.plan is not None:
+            if current.plan.post(current, module, output):
+                return
+            self._leave_plan(current)
         # its innermost open call, under whichever of its names its pre-hook chose: the last one
         # open, unless a call inside it ended without its post-hook
         nesting = current.nesting
@@ -512,35 +558,54 @@ class Dumper:
         call.post = current.order
         current.order += 1
         if type(output) in capture.PLAIN_TENSORS:  # most calls: one tensor
+            if current.trace is not None:
+                current.trace.event(True, module, None, call)
             self._capture_tensor(current, call, call.names[2], output)
         else:
-            self._capture(current, call, "out", capture.call_outputs(output))
+            leaves = capture.call_outputs(output)
+            if current.trace is not None:
+                current.trace.event(True, module, None, call, leaves)
+            self._capture(current, call, "out", leaves)
 
     def _capture(self, current: PassState, call: Call, io: str, leaves) -> None:
+        trace = current.trace
         for slot, value in leaves:
             if isinstance(value, torch.Tensor):
                 self._capture_tensor(current, call, fmt.tensor_name(call.name, io, slot), value)
             elif isinstance(value, capture.JSON_SCALARS):
-                call.values[f"{io}.{slot}"] = value if not isinstance(value, float) or value == value else str(value)
+                key = f"{io}.{slot}"
+                stored = call.values[key] = value if not isinstance(value, float) or value == value else str(value)
+                if trace is not None:
+                    trace.value(key, value, stored)
             else:
-                call.skipped[f"{io}.{slot}"] = type(value).__name__
+                key = f"{io}.{slot}"
+                said = call.skipped[key] = type(value).__name__
+                if trace is not None:
+                    trace.other(key, value, said)
 
     def _capture_tensor(self, current: PassState, call: Call, name: str, tensor: torch.Tensor) -> None:
         # Runs for every tensor of every hooked call (hundreds a decode step, on the model's
         # thread): what depends on the shape alone is worked out once per pass (capture.Layout).
+        trace = current.trace  # passplan.py: how each tensor is handled, when this pass is traced
         seen_object = current.seen_objects.get(id(tensor))
         if seen_object is not None:  # half a step's tensors: the very object an earlier call passed on
             ref, key, meta = seen_object
             if ref() is tensor and key == capture.storage_key(tensor):  # unchanged since
                 call.tensors[name] = meta  # an alias of its first capture
+                if trace is not None:
+                    trace.alias(name, meta, tensor, True, None)
                 return
         if type(tensor) not in capture.PLAIN_TENSORS:  # a wrapper (DTensor, torchao): no plain storage
-            call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
+            said = call.skipped[name] = f"tensor subclass {type(tensor).__name__}"
+            if trace is not None:
+                trace.other(name, tensor, said)
             return
         dtype = tensor.dtype
         stored = _STORED.get(dtype)
         if stored is None or tensor.layout != torch.strided or tensor.is_meta:
-            call.skipped[name] = f"tensor layout={tensor.layout} dtype={dtype} device={tensor.device}"
+            said = call.skipped[name] = f"tensor layout={tensor.layout} dtype={dtype} device={tensor.device}"
+            if trace is not None:
+                trace.other(name, tensor, said, (dtype, tensor.layout, tensor.device))
             return
         if current.recording is not None and not tensor.is_cuda and capturing():
             # a graph replays device work only: a slot would keep the capture's values forever
@@ -554,7 +619,8 @@ class Dumper:
             shifted = self._rows_not_aligned(call.cls, name)
             if shifted:
                 layout = capture.Layout(shape, None, None, shifted)
-        held_as = None
+        held_as = per_token = None
+        given = tensor
         if layout.dims is None:
             per_token = capture.rows_per_token(shape, current.info.token_shape, call.cls)
             if per_token:  # stored as [T, k, ...] (a view): one row per token row, like any other tensor
@@ -571,6 +637,8 @@ class Dumper:
         if alias is not None and ref() is not None:
             meta["alias"] = alias
             call.tensors[name] = meta
+            if trace is not None:
+                trace.alias(name, meta, given, False, per_token)
             return
         # The weak reference proves the first tensor is still alive: a freed tensor's memory can
         # be handed to a new tensor of the same shape, which must not pass for the old one.
@@ -589,8 +657,11 @@ class Dumper:
         elif current.kept_index is not None and layout.dims is not None:
             meta["selected"] = False  # one row per sequence: small, kept whole
         call.tensors[name] = meta
+        staged = None
         if current.prints is not None and (current.print_host_tensors or data.is_cuda):
-            self._stage_print(current, meta, data, layout)
+            staged = self._stage_print(current, meta, data, layout)
+        if trace is not None:
+            trace.new(name, meta, given, per_token, layout, staged)
         if current.mode != "fingerprint":
             if current.recording is not None:  # captured into a CUDA graph: a static slot, no host copy
                 current.recording.record(name, data)
@@ -602,11 +673,10 @@ class Dumper:
         tensor's rows (analyzer/index/rowplan.py): selected rows as they are, token dims flattened to the
         front, or the whole tensor as one row where it has none or their count is not the pass's."""
         if meta.get("selected"):
-            current.prints.add(meta, rowprint.as_rows(data, [0]))
-        elif layout.print_shape is None:
-            current.prints.add(meta, rowprint.as_rows(data, layout.print_dims))
-        else:  # token dims already leading: the rows are data.reshape(print_shape)
-            current.prints.add(meta, data, layout.print_shape)
+            return current.prints.add(meta, rowprint.as_rows(data, [0]))
+        if layout.print_shape is None:
+            return current.prints.add(meta, rowprint.as_rows(data, layout.print_dims))
+        return current.prints.add(meta, data, layout.print_shape)  # token dims leading: data.reshape(print_shape)
 
     def _copy_off(self, current: PassState, tensor: torch.Tensor, fresh: bool = False) -> torch.Tensor:
         """A private host copy of ``tensor``; ``fresh``: it is already a private copy (selected rows)."""

@@ -39,7 +39,10 @@ class MetaJson:
         previous, now, parts = self._previous, {}, []
         for call in calls:  # each a dict named by its "call" (passstate.Call.to_meta)
             found = previous.get(call["call"])
-            same = found is not None and found[0] == call and _same_scalars(found[0].get("values"), call.get("values"))
+            same = found is not None and (
+                found[0] is call  # a planned pass's call is the traced pass's own (passplan.py)
+                or (found[0] == call and _same_scalars(found[0].get("values"), call.get("values")))
+            )
             text = found[1] if same else _escape(json.dumps(call, separators=_COMPACT))
             now[call["call"]] = (call, text)
             parts.append(text)

@@ -51,7 +51,8 @@ class PassPrints:
         """Stage a tensor's [n, width] rows: ``rows`` itself, or with ``shape`` (n, width)
         ``rows.reshape(shape)`` (not made where the bytes are copied as they lie).
         ``meta["print"]`` becomes [first row, n] of the pass's fingerprint table when they are
-        worked on. Called once per captured tensor: kept short."""
+        worked on. Returns the rows' (device, element type, width) and their count. Called once
+        per captured tensor: kept short."""
         n, width = rows.shape if shape is None else shape
         key = (rows.device, rows.dtype, width)
         blocks = self._blocks.get(key)
@@ -68,6 +69,25 @@ class PassPrints:
         self._staged += nbytes
         if self._staged > self.stage_bytes:
             self._work()
+        return key, n
+
+    @property
+    def worked(self) -> bool:
+        """Whether rows were printed before the pass's end (its staged bytes outgrew stage_bytes)."""
+        return bool(self._pieces)
+
+    def take_rows(self, sections: Dict[tuple, tuple], owners: Optional[dict] = None) -> None:
+        """Rows staged elsewhere (passplan.py), into a pass that has staged none: per (device,
+        element type, width) key, a tensor whose first ``used`` rows hold them; ``owners``: per
+        key, the (tensor metadata, first row, rows) whose prints are to be placed."""
+        for key, (rows, used) in sections.items():
+            block = _Block(rows)
+            block.used = used
+            if owners:
+                block.owners = owners[key]
+            self._blocks[key] = [block]
+            self._staged += used * block.row_bytes
+            self.on_cuda |= key[0].type == "cuda"
 
     def _new_block(self, key: tuple, n: int) -> _Block:
         """A block for rows of ``key`` (device, element type, width) with room for ``n`` of them."""
@@ -81,7 +101,7 @@ class PassPrints:
     def _work(self):
         """Fingerprint every staged row; the blocks are then free for more."""
         kernel = _rowkernel() if self.on_cuda else None
-        full = [block for blocks in self._blocks.values() for block in blocks if block.owners]
+        full = [block for blocks in self._blocks.values() for block in blocks if block.used or block.owners]
         if not (kernel is not None and self._work_grouped(kernel, full)):
             for block in full:
                 if block.used:

@@ -72,6 +72,13 @@ class PassState:
         self.layouts: Dict[torch.Size, Layout] = {}  # by tensor shape: what a shape alone decides
         self.cuda_used = False
         self.recording = None  # an arena.Layout while the pass is captured into a CUDA graph
+        # passplan.py: the plan this pass follows (None: the general hooks), the index of its
+        # next event, and the tensors kept for its aliases' checks; or the trace making one
+        self.plan = None
+        self.plan_at = 0
+        self.plan_kept: Optional[list] = None
+        self.plan_key: Optional[tuple] = None
+        self.trace = None
 
     def layout(self, shape, found: Optional[tuple] = None) -> Layout:
         """A tensor shape's Layout in this pass; ``found``: its (token dims, rows, why), when
