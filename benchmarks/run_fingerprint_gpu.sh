@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # (dumpdiff installed: pip install -e .)
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$out/device.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_rowprint.py tests/test_rowkernel.py tests/test_rawcopy.py \
-  tests/test_fingerprint_mode.py -k "cuda or rowprint or gpu or graph or raw or driver" \
+  tests/test_passplan.py tests/test_fingerprint_mode.py -k "cuda or rowprint or gpu or graph or raw or driver" \
   2>&1 | tail -15 | tee "$out/tests.txt"
 python3 benchmarks/bench_fingerprint.py --device cuda --model 8b --batch 8 --prompt 128 --steps 32 --rounds 3 \
   --skip all,index --prefill 2000 --out "$out/decode-8b.json" 2>&1 | grep -v Warning | tee "$out/decode-8b.log"

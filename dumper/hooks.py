@@ -169,6 +169,7 @@ class Dumper:
             "passes_dumped": self.passes_dumped,
             "bytes_written": self._writer.bytes_written,
             "passes_written": self._writer.passes_written,
+            "passes_planned": self._plans.followed,  # fingerprint passes that followed a plan (passplan.py)
             "stopped": self._writer.stopped_reason,
             "engine": self.adapter.engine,
         }

@@ -34,8 +34,8 @@ def dump_run(server, prompt, name, *settings, new_tokens=6):
     ctl(server, f"exp_name=ref{name}")
     server.flush_cache()
     server.generate([prompt + result["output_ids"]], max_new_tokens=0)
-    ctl(server, "enable=false")
-    return result
+    state = ctl(server, "enable=false")
+    return result, state
 
 
 def test_fingerprint_dump_of_the_sglang_server_names_the_planted_call(sglang, model_dir, tmp_path):
@@ -52,8 +52,10 @@ def test_fingerprint_dump_of_the_sglang_server_names_the_planted_call(sglang, mo
         extra_args=["--dtype", "bfloat16"],
     )
     prompt = prompt_ids(20, seed=3)[0].tolist()
-    fp_run = dump_run(server, prompt, "-fp")
-    full_run = dump_run(server, prompt, "-full", "non_intrusive_mode=all")
+    fp_run, fp_state = dump_run(server, prompt, "-fp")
+    # decode steps after the first follow its plan (dumper/passplan.py) in the engine too
+    assert fp_state[0]["passes_planned"] >= 3
+    full_run, _ = dump_run(server, prompt, "-full", "non_intrusive_mode=all")
     assert fp_run["output_ids"] == full_run["output_ids"]
     code, fp = first_divergence_json(dumps / "ref-fp", dumps / "dec-fp")
     assert code == 1
