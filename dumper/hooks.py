@@ -387,7 +387,7 @@ class Dumper:
         if current.prints is not None:
             if current.plan is not None:
                 current.plan.finish(current)
-                self._plans.followed += 1
+                self._plans.followed_to_the_end(current.plan_key)
             elif trace is not None and current.prints.worked:  # rows printed mid-pass: too large a pass to plan
                 trace = None
             table = current.prints.finish()
@@ -397,11 +397,12 @@ class Dumper:
                 meta["rowprint"] = rowprint.VERSION
         if trace is not None and trace.ok:
             self._plans.add(current.plan_key, trace, calls)
+        if current.plan_pool is not None:  # its print kernels, queued by now, read the pool
+            current.plan_pool.read()
         ready = None
         if current.cuda_used:
             ready = torch.cuda.Event()
             ready.record()
-            self._plans.pool.read_by = ready
         self._writer.write_run_info(exp_dir, self._run_info)
         cleanup = exp_dir in self._cleanup_pending
         self._cleanup_pending.discard(exp_dir)
@@ -506,6 +507,8 @@ class Dumper:
         if module in self._shared:
             path = self._name_of(current, module)  # under the innermost open holder
             if not self._selected(path, type(module).__name__):  # hooked for another of its names
+                if current.plan is not None:  # its post-hook must not take it for the plan's next event
+                    current.plan_unopened[module] = current.plan_unopened.get(module, 0) + 1
                 return
         if current.plan is not None:
             if current.plan.pre(current, module, path, args, kwargs):
@@ -543,6 +546,9 @@ class Dumper:
             return
         if current.plan is not None:
             if current.plan.post(current, module, output):
+                return
+            if current.plan_unopened.get(module):  # a call its pre-hook did not open
+                current.plan_unopened[module] -= 1
                 return
             self._leave_plan(current)
         # its innermost open call, under whichever of its names its pre-hook chose: the last one
@@ -662,7 +668,8 @@ class Dumper:
         if current.prints is not None and (current.print_host_tensors or data.is_cuda):
             staged = self._stage_print(current, meta, data, layout)
         if trace is not None:
-            trace.new(name, meta, given, per_token, layout, staged)
+            by_object = layout.dims is not None and held_as is None and self._rows_not_aligned is None
+            trace.new(name, meta, given, per_token, layout, staged, by_object)
         if current.mode != "fingerprint":
             if current.recording is not None:  # captured into a CUDA graph: a static slot, no host copy
                 current.recording.record(name, data)

@@ -11,12 +11,15 @@ copies each new tensor's rows to the place the trace fixed, and does nothing mor
 metadata is the trace's own (the same dicts, never changed after, so the writer sees equal calls
 at once); its prints are computed from its own copies when it ends, as in any pass.
 
-At the first difference the pass leaves its plan: the calls so far are rebuilt as the general
-hooks would have recorded them, with their staged rows, and the general hooks go on from there.
-The plan is dropped and the next pass of that structure is traced again; a structure that keeps
-changing (experts chosen per token) stops being planned after a few misses. A tensor staged under
-the plan is not known to the general hooks as an earlier capture, so a later capture of it is
-stored again instead of as an alias: its rows print the same.
+A structure is traced the second time it is met (a prefill's, met once, is never planned). A
+pass following a plan also keeps each new tensor's address and version, as the general hooks keep
+its storage key: a tensor the general hooks would take for an earlier capture (the same storage
+and version) is an alias there, so where the trace stored it the pass leaves the plan.
+
+At the first difference the pass leaves its plan: the calls so far, their staged rows and the
+captures an alias may name are rebuilt as the general hooks would have made them, and the general
+hooks go on from there. The plan is dropped and the structure traced again; one whose passes keep
+differing (experts chosen per token) is not planned again until its misses are forgotten.
 
 Every plan stages into one pool of rows per (device, element type, row width), as large as the
 largest plan needs: a plan's copies go to fixed addresses, and one pass runs at a time.
@@ -35,7 +38,9 @@ from .passstate import Call
 
 PLANS = True  # False: every pass takes the general hooks (tests and benchmarks compare the two)
 MOST_PLANS = 32  # structures planned at once (one per batch shape seen lately)
-MOST_MISSES = 3  # a structure whose plan missed this often is no longer planned
+MOST_MISSES = 3  # a structure whose plan missed this often is no longer planned ...
+FORGIVEN_AFTER = 64  # ... until a plan of it has been followed this many passes in a row
+MOST_KEYS = 1024  # structures whose sightings and misses are counted (then counting starts again)
 _PLAIN = capture.PLAIN_TENSORS
 
 
@@ -48,8 +53,10 @@ class _Value:
         self.key, self.raw, self.stored = key, raw, stored
 
     def follow(self, current, value) -> bool:
-        raw = self.raw  # 1 == 1.0 == True and 0.0 == -0.0, but their JSON differs
-        return type(value) is type(raw) and value == raw and (type(raw) is not float or repr(value) == repr(raw))
+        raw = self.raw  # 1 == 1.0 == True and 0.0 == -0.0 and NaN != NaN, but the JSON tells them apart
+        if type(value) is not type(raw):
+            return False
+        return repr(value) == repr(raw) if isinstance(raw, float) else value == raw
 
     def rebuild(self, call: Call, owners: dict) -> None:
         call.values[self.key] = self.stored
@@ -80,26 +87,31 @@ class _Alias:
     __slots__ = ("name", "meta", "source", "same_object", "type", "per_token")
 
     def __init__(self, name, meta, source, same_object, value, per_token):
+        # source: the index of the new tensor it names among the plan's new tensors
         self.name, self.meta, self.source, self.same_object = name, meta, source, same_object
         self.type, self.per_token = type(value), per_token
 
     def follow(self, current, value) -> bool:
-        kept = current.plan_kept[self.source]
-        if kept is None or kept[1] is None:
+        seen = current.plan_seen[self.source]
+        if seen is None:  # an inference tensor (no version: never an alias), or not captured
             return False
-        ref, key = kept
+        _, ref, address, version = seen
         if self.same_object:
-            return ref() is value and capture.storage_key(value) == key
-        if type(value) is not self.type or ref() is None:
+            return ref() is value and value._version == version and value.data_ptr() == address
+        if type(value) is not self.type:
             return False
         if self.per_token is not None:
-            if value.dim() == 0 or value.shape[0] % self.per_token:
-                return False
             value = value.unflatten(0, (-1, self.per_token))
-        return capture.storage_key(value) == key
+        earlier = ref()
+        return earlier is not None and capture.storage_key(value) == _key_of(earlier, address, version)
 
     def rebuild(self, call: Call, owners: dict) -> None:
         call.tensors[self.name] = dict(self.meta)
+
+
+def _key_of(tensor, address, version):
+    """capture.storage_key of ``tensor`` as it was captured (at ``address``, ``version``)."""
+    return (tensor.device, address, tensor.shape, tensor.stride(), tensor.dtype, version)
 
 
 class _New:
@@ -108,6 +120,8 @@ class _New:
     __slots__ = (
         "name",
         "meta",
+        "index",
+        "by_object",
         "type",
         "shape",
         "dtype",
@@ -120,18 +134,18 @@ class _New:
         "n",
         "nbytes",
         "address",
-        "rows",
-        "keep",
     )
 
-    def __init__(self, name, meta, value, per_token, layout, key, first, n):
-        self.name, self.meta, self.per_token = name, meta, per_token
+    def __init__(self, name, meta, index, by_object, value, per_token, layout, key, first, n):
+        # index: its place among the plan's new tensors; by_object: whether the general hooks
+        # also know it by its identity (a later capture of the same object, unchanged, aliases it)
+        self.name, self.meta, self.index, self.by_object = name, meta, index, by_object
         self.type, self.shape, self.dtype, self.device = type(value), value.shape, value.dtype, value.device
+        self.per_token = per_token
         self.print_shape, self.print_dims = layout.print_shape, layout.print_dims
         self.key, self.first, self.n = key, first, n
         self.nbytes = n * key[2] * key[1].itemsize
-        self.address, self.rows = 0, None  # in the pool: set by Plan.prepare
-        self.keep: Optional[int] = None  # the slot keeping it for a later alias's check
+        self.address = 0  # of its first row in the pool: set by Plan.start
 
     def follow(self, current, value) -> bool:
         if (
@@ -142,17 +156,38 @@ class _New:
         ):
             return False
         data = value if self.per_token is None else value.unflatten(0, (-1, self.per_token))
-        if self.keep is not None:
-            current.plan_kept[self.keep] = (weakref.ref(data), capture.storage_key(data))
+        if not data.is_inference():  # the general hooks' storage key, in parts
+            address, version = data.data_ptr(), data._version
+            same_address = current.plan_addresses.get(address)
+            if same_address is not None and _known(same_address, data, version):
+                return False  # the general hooks would store an alias here
+            seen = current.plan_seen[self.index] = (self, weakref.ref(data), address, version)
+            if same_address is None:
+                current.plan_addresses[address] = [seen]
+            else:
+                same_address.append(seen)
         # the rows as the general hooks stage them (PassPrints.add)
         rows = data if self.print_shape is not None else rowprint.as_rows(data, self.print_dims)
         if not (current.prints.raw_copies and rawcopy.copy_rows(self.address, rows, self.nbytes)):
-            self.rows.copy_(rows if self.print_shape is None else rows.reshape(self.print_shape))
+            staged = current.plan.pool.tensors[self.key][self.first : self.first + self.n]
+            staged.copy_(rows if self.print_shape is None else rows.reshape(self.print_shape))
         return True
 
     def rebuild(self, call: Call, owners: dict) -> None:
         meta = call.tensors[self.name] = dict(self.meta)
         owners.setdefault(self.key, []).append((meta, self.first, self.n))
+
+
+def _known(same_address: list, data, version) -> bool:
+    """Whether a tensor captured earlier in the pass, still alive, has ``data``'s storage key."""
+    key = None
+    for _, ref, address, earlier_version in same_address:
+        earlier = ref()
+        if earlier is not None and earlier_version == version:
+            key = key or capture.storage_key(data)
+            if _key_of(earlier, address, earlier_version) == key:
+                return True
+    return False
 
 
 class _Event:
@@ -174,7 +209,6 @@ class Trace:
         self.events: List[_Event] = []
         self.ok = True  # False: something happened that a plan does not follow
         self.rows: Dict[tuple, int] = {}  # staged rows per (device, element type, width), first-staged order
-        self.kept = 0
         self._new: Dict[str, _New] = {}  # by tensor name, for the aliases naming them
 
     def event(self, post: bool, module, path, call: Call, leaves=None) -> None:
@@ -191,11 +225,9 @@ class Trace:
         if source is None:
             self.ok = False
             return
-        if source.keep is None:
-            source.keep, self.kept = self.kept, self.kept + 1
-        self.events[-1].steps.append(_Alias(name, meta, source.keep, same_object, value, per_token))
+        self.events[-1].steps.append(_Alias(name, meta, source.index, same_object, value, per_token))
 
-    def new(self, name: str, meta: dict, value, per_token, layout, staged) -> None:
+    def new(self, name: str, meta: dict, value, per_token, layout, staged, by_object: bool) -> None:
         """``staged``: (the rows' (device, element type, width), their count) from PassPrints.add."""
         if staged is None:  # not staged: only mode fingerprint is planned, where every tensor is
             self.ok = False
@@ -203,8 +235,13 @@ class Trace:
         key, n = staged
         first = self.rows.get(key, 0)
         self.rows[key] = first + n
-        step = self._new[name] = _New(name, meta, value, per_token, layout, key, first, n)
+        step = _New(name, meta, len(self._new), by_object, value, per_token, layout, key, first, n)
+        self._new[name] = step
         self.events[-1].steps.append(step)
+
+    @property
+    def new_count(self) -> int:
+        return len(self._new)
 
 
 class Plan:
@@ -215,8 +252,8 @@ class Plan:
         self.count = len(self.events)
         self.calls_meta = calls_meta  # the traced pass's, as written: never changed after
         self.rows = dict(trace.rows)
-        self.kept = trace.kept
-        self.on_cuda = any(key[0].type == "cuda" for key in self.rows)
+        self.new_count = trace.new_count
+        self.devices = {key[0] for key in self.rows if key[0].type == "cuda"}
         self.pool = pool
         self._new = [step for event in self.events for step in event.steps if type(step) is _New]
         self._generation = -1
@@ -228,13 +265,12 @@ class Plan:
         pool = self.pool
         if self._generation != pool.generation:  # a pool tensor was replaced: new addresses
             for step in self._new:
-                rows = pool.tensors[step.key][step.first : step.first + step.n]
-                step.rows, step.address = rows, rows.data_ptr()
+                device, dtype, width = step.key
+                step.address = pool.tensors[step.key].data_ptr() + step.first * width * dtype.itemsize
             self._generation = pool.generation
-        if self.on_cuda and pool.read_by is not None:
-            # the last pass's print kernels read the pool on the stream current then
-            torch.cuda.current_stream().wait_event(pool.read_by)
-        current.plan, current.plan_at, current.plan_kept = self, 0, [None] * self.kept
+        pool.wait(self.devices)
+        current.plan, current.plan_at, current.plan_pool = self, 0, pool
+        current.plan_seen, current.plan_addresses, current.plan_unopened = [None] * self.new_count, {}, {}
 
     def pre(self, current, module, path, args, kwargs) -> bool:
         """Follow the plan's next event, the start of a call of ``module`` (``path``: its name, for
@@ -284,7 +320,9 @@ class Plan:
         current.prints.take_rows({key: (self.pool.tensors[key], rows) for key, rows in self.rows.items()})
 
     def leave(self, current) -> None:
-        """The state the general hooks would have made of the events followed so far."""
+        """The state the general hooks would have made of the events followed so far: the calls,
+        the staged rows and their owners, and the captures a later alias may name (those of a
+        partly followed event are captured again)."""
         made: Dict[int, Call] = {}
         calls, nesting, counts, owners = [], [], {}, {}
         for event in self.events[: current.plan_at]:
@@ -302,12 +340,29 @@ class Plan:
                 counts[template.module] = counts.get(template.module, 0) + 1
             for step in event.steps:
                 step.rebuild(call, owners)
+                if type(step) is _New:
+                    _known_again(current, current.plan_seen[step.index])
         current.calls, current.nesting, current.counts, current.order = calls, nesting, counts, current.plan_at
         current.prints.take_rows(
             {key: (self.pool.tensors[key], max(first + n for _, first, n in rows)) for key, rows in owners.items()},
             owners,
         )
         current.plan = None
+
+
+def _known_again(current, seen) -> None:
+    """A new tensor followed under the plan, registered as the general hooks register it."""
+    if seen is None:  # an inference tensor: the general hooks keep no key for it
+        return
+    step, ref, address, version = seen
+    tensor = ref()
+    if tensor is None:  # freed: nothing can alias it any more
+        return
+    key = _key_of(tensor, address, version)
+    current.seen[key] = (step.name, ref)
+    if step.by_object:  # the metadata as it was at capture, before its print range was set
+        meta = {field: value for field, value in step.meta.items() if field != "print"}
+        current.seen_objects[id(tensor)] = (ref, key, dict(meta, alias=step.name))
 
 
 def _follow(current, event: _Event, leaves: list) -> bool:
@@ -327,14 +382,29 @@ class _Pool:
     def __init__(self) -> None:
         self.tensors: Dict[tuple, torch.Tensor] = {}
         self.generation = 0
-        self.read_by = None  # a CUDA event recorded after the last pass's print kernels were queued
+        self._read_by: Dict[torch.device, object] = {}  # per GPU: an event after the last prints that read the pool
 
     def ensure(self, key: tuple, rows: int) -> None:
         have = self.tensors.get(key)
         if have is None or have.shape[0] < rows:
             device, dtype, width = key
-            self.tensors[key] = torch.empty((rows, width), dtype=dtype, device=device)
+            with torch.inference_mode(False):  # written by passes in and out of inference mode
+                self.tensors[key] = torch.empty((rows, width), dtype=dtype, device=device)
             self.generation += 1
+
+    def wait(self, devices) -> None:
+        """Order a pass's copies into the pool after the last pass's print kernels, whatever
+        stream each ran on."""
+        for device in devices:
+            event = self._read_by.get(device)
+            if event is not None:
+                torch.cuda.current_stream(device).wait_event(event)
+
+    def read(self) -> None:
+        """A pass's print kernels reading the pool have been queued on its GPUs' current streams."""
+        for device in {key[0] for key in self.tensors if key[0].type == "cuda"}:
+            event = self._read_by[device] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
 
 
 class Plans:
@@ -342,16 +412,20 @@ class Plans:
 
     def __init__(self) -> None:
         self._plans: "OrderedDict[tuple, Plan]" = OrderedDict()
+        self._sightings: Dict[tuple, int] = {}
         self._misses: Dict[tuple, int] = {}
+        self._streaks: Dict[tuple, int] = {}  # passes in a row that followed the structure's plan
         self.pool = _Pool()
         self.followed = 0  # passes that followed a plan to their end
         self.left = 0  # passes that left their plan
 
     def clear(self) -> None:
         """Forget every plan and free the pool (dumping stopped, or its hooks changed)."""
-        if self._plans or self._misses or self.pool.tensors:
+        if self._plans or self._sightings or self.pool.tensors:
             self._plans.clear()
+            self._sightings.clear()
             self._misses.clear()
+            self._streaks.clear()
             self.pool = _Pool()
 
     def find(self, key: tuple) -> Optional[Plan]:
@@ -361,15 +435,34 @@ class Plans:
         return plan
 
     def tracing(self, key: tuple) -> bool:
-        """Whether a pass of this structure, without a plan, is traced to make one."""
-        return PLANS and self._misses.get(key, 0) < MOST_MISSES
+        """Whether a pass of this structure, without a plan, is traced to make one: from the
+        second time it is met, while its plans have not missed too often."""
+        if not PLANS:
+            return False
+        if len(self._sightings) >= MOST_KEYS:
+            self._sightings.clear()
+            self._misses.clear()
+            self._streaks.clear()
+        met = self._sightings[key] = self._sightings.get(key, 0) + 1
+        return met >= 2 and self._misses.get(key, 0) < MOST_MISSES
 
     def add(self, key: tuple, trace: Trace, calls_meta: list) -> None:
-        self._plans[key] = Plan(trace, calls_meta, self.pool)
+        try:
+            self._plans[key] = Plan(trace, calls_meta, self.pool)
+        except Exception:  # noqa: BLE001 - no memory for the pool: the general hooks go on
+            self._misses[key] = MOST_MISSES
+            return
         while len(self._plans) > MOST_PLANS:
             self._plans.popitem(last=False)
+
+    def followed_to_the_end(self, key: tuple) -> None:
+        self.followed += 1
+        streak = self._streaks[key] = self._streaks.get(key, 0) + 1
+        if streak >= FORGIVEN_AFTER:
+            self._misses.pop(key, None)
 
     def missed(self, key: tuple) -> None:
         self.left += 1
         self._plans.pop(key, None)
+        self._streaks.pop(key, None)
         self._misses[key] = self._misses.get(key, 0) + 1

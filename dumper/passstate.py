@@ -72,11 +72,16 @@ class PassState:
         self.layouts: Dict[torch.Size, Layout] = {}  # by tensor shape: what a shape alone decides
         self.cuda_used = False
         self.recording = None  # an arena.Layout while the pass is captured into a CUDA graph
-        # passplan.py: the plan this pass follows (None: the general hooks), the index of its
-        # next event, and the tensors kept for its aliases' checks; or the trace making one
+        # passplan.py: the plan this pass follows (None: the general hooks, also after leaving
+        # it), the index of its next event, the pool its rows are staged in, its new tensors
+        # (in the plan's order, and by address), the shared modules' calls not selected; or the
+        # trace making a plan
         self.plan = None
         self.plan_at = 0
-        self.plan_kept: Optional[list] = None
+        self.plan_pool = None
+        self.plan_seen: Optional[list] = None
+        self.plan_addresses: Optional[dict] = None
+        self.plan_unopened: Optional[dict] = None
         self.plan_key: Optional[tuple] = None
         self.trace = None
 

@@ -6,9 +6,9 @@ the general hooks give it."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -30,14 +30,26 @@ def llama_dir(tmp_path_factory):
 def _dump(model, root, name, plans, monkeypatch, device):
     """A fingerprint dump of one batch-2 generate; the passes as (metadata, print table), and the
     dumper's plan counters (followed, left)."""
-    monkeypatch.setattr(passplan, "PLANS", plans)
     prompt = torch.cat([prompt_ids(12), prompt_ids(12, seed=1)]).to(device)
-    config = dumper.DumperConfig(dir=str(root), cleanup_previous=True, non_intrusive_mode="fingerprint")
+
+    def generate():
+        model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+    passes, counters = _dumped(model, root, name, plans, monkeypatch, generate)
+    assert len(passes) == NEW_TOKENS
+    return passes, counters
+
+
+def _dumped(model, root, name, plans, monkeypatch, run, **config):
+    """The passes ``run()`` dumps in mode fingerprint, as (metadata JSON text, print table), and the
+    dumper's plan counters (followed, left)."""
+    monkeypatch.setattr(passplan, "PLANS", plans)
+    config = dumper.DumperConfig(dir=str(root), cleanup_previous=True, non_intrusive_mode="fingerprint", **config)
     handle = dumper.install(model, config)
     try:
         with torch.no_grad():
             handle.configure(enable=True, exp_name=name)
-            model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+            run()
         handle.flush()
         counters = (handle._plans.followed, handle._plans.left)
     finally:
@@ -45,29 +57,15 @@ def _dump(model, root, name, plans, monkeypatch, device):
     passes = []
     for path in sorted(glob.glob(os.path.join(root, name, "*", "pass-*.safetensors"))):
         with safe_open(path, "pt") as f:
-            passes.append((json.loads(f.metadata()[fmt.PASS_META_KEY]), f.get_tensor(fmt.ROWPRINTS_TENSOR)))
-    assert len(passes) == NEW_TOKENS
+            passes.append((f.metadata()[fmt.PASS_META_KEY], f.get_tensor(fmt.ROWPRINTS_TENSOR)))
     return passes, counters
 
 
-def _resolved(meta: dict, table: torch.Tensor) -> dict:
-    """Every captured tensor's description and print rows, aliases followed to what they name;
-    with each call's names, order, scalar values and skipped slots."""
-    stored = {name: t for call in meta["calls"] for name, t in call["tensors"].items() if "alias" not in t}
-    out = {}
-    for call in meta["calls"]:
-        out[call["call"]] = (
-            call["module"],
-            call["cls"],
-            call["pre"],
-            call["post"],
-            call.get("values"),
-            call.get("skipped"),
-        )
-        for name, t in call["tensors"].items():
-            first, n = stored[t.get("alias", name)]["print"]
-            out[name] = (t["shape"], t["dtype"], t["token_dims"], t["rows"], table[:, first : first + n].tolist())
-    return out
+def _same_files(general, planned):
+    assert len(planned) == len(general)
+    for index, ((meta_g, table_g), (meta_p, table_p)) in enumerate(zip(general, planned)):
+        assert meta_p == meta_g, f"pass {index}: metadata differs"
+        assert torch.equal(table_p, table_g), f"pass {index}: prints differ"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -77,11 +75,10 @@ def test_planned_decode_passes_write_the_general_hooks_files(llama_dir, tmp_path
     general, (followed, _) = _dump(model, tmp_path, "general", False, monkeypatch, device)
     assert followed == 0
     planned, (followed, left) = _dump(model, tmp_path, "planned", True, monkeypatch, device)
-    # the prefill and the first decode step are traced; every later decode step follows its plan
-    assert (followed, left) == (NEW_TOKENS - 2, 0)
-    for (meta_g, table_g), (meta_p, table_p) in zip(general, planned):
-        assert meta_p == meta_g
-        assert torch.equal(table_p, table_g)
+    # the prefill is met once; the first decode step's structure is met, the second's traced, and
+    # every later decode step follows its plan
+    assert (followed, left) == (NEW_TOKENS - 3, 0)
+    _same_files(general, planned)
 
 
 class _Detour:
@@ -117,15 +114,109 @@ def _rewrite_input(original, x):  # k_proj adds one to the normed states q_proj 
     [("mlp", _skip_up_proj), ("self_attn.k_proj", _rewrite_input)],
     ids=["a-call-missing", "a-tensor-rewritten-in-place"],
 )
-def test_a_pass_that_leaves_its_plan_gets_the_general_hooks_prints(llama_dir, tmp_path, monkeypatch, where, forward):
+def test_a_pass_that_leaves_its_plan_writes_the_general_hooks_files(llama_dir, tmp_path, monkeypatch, where, forward):
     runs = {}
     for plans in (False, True):
         model = load_model(llama_dir, torch.float32)
         _Detour(model, model.get_submodule(f"model.layers.1.{where}"), forward, on_pass=5)
         runs[plans] = _dump(model, tmp_path, f"plans-{plans}", plans, monkeypatch, "cpu")
     (general, _), (planned, (followed, left)) = runs[False], runs[True]
-    # decode steps 1-2 traced and followed, step 3 (the fifth pass) leaves its plan, step 4 is
-    # traced again and the rest follow the new plan
-    assert left == 1 and followed == NEW_TOKENS - 4
-    for index, ((meta_g, table_g), (meta_p, table_p)) in enumerate(zip(general, planned)):
-        assert _resolved(meta_p, table_p) == _resolved(meta_g, table_g), f"pass {index}"
+    # decode step 2 is traced and step 3 follows its plan; step 4 (the fifth pass) leaves it,
+    # step 5 is traced again and steps 6-7 follow the new plan
+    assert (followed, left) == (3, 1)
+    _same_files(general, planned)
+
+
+class _AsContiguous(torch.nn.Module):  # returns its input itself when it is contiguous already
+    def forward(self, x):
+        return x.contiguous()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.shared, self.contiguous, self.lin = shared, _AsContiguous(), torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        return self.lin(self.contiguous(self.shared(x))) * scale
+
+
+class _Scripted(torch.nn.Module):
+    """Two blocks sharing one module (as sglang's layers share a rotary embedding); each forward
+    follows the next entry of ``script``: the same calls every pass, with what differs chosen."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        shared = torch.nn.Tanh()
+        self.layers = torch.nn.ModuleList([_Block(shared), _Block(shared)])
+        self.script: list = []
+
+    def forward(self, input_ids):
+        how = self.script.pop(0)
+        h = self.embed(input_ids)
+        if how.get("strided"):  # the same values laid out column-major
+            h = h.transpose(1, 2).contiguous().transpose(1, 2)
+        for layer in self.layers:
+            h = layer(h, scale=how.get("scale", 1.0))
+        return h
+
+
+def _scripted_dumps(tmp_path, monkeypatch, script, filter=""):
+    """The general hooks' and the planned dump of the same passes: each is (passes, counters)."""
+    dumps = []
+    for plans in (False, True):
+        torch.manual_seed(0)
+        model = _Scripted().eval()
+
+        def run(model=model):
+            for how in script:
+                model.script.append(how)
+                ids = torch.arange(3, 3 + how.get("tokens", 4)).unsqueeze(0)  # not an inference tensor
+                with how.get("mode", torch.no_grad)():
+                    model(ids)
+
+        dumps.append(_dumped(model, tmp_path, f"plans-{plans}", plans, monkeypatch, run, filter=filter))
+    return dumps
+
+
+SAME = [{}] * 3  # a structure is met, traced, then its plan followed
+
+
+@pytest.mark.parametrize(
+    "script, counters",
+    [
+        # the block's input contiguous again: .contiguous() returns the tensor itself, which the
+        # general hooks alias where the trace stored a copy
+        pytest.param([{"strided": True}] * 3 + [{}] * 4, (3, 1), id="an-alias-where-the-trace-stored-a-copy"),
+        pytest.param(
+            [{"scale": np.float64(0.0)}] * 3 + [{"scale": np.float64(-0.0)}] * 3,
+            (2, 1),
+            id="a-float-argument-of-the-other-sign",
+        ),
+        pytest.param([{"scale": float("nan")}] * 5, (3, 0), id="a-nan-argument-followed"),
+        pytest.param(
+            # traced in inference mode (its tensors have no versions: no aliases); outside it the
+            # pass copies strided rows into the pool, until the first alias leaves the plan and
+            # the general hooks copy more into it
+            [{"mode": torch.inference_mode, "strided": True}] * 3 + [{"strided": True}] * 2,
+            (1, 1),
+            id="a-pool-made-in-inference-mode-written-outside-it",
+        ),
+        pytest.param(
+            SAME + [{"tokens": 6}] * 4 + SAME + [{"tokens": 6}],
+            (7, 0),
+            id="two-plans-taking-turns-the-pool-grown-between",
+        ),
+    ],
+)
+def test_passes_of_a_changing_structure_write_the_general_hooks_files(tmp_path, monkeypatch, script, counters):
+    (general, _), (planned, followed_left) = _scripted_dumps(tmp_path, monkeypatch, script)
+    assert followed_left == counters
+    _same_files(general, planned)
+
+
+def test_a_filter_leaving_out_a_shared_modules_other_calls_keeps_the_plan(tmp_path, monkeypatch):
+    (general, _), (planned, followed_left) = _scripted_dumps(tmp_path, monkeypatch, [{}] * 6, filter="layers.0")
+    assert followed_left == (4, 0)
+    _same_files(general, planned)
