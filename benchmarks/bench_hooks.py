@@ -156,7 +156,8 @@ def main():
                     ),
                 )
                 with torch.no_grad():
-                    model(ids, use_cache=False)  # hooks attached, caches warm, the pass traced
+                    for _ in range(2):  # hooks attached, caches warm; the structure met, then traced
+                        model(ids, use_cache=False)
                 handle.flush()
                 open_pass(handle, ids)
             sync(args.device)
