@@ -352,7 +352,7 @@ class Dumper:
         key = current.plan_key = settings + (tuple(info.token_shape), len(info.ids), len(info.last_rows))
         plan = self._plans.find(key)
         if plan is not None:
-            plan.start(current)
+            plan.start(current, self._describe)
         elif self._plans.tracing(key):
             current.trace = passplan.Trace()
 
@@ -381,7 +381,9 @@ class Dumper:
         self._pass = self._pass_thread = None
         exp_dir = current.exp_dir
         meta = current.info.to_meta()
-        calls = current.plan.calls_meta if current.plan is not None else [c.to_meta() for c in current.calls]
+        calls = (
+            current.plan.calls_meta_of(current) if current.plan is not None else [c.to_meta() for c in current.calls]
+        )
         meta.update(step=self.step, rank=self.rank, calls=calls, kept_rows=current.kept_rows, dump_mode=current.mode)
         trace = current.trace
         if current.prints is not None:
@@ -618,27 +620,8 @@ class Dumper:
             # a graph replays device work only: a slot would keep the capture's values forever
             call.skipped[name] = "host tensor in a CUDA graph capture (a replay does not recompute it)"
             return
-        shape = tensor.shape
-        layout = current.layouts.get(shape)  # a pass meets few shapes, each many times
-        if layout is None:
-            layout = current.layouts[shape] = current.layout(shape)
-        if layout.dims is not None and self._rows_not_aligned is not None:
-            shifted = self._rows_not_aligned(call.cls, name)
-            if shifted:
-                layout = capture.Layout(shape, None, None, shifted)
-        held_as = per_token = None
         given = tensor
-        if layout.dims is None:
-            per_token = capture.rows_per_token(shape, current.info.token_shape, call.cls)
-            if per_token:  # stored as [T, k, ...] (a view): one row per token row, like any other tensor
-                held_as, tensor = layout.shape, tensor.unflatten(0, (-1, per_token))
-                shape = tensor.shape
-                layout = current.layout(shape, ([0], "all", ""))
-        meta = {"shape": layout.shape, "dtype": stored, "token_dims": layout.token_dims, "rows": layout.rows}
-        if layout.dims is None:
-            meta["why"] = layout.why
-        if held_as is not None:
-            meta["held_as"] = held_as
+        meta, layout, tensor, per_token, by_object = self._describe(current, call.cls, name, tensor, stored)
         key = capture.storage_key(tensor)  # None: not known to be unchanged (an inference tensor)
         alias, ref = current.seen.get(key, (None, None))  # None is never stored: no alias then
         if alias is not None and ref() is not None:
@@ -652,10 +635,7 @@ class Dumper:
         if key is not None:
             ref = weakref.ref(tensor)
             current.seen[key] = (name, ref)
-            if layout.dims is not None and held_as is None and self._rows_not_aligned is None:
-                # its later captures as this same object, unchanged, are told by identity; their
-                # metadata is this one's but for the alias (not for a norm's per-head view, nor
-                # where the engine's adapter decides a tensor's rows by its name)
+            if by_object:  # its later captures as this same object, unchanged, are told by identity
                 current.seen_objects[id(tensor)] = (ref, key, dict(meta, alias=name))
         data, fresh = tensor, False
         if current.kept_index is not None and layout.dims is not None and layout.rows == "all":
@@ -668,13 +648,41 @@ class Dumper:
         if current.prints is not None and (current.print_host_tensors or data.is_cuda):
             staged = self._stage_print(current, meta, data, layout)
         if trace is not None:
-            by_object = layout.dims is not None and held_as is None and self._rows_not_aligned is None
             trace.new(name, meta, given, per_token, layout, staged, by_object)
         if current.mode != "fingerprint":
             if current.recording is not None:  # captured into a CUDA graph: a static slot, no host copy
                 current.recording.record(name, data)
             else:
                 current.tensors[name] = self._copy_off(current, data, fresh)
+
+    def _describe(self, current: PassState, cls: str, name: str, tensor: torch.Tensor, stored: str) -> tuple:
+        """A plain tensor's metadata in this pass (before any alias, row selection or print
+        range), its Layout, the tensor as stored (a norm's per-head rows as a [T, k, ...] view),
+        the k of that view (None: none), and whether a later capture of the same object may be
+        told by its identity (not a norm's per-head view, nor where the engine's adapter decides
+        a tensor's rows by its name)."""
+        shape = tensor.shape
+        layout = current.layouts.get(shape)  # a pass meets few shapes, each many times
+        if layout is None:
+            layout = current.layouts[shape] = current.layout(shape)
+        if layout.dims is not None and self._rows_not_aligned is not None:
+            shifted = self._rows_not_aligned(cls, name)
+            if shifted:
+                layout = capture.Layout(shape, None, None, shifted)
+        held_as = per_token = None
+        if layout.dims is None:
+            per_token = capture.rows_per_token(shape, current.info.token_shape, cls)
+            if per_token:  # stored as [T, k, ...] (a view): one row per token row, like any other tensor
+                held_as, tensor = layout.shape, tensor.unflatten(0, (-1, per_token))
+                layout = current.layout(tensor.shape, ([0], "all", ""))
+            per_token = per_token or None
+        meta = {"shape": layout.shape, "dtype": stored, "token_dims": layout.token_dims, "rows": layout.rows}
+        if layout.dims is None:
+            meta["why"] = layout.why
+        if held_as is not None:
+            meta["held_as"] = held_as
+        by_object = layout.dims is not None and held_as is None and self._rows_not_aligned is None
+        return meta, layout, tensor, per_token, by_object
 
     def _stage_print(self, current: PassState, meta: dict, data: torch.Tensor, layout: capture.Layout):
         """Stage the tensor's rows for their fingerprints, laid out as the analyzer reads a stored

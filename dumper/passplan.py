@@ -58,7 +58,7 @@ class _Value:
             return False
         return repr(value) == repr(raw) if isinstance(raw, float) else value == raw
 
-    def rebuild(self, call: Call, owners: dict) -> None:
+    def rebuild(self, current, call: Call, owners: dict) -> None:
         call.values[self.key] = self.stored
 
 
@@ -76,7 +76,7 @@ class _Other:
             return False
         return self.what is None or (value.dtype, value.layout, value.device) == self.what
 
-    def rebuild(self, call: Call, owners: dict) -> None:
+    def rebuild(self, current, call: Call, owners: dict) -> None:
         call.skipped[self.key] = self.said
 
 
@@ -84,29 +84,38 @@ class _Alias:
     """A tensor captured earlier in the pass: the very object unchanged, or one with its storage
     key (hooks.Dumper._capture_tensor)."""
 
-    __slots__ = ("name", "meta", "source", "same_object", "type", "per_token")
+    __slots__ = ("name", "meta", "source", "same_object", "type", "per_token", "call_index")
 
-    def __init__(self, name, meta, source, same_object, value, per_token):
+    def __init__(self, name, meta, source, same_object, value, per_token, call_index):
         # source: the index of the new tensor it names among the plan's new tensors
         self.name, self.meta, self.source, self.same_object = name, meta, source, same_object
-        self.type, self.per_token = type(value), per_token
+        self.type, self.per_token, self.call_index = type(value), per_token, call_index
 
     def follow(self, current, value) -> bool:
         seen = current.plan_seen[self.source]
         if seen is None:  # an inference tensor (no version: never an alias), or not captured
             return False
-        _, ref, address, version = seen
+        step, ref, address, version = seen
+        varying = current.plan_varying.get(self.source)
         if self.same_object:
-            return ref() is value and value._version == version and value.data_ptr() == address
-        if type(value) is not self.type:
+            if not (ref() is value and value._version == version and value.data_ptr() == address):
+                return False
+            if varying is not None:  # the source's metadata this pass, as the general hooks alias it
+                alias = varying[2]
+                if alias is None:
+                    alias = varying[2] = dict(varying[0], alias=step.name)
+                current.plan_patches.setdefault(self.call_index, {})[self.name] = alias
+            return True
+        if type(value) is not self.type or varying is not None:
             return False
         if self.per_token is not None:
             value = value.unflatten(0, (-1, self.per_token))
         earlier = ref()
         return earlier is not None and capture.storage_key(value) == _key_of(earlier, address, version)
 
-    def rebuild(self, call: Call, owners: dict) -> None:
-        call.tensors[self.name] = dict(self.meta)
+    def rebuild(self, current, call: Call, owners: dict) -> None:
+        patched = current.plan_patches.get(self.call_index, {}).get(self.name)
+        call.tensors[self.name] = patched if patched is not None else dict(self.meta)
 
 
 def _key_of(tensor, address, version):
@@ -134,9 +143,12 @@ class _New:
         "n",
         "nbytes",
         "address",
+        "call_index",
+        "cls",
     )
 
-    def __init__(self, name, meta, index, by_object, value, per_token, layout, key, first, n):
+    def __init__(self, name, meta, index, by_object, value, per_token, layout, key, first, n, call):
+        # call: (the index of its call in the pass, the call's module class)
         # index: its place among the plan's new tensors; by_object: whether the general hooks
         # also know it by its identity (a later capture of the same object, unchanged, aliases it)
         self.name, self.meta, self.index, self.by_object = name, meta, index, by_object
@@ -146,26 +158,16 @@ class _New:
         self.key, self.first, self.n = key, first, n
         self.nbytes = n * key[2] * key[1].itemsize
         self.address = 0  # of its first row in the pool: set by Plan.start
+        self.call_index, self.cls = call
 
     def follow(self, current, value) -> bool:
-        if (
-            type(value) is not self.type
-            or value.shape != self.shape
-            or value.dtype is not self.dtype
-            or value.device != self.device
-        ):
+        if type(value) is not self.type or value.dtype is not self.dtype or value.device != self.device:
             return False
+        if value.shape != self.shape:
+            return self._varying(current, value)
         data = value if self.per_token is None else value.unflatten(0, (-1, self.per_token))
-        if not data.is_inference():  # the general hooks' storage key, in parts
-            address, version = data.data_ptr(), data._version
-            same_address = current.plan_addresses.get(address)
-            if same_address is not None and _known(same_address, data, version):
-                return False  # the general hooks would store an alias here
-            seen = current.plan_seen[self.index] = (self, weakref.ref(data), address, version)
-            if same_address is None:
-                current.plan_addresses[address] = [seen]
-            else:
-                same_address.append(seen)
+        if not (data.is_inference() or _seen(current, self, data)):
+            return False  # the general hooks would store an alias here
         # the rows as the general hooks stage them (PassPrints.add)
         rows = data if self.print_shape is not None else rowprint.as_rows(data, self.print_dims)
         if not (current.prints.raw_copies and rawcopy.copy_rows(self.address, rows, self.nbytes)):
@@ -173,9 +175,46 @@ class _New:
             staged.copy_(rows if self.print_shape is None else rows.reshape(self.print_shape))
         return True
 
-    def rebuild(self, call: Call, owners: dict) -> None:
+    def _varying(self, current, value) -> bool:
+        """A tensor whose shape is not the trace's (a padded batch's attention mask grows by one
+        column a step): described and staged as the general hooks do, its rows after the
+        plan's; its metadata patched into a copy of its call's."""
+        meta, layout, data, _, by_object = current.plan_describe(
+            current, self.cls, self.name, value, self.meta["dtype"]
+        )
+        if not (data.is_inference() or _seen(current, self, data)):
+            return False
+        # [its metadata, whether the general hooks know it by identity, its aliases' metadata]
+        current.plan_varying[self.index] = [meta, by_object, None]
+        current.plan_patches.setdefault(self.call_index, {})[self.name] = meta
+        if layout.print_shape is None:
+            current.prints.add(meta, rowprint.as_rows(data, layout.print_dims))
+        else:
+            current.prints.add(meta, data, layout.print_shape)
+        return True
+
+    def rebuild(self, current, call: Call, owners: dict) -> None:
+        varying = current.plan_varying.get(self.index)
+        if varying is not None:  # staged with the pass's own rows, its owner that metadata
+            call.tensors[self.name] = varying[0]
+            return
         meta = call.tensors[self.name] = dict(self.meta)
         owners.setdefault(self.key, []).append((meta, self.first, self.n))
+
+
+def _seen(current, step: _New, data) -> bool:
+    """Keep a new tensor's address and version, as the general hooks keep its storage key;
+    False where they would take it for an earlier capture."""
+    address, version = data.data_ptr(), data._version
+    same_address = current.plan_addresses.get(address)
+    if same_address is not None and _known(same_address, data, version):
+        return False
+    seen = current.plan_seen[step.index] = (step, weakref.ref(data), address, version)
+    if same_address is None:
+        current.plan_addresses[address] = [seen]
+    else:
+        same_address.append(seen)
+    return True
 
 
 def _known(same_address: list, data, version) -> bool:
@@ -193,10 +232,10 @@ def _known(same_address: list, data, version) -> bool:
 class _Event:
     """A hooked call's start (pre) or end (post), with one step per argument or output leaf."""
 
-    __slots__ = ("post", "module", "path", "call", "single", "slots", "steps")
+    __slots__ = ("post", "module", "path", "call", "call_index", "single", "slots", "steps")
 
-    def __init__(self, post, module, path, call, leaves):
-        self.post, self.module, self.path, self.call = post, module, path, call
+    def __init__(self, post, module, path, call, call_index, leaves):
+        self.post, self.module, self.path, self.call, self.call_index = post, module, path, call, call_index
         self.single = leaves is None  # one bare tensor, taken without the general walk
         self.slots = None if leaves is None else tuple(slot for slot, _ in leaves)
         self.steps: list = []
@@ -210,9 +249,11 @@ class Trace:
         self.ok = True  # False: something happened that a plan does not follow
         self.rows: Dict[tuple, int] = {}  # staged rows per (device, element type, width), first-staged order
         self._new: Dict[str, _New] = {}  # by tensor name, for the aliases naming them
+        self._calls: Dict[int, int] = {}  # id of a call -> its index among the pass's calls
 
     def event(self, post: bool, module, path, call: Call, leaves=None) -> None:
-        self.events.append(_Event(post, module, path, call, leaves))
+        index = self._calls[id(call)] if post else self._calls.setdefault(id(call), len(self._calls))
+        self.events.append(_Event(post, module, path, call, index, leaves))
 
     def value(self, key: str, raw, stored) -> None:
         self.events[-1].steps.append(_Value(key, raw, stored))
@@ -225,7 +266,8 @@ class Trace:
         if source is None:
             self.ok = False
             return
-        self.events[-1].steps.append(_Alias(name, meta, source.index, same_object, value, per_token))
+        event = self.events[-1]
+        event.steps.append(_Alias(name, meta, source.index, same_object, value, per_token, event.call_index))
 
     def new(self, name: str, meta: dict, value, per_token, layout, staged, by_object: bool) -> None:
         """``staged``: (the rows' (device, element type, width), their count) from PassPrints.add."""
@@ -235,9 +277,11 @@ class Trace:
         key, n = staged
         first = self.rows.get(key, 0)
         self.rows[key] = first + n
-        step = _New(name, meta, len(self._new), by_object, value, per_token, layout, key, first, n)
+        event = self.events[-1]
+        call = (event.call_index, event.call.cls)
+        step = _New(name, meta, len(self._new), by_object, value, per_token, layout, key, first, n, call)
         self._new[name] = step
-        self.events[-1].steps.append(step)
+        event.steps.append(step)
 
     @property
     def new_count(self) -> int:
@@ -260,8 +304,9 @@ class Plan:
         for key, rows in self.rows.items():
             pool.ensure(key, rows)
 
-    def start(self, current) -> None:
-        """Make ``current`` (a new pass) follow this plan."""
+    def start(self, current, describe) -> None:
+        """Make ``current`` (a new pass) follow this plan; ``describe``: the general hooks'
+        description of a tensor (hooks.Dumper._describe), for a tensor whose shape varies."""
         pool = self.pool
         if self._generation != pool.generation:  # a pool tensor was replaced: new addresses
             for step in self._new:
@@ -269,8 +314,12 @@ class Plan:
                 step.address = pool.tensors[step.key].data_ptr() + step.first * width * dtype.itemsize
             self._generation = pool.generation
         pool.wait(self.devices)
-        current.plan, current.plan_at, current.plan_pool = self, 0, pool
+        current.plan, current.plan_at, current.plan_pool, current.plan_describe = self, 0, pool, describe
         current.plan_seen, current.plan_addresses, current.plan_unopened = [None] * self.new_count, {}, {}
+        current.plan_varying, current.plan_patches = {}, {}
+        # rows staged by the pass itself (of tensors whose shape varies) stay until its end: the
+        # plan's rows come first in its print table
+        current.plan_stage_bytes, current.prints.stage_bytes = current.prints.stage_bytes, 1 << 62
 
     def pre(self, current, module, path, args, kwargs) -> bool:
         """Follow the plan's next event, the start of a call of ``module`` (``path``: its name, for
@@ -319,6 +368,16 @@ class Plan:
         """The pass followed the whole plan: its prints' blocks are the pool's rows it filled."""
         current.prints.take_rows({key: (self.pool.tensors[key], rows) for key, rows in self.rows.items()})
 
+    def calls_meta_of(self, current) -> list:
+        """The pass's calls' metadata: the trace's, copied where a tensor's varied."""
+        if not current.plan_patches:
+            return self.calls_meta
+        calls = list(self.calls_meta)
+        for index, tensors in current.plan_patches.items():
+            call = calls[index] = dict(calls[index])
+            call["tensors"] = dict(call["tensors"], **tensors)
+        return calls
+
     def leave(self, current) -> None:
         """The state the general hooks would have made of the events followed so far: the calls,
         the staged rows and their owners, and the captures a later alias may name (those of a
@@ -339,7 +398,7 @@ class Plan:
                 nesting.append(call)
                 counts[template.module] = counts.get(template.module, 0) + 1
             for step in event.steps:
-                step.rebuild(call, owners)
+                step.rebuild(current, call, owners)
                 if type(step) is _New:
                     _known_again(current, current.plan_seen[step.index])
         current.calls, current.nesting, current.counts, current.order = calls, nesting, counts, current.plan_at
@@ -347,6 +406,7 @@ class Plan:
             {key: (self.pool.tensors[key], max(first + n for _, first, n in rows)) for key, rows in owners.items()},
             owners,
         )
+        current.prints.stage_bytes = current.plan_stage_bytes
         current.plan = None
 
 
@@ -360,8 +420,10 @@ def _known_again(current, seen) -> None:
         return
     key = _key_of(tensor, address, version)
     current.seen[key] = (step.name, ref)
-    if step.by_object:  # the metadata as it was at capture, before its print range was set
-        meta = {field: value for field, value in step.meta.items() if field != "print"}
+    varying = current.plan_varying.get(step.index)
+    meta, by_object = (step.meta, step.by_object) if varying is None else varying[:2]
+    if by_object:  # the metadata as it was at capture, before its print range was set
+        meta = {field: value for field, value in meta.items() if field != "print"}
         current.seen_objects[id(tensor)] = (ref, key, dict(meta, alias=step.name))
 
 

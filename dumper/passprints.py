@@ -77,9 +77,10 @@ class PassPrints:
         return bool(self._pieces)
 
     def take_rows(self, sections: Dict[tuple, tuple], owners: Optional[dict] = None) -> None:
-        """Rows staged elsewhere (passplan.py), into a pass that has staged none: per (device,
-        element type, width) key, a tensor whose first ``used`` rows hold them; ``owners``: per
-        key, the (tensor metadata, first row, rows) whose prints are to be placed."""
+        """Rows staged elsewhere (passplan.py), before the rows this pass has staged itself: per
+        (device, element type, width) key, a tensor whose first ``used`` rows hold them;
+        ``owners``: per key, the (tensor metadata, first row, rows) whose prints are to be placed."""
+        own, self._blocks = self._blocks, {}
         for key, (rows, used) in sections.items():
             block = _Block(rows)
             block.used = used
@@ -88,6 +89,8 @@ class PassPrints:
             self._blocks[key] = [block]
             self._staged += used * block.row_bytes
             self.on_cuda |= key[0].type == "cuda"
+        for key, blocks in own.items():  # after all of those, under keys of their own
+            self._blocks[("own",) + key] = blocks
 
     def _new_block(self, key: tuple, n: int) -> _Block:
         """A block for rows of ``key`` (device, element type, width) with room for ``n`` of them."""

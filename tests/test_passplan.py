@@ -6,6 +6,7 @@ the general hooks give it."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import numpy as np
@@ -27,13 +28,17 @@ def llama_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("llama") / "model", num_hidden_layers=3)
 
 
-def _dump(model, root, name, plans, monkeypatch, device):
-    """A fingerprint dump of one batch-2 generate; the passes as (metadata, print table), and the
-    dumper's plan counters (followed, left)."""
+def _dump(model, root, name, plans, monkeypatch, device, padded=False):
+    """A fingerprint dump of one batch-2 generate (``padded``: the second prompt's first three
+    tokens masked out); the passes as (metadata, print table), and the dumper's plan counters
+    (followed, left)."""
     prompt = torch.cat([prompt_ids(12), prompt_ids(12, seed=1)]).to(device)
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, :3] = 0
 
     def generate():
-        model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        model.generate(prompt, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
 
     passes, counters = _dumped(model, root, name, plans, monkeypatch, generate)
     assert len(passes) == NEW_TOKENS
@@ -61,6 +66,29 @@ def _dumped(model, root, name, plans, monkeypatch, run, **config):
     return passes, counters
 
 
+def _same_prints(general, planned):
+    """The same calls, tensors and aliases, and every tensor the same print rows, wherever in
+    the print table they lie."""
+    assert len(planned) == len(general)
+    for index, (one, other) in enumerate(zip(general, planned)):
+        assert _resolved(*other) == _resolved(*one), f"pass {index}"
+
+
+def _resolved(meta_text: str, table: torch.Tensor) -> dict:
+    meta = json.loads(meta_text)
+    stored = {name: t for call in meta["calls"] for name, t in call["tensors"].items() if "alias" not in t}
+    out = {}
+    for call in meta["calls"]:
+        out[call["call"]] = {key: value for key, value in call.items() if key != "tensors"}
+        for name, t in call["tensors"].items():
+            first, n = stored[t.get("alias", name)]["print"]
+            out[name] = (
+                {key: value for key, value in t.items() if key != "print"},
+                table[:, first : first + n].tolist(),
+            )
+    return out
+
+
 def _same_files(general, planned):
     assert len(planned) == len(general)
     for index, ((meta_g, table_g), (meta_p, table_p)) in enumerate(zip(general, planned)):
@@ -79,6 +107,22 @@ def test_planned_decode_passes_write_the_general_hooks_files(llama_dir, tmp_path
     # every later decode step follows its plan
     assert (followed, left) == (NEW_TOKENS - 3, 0)
     _same_files(general, planned)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_padded_batchs_growing_mask_is_followed_with_the_general_hooks_prints(
+    llama_dir, tmp_path, monkeypatch, device
+):
+    # the attention mask grows by a column a decode step: its rows are staged after the plan's,
+    # its call's metadata copied and patched, and the print table ordered otherwise than the
+    # general hooks order it
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = load_model(llama_dir, dtype).to(device)
+    general, _ = _dump(model, tmp_path, "general", False, monkeypatch, device, padded=True)
+    planned, counters = _dump(model, tmp_path, "planned", True, monkeypatch, device, padded=True)
+    assert counters == (NEW_TOKENS - 3, 0)
+    assert any('"attention_mask"' in meta or ".attention_mask" in meta for meta, _ in planned)
+    _same_prints(general, planned)
 
 
 class _Detour:
@@ -114,17 +158,23 @@ def _rewrite_input(original, x):  # k_proj adds one to the normed states q_proj 
     [("mlp", _skip_up_proj), ("self_attn.k_proj", _rewrite_input)],
     ids=["a-call-missing", "a-tensor-rewritten-in-place"],
 )
-def test_a_pass_that_leaves_its_plan_writes_the_general_hooks_files(llama_dir, tmp_path, monkeypatch, where, forward):
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
+def test_a_pass_that_leaves_its_plan_writes_the_general_hooks_files(
+    llama_dir, tmp_path, monkeypatch, where, forward, padded
+):
     runs = {}
     for plans in (False, True):
         model = load_model(llama_dir, torch.float32)
         _Detour(model, model.get_submodule(f"model.layers.1.{where}"), forward, on_pass=5)
-        runs[plans] = _dump(model, tmp_path, f"plans-{plans}", plans, monkeypatch, "cpu")
+        runs[plans] = _dump(model, tmp_path, f"plans-{plans}", plans, monkeypatch, "cpu", padded=padded)
     (general, _), (planned, (followed, left)) = runs[False], runs[True]
     # decode step 2 is traced and step 3 follows its plan; step 4 (the fifth pass) leaves it,
     # step 5 is traced again and steps 6-7 follow the new plan
     assert (followed, left) == (3, 1)
-    _same_files(general, planned)
+    if padded:  # a growing mask staged by the pass itself, before and after it left its plan
+        _same_prints(general, planned)
+    else:
+        _same_files(general, planned)
 
 
 class _AsContiguous(torch.nn.Module):  # returns its input itself when it is contiguous already
