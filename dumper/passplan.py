@@ -206,19 +206,22 @@ def _seen(current, step: _New, data) -> bool:
     """Keep a new tensor's address and version, as the general hooks keep its storage key;
     False where they would take it for an earlier capture."""
     address, version = data.data_ptr(), data._version
+    seen = (step, weakref.ref(data), address, version)
     same_address = current.plan_addresses.get(address)
-    if same_address is not None and _known(same_address, data, version):
-        return False
-    seen = current.plan_seen[step.index] = (step, weakref.ref(data), address, version)
-    if same_address is None:
-        current.plan_addresses[address] = [seen]
-    else:
+    if same_address is not None:
+        # the earlier tensors at this address still alive (a freed one's memory is handed on)
+        same_address = [earlier for earlier in same_address if earlier[1]() is not None]
+        if same_address and _known(same_address, data, version):
+            return False
         same_address.append(seen)
+    current.plan_addresses[address] = same_address or [seen]
+    current.plan_seen[step.index] = seen
     return True
 
 
 def _known(same_address: list, data, version) -> bool:
-    """Whether a tensor captured earlier in the pass, still alive, has ``data``'s storage key."""
+    """Whether one of these tensors, captured earlier in the pass and alive, has ``data``'s
+    storage key."""
     key = None
     for _, ref, address, earlier_version in same_address:
         earlier = ref()

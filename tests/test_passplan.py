@@ -89,6 +89,16 @@ def _resolved(meta_text: str, table: torch.Tensor) -> dict:
     return out
 
 
+def _same_dumps(general, planned):
+    """The general hooks' files, byte for byte where no tensor's shape varies from step to step;
+    where one does (an attention mask HF passes growing, as some transformers releases do even
+    unpadded), the same prints for every tensor."""
+    if any(".attention_mask" in meta for meta, _ in general):
+        _same_prints(general, planned)
+    else:
+        _same_files(general, planned)
+
+
 def _same_files(general, planned):
     assert len(planned) == len(general)
     for index, ((meta_g, table_g), (meta_p, table_p)) in enumerate(zip(general, planned)):
@@ -106,7 +116,7 @@ def test_planned_decode_passes_write_the_general_hooks_files(llama_dir, tmp_path
     # the prefill is met once; the first decode step's structure is met, the second's traced, and
     # every later decode step follows its plan
     assert (followed, left) == (NEW_TOKENS - 3, 0)
-    _same_files(general, planned)
+    _same_dumps(general, planned)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -171,10 +181,7 @@ def test_a_pass_that_leaves_its_plan_writes_the_general_hooks_files(
     # decode step 2 is traced and step 3 follows its plan; step 4 (the fifth pass) leaves it,
     # step 5 is traced again and steps 6-7 follow the new plan
     assert (followed, left) == (3, 1)
-    if padded:  # a growing mask staged by the pass itself, before and after it left its plan
-        _same_prints(general, planned)
-    else:
-        _same_files(general, planned)
+    _same_dumps(general, planned)  # padded: a growing mask staged before and after it left its plan
 
 
 class _AsContiguous(torch.nn.Module):  # returns its input itself when it is contiguous already
