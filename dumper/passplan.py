@@ -101,6 +101,8 @@ class _Alias:
             if not (ref() is value and value._version == version and value.data_ptr() == address):
                 return False
             if varying is not None:  # the source's metadata this pass, as the general hooks alias it
+                if not varying[1]:  # they know it by its storage key alone: they describe it again
+                    return False
                 alias = varying[2]
                 if alias is None:
                     alias = varying[2] = dict(varying[0], alias=step.name)
@@ -178,19 +180,24 @@ class _New:
     def _varying(self, current, value) -> bool:
         """A tensor whose shape is not the trace's (a padded batch's attention mask grows by one
         column a step): described and staged as the general hooks do, its rows after the
-        plan's; its metadata patched into a copy of its call's."""
+        plan's; its metadata patched into a copy of its call's. Staged once its whole event is
+        followed (Plan.pre, Plan.post): a pass that leaves the plan at a later argument stages
+        it again the general way."""
         meta, layout, data, _, by_object = current.plan_describe(
             current, self.cls, self.name, value, self.meta["dtype"]
         )
+        rows = data if layout.print_shape is not None else rowprint.as_rows(data, layout.print_dims)
+        staged = current.prints.staged_bytes + sum(r.numel() * r.element_size() for _, r, _ in current.plan_pending)
+        if staged + rows.numel() * rows.element_size() > current.plan_stage_bytes:
+            return False  # the general hooks would print rows before the pass's end
         if not (data.is_inference() or _seen(current, self, data)):
             return False
         # [its metadata, whether the general hooks know it by identity, its aliases' metadata]
         current.plan_varying[self.index] = [meta, by_object, None]
         current.plan_patches.setdefault(self.call_index, {})[self.name] = meta
-        if layout.print_shape is None:
-            current.prints.add(meta, rowprint.as_rows(data, layout.print_dims))
-        else:
-            current.prints.add(meta, data, layout.print_shape)
+        current.plan_pending.append((meta, rows, layout.print_shape))
+        # its place among the plan's rows is printed too: zeros, not an earlier pass's rows
+        current.plan.pool.tensors[self.key][self.first : self.first + self.n].zero_()
         return True
 
     def rebuild(self, current, call: Call, owners: dict) -> None:
@@ -319,7 +326,7 @@ class Plan:
         pool.wait(self.devices)
         current.plan, current.plan_at, current.plan_pool, current.plan_describe = self, 0, pool, describe
         current.plan_seen, current.plan_addresses, current.plan_unopened = [None] * self.new_count, {}, {}
-        current.plan_varying, current.plan_patches = {}, {}
+        current.plan_varying, current.plan_patches, current.plan_pending = {}, {}, []
         # rows staged by the pass itself (of tensors whose shape varies) stay until its end: the
         # plan's rows come first in its print table
         current.plan_stage_bytes, current.prints.stage_bytes = current.prints.stage_bytes, 1 << 62
@@ -342,6 +349,8 @@ class Plan:
         except Exception:  # noqa: BLE001 - whatever a check trips on (a sparse tensor), the general hooks handle
             return False
         current.plan_at = at + 1
+        if current.plan_pending:
+            _stage_pending(current)
         return True
 
     def post(self, current, module, output) -> bool:
@@ -361,6 +370,8 @@ class Plan:
         except Exception:  # noqa: BLE001 - as in pre
             return False
         current.plan_at = at + 1
+        if current.plan_pending:
+            _stage_pending(current)
         return True
 
     def next_is_post_of(self, current, module) -> bool:
@@ -410,6 +421,7 @@ class Plan:
             owners,
         )
         current.prints.stage_bytes = current.plan_stage_bytes
+        current.plan_pending.clear()  # the event not followed: the general hooks capture it again
         current.plan = None
 
 
@@ -428,6 +440,13 @@ def _known_again(current, seen) -> None:
     if by_object:  # the metadata as it was at capture, before its print range was set
         meta = {field: value for field, value in meta.items() if field != "print"}
         current.seen_objects[id(tensor)] = (ref, key, dict(meta, alias=step.name))
+
+
+def _stage_pending(current) -> None:
+    """Stage the rows of the varying tensors of the event just followed."""
+    for meta, rows, shape in current.plan_pending:
+        current.prints.add(meta, rows, shape)
+    current.plan_pending.clear()
 
 
 def _follow(current, event: _Event, leaves: list) -> bool:

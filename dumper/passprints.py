@@ -72,6 +72,11 @@ class PassPrints:
         return key, n
 
     @property
+    def staged_bytes(self) -> int:
+        """Bytes of rows staged and not printed yet."""
+        return self._staged
+
+    @property
     def worked(self) -> bool:
         """Whether rows were printed before the pass's end (its staged bytes outgrew stage_bytes)."""
         return bool(self._pieces)

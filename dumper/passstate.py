@@ -84,6 +84,7 @@ class PassState:
         self.plan_unopened: Optional[dict] = None
         self.plan_varying: Optional[dict] = None  # by new tensor index: one whose shape is not the trace's
         self.plan_patches: Optional[dict] = None  # call index -> {tensor name: its metadata this pass}
+        self.plan_pending: Optional[list] = None  # varying tensors' rows, staged once their event is followed
         self.plan_describe = None
         self.plan_stage_bytes = 0
         self.plan_key: Optional[tuple] = None

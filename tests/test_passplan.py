@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from dumpdiff import dumper
 from dumpdiff.dumper import format as fmt
-from dumpdiff.dumper import passplan
+from dumpdiff.dumper import passplan, passprints
 from helpers import load_model, make_tiny_llama, prompt_ids
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -277,3 +277,74 @@ def test_a_filter_leaving_out_a_shared_modules_other_calls_keeps_the_plan(tmp_pa
     (general, _), (planned, followed_left) = _scripted_dumps(tmp_path, monkeypatch, [{}] * 6, filter="layers.0")
     assert followed_left == (4, 0)
     _same_files(general, planned)
+
+
+class _Varying(torch.nn.Module):
+    """Token ids in one flat dim, as an engine passes them; per pass, from ``script``: how many
+    copies of the embedding rows ``repeat`` makes (a tensor whose shape varies, which a norm then
+    takes: [T, k] rows are a norm's per-head rows to the general hooks), the length of a mask
+    each ``use`` takes, and a scalar it takes after the mask."""
+
+    class Repeat(torch.nn.Module):
+        times = 1
+
+        def forward(self, h):
+            return h.repeat(self.times, 1)
+
+    class Use(torch.nn.Module):
+        def forward(self, h, mask, scale):
+            return h * scale + mask.mean()
+
+    class Norm(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.repeat, self.norm = self.Repeat(), self.Norm()
+        self.uses = torch.nn.ModuleList([self.Use() for _ in range(3)])
+        self.script: list = []
+
+    def forward(self, input_ids):
+        self.repeat.times, length, scale = self.script.pop(0)
+        h = self.norm(self.repeat(self.embed(input_ids)))[: len(input_ids)]
+        for use in self.uses:
+            h = use(h, torch.ones(4, length), scale)
+        return h
+
+
+@pytest.mark.parametrize(
+    "script, counters",
+    [
+        # the repeated rows seen by the norm once as [T, 8], then as [2T, 8]: the general hooks
+        # store its per-head view where the trace had an alias, so the pass leaves the plan
+        pytest.param([(1, 5, 1.0)] * 3 + [(2, 5, 1.0)] * 3, (2, 1), id="a-varying-tensor-a-norm-takes-per-head"),
+        # the mask grows, and in the fifth pass the scalar after it changes: the mask staged for
+        # the plan must not stay in the print table when the pass leaves it there
+        pytest.param(
+            [(1, 5, 1.0)] * 3 + [(1, 6, 1.0), (1, 7, 2.0), (1, 8, 1.0), (1, 9, 1.0)],
+            (3, 1),
+            id="a-grown-mask-then-a-scalar-of-the-same-call-differs",
+        ),
+        # masks far larger than the trace's: the general hooks print rows before the pass's end
+        pytest.param([(1, 5, 1.0)] * 3 + [(1, 5000, 1.0)] * 2, (1, 1), id="varying-rows-beyond-the-staging-bytes"),
+    ],
+)
+def test_passes_whose_tensors_vary_give_the_general_hooks_prints(tmp_path, monkeypatch, script, counters):
+    monkeypatch.setattr(passprints.PassPrints.__init__, "__defaults__", (60_000, True))  # stage_bytes
+    dumps = []
+    for index, plans in enumerate((False, True, True)):
+        torch.manual_seed(0)
+        model = _Varying().eval()
+
+        def run(model=model):
+            for how in script:
+                model.script.append(how)
+                model(torch.arange(3, 7))
+
+        dumps.append(_dumped(model, tmp_path, f"run-{index}", plans, monkeypatch, run))
+    (general, _), (planned, followed_left), (again, _) = dumps
+    assert followed_left == counters
+    _same_prints(general, planned)
+    _same_files(planned, again)  # the plan's places of varying tensors print as zeros, not as leftovers
