@@ -14,6 +14,8 @@ so the prefill is left out; states are measured in interleaved rounds, medians r
 * all+prints    mode all with DUMPER_FINGERPRINTS=1 / mode all             the price of carrying them
 * bytes         fingerprint files / the tensor bytes mode all stores       target <= 1%
 * gc            the garbage collector's time per generated token, fingerprint and plain (context)
+  (--warm-dumper: each round's dumper dumps one untimed generate first, so that every timed decode
+  step follows a plan, as in a long-running dump; by default the first two follow none)
 * prefill       with --prefill N: one forward of N tokens dumped in mode fingerprint, its file
                 on disk, less the plain forward (seconds; target: well under one on a GPU)
 * index         the index of a full dump: XXH3 from its bytes, carried prints read, rowprint
@@ -160,9 +162,10 @@ def bench_prefill(model, tokens, vocab, device, work, rounds):
     )
 
 
-def measure(model, ids, steps, device, work, config, name):
+def measure(model, ids, steps, device, work, config, name, warm=False):
     """(decode seconds, dump folder) of one round of a state; config None: no dumper; "noop":
-    no-op hooks only."""
+    no-op hooks only. ``warm``: the dumper first dumps one untimed generate, so that the timed
+    decode steps all follow plans, as in a long-running dump."""
     if config is None:
         return decode_seconds(model, ids, steps, device), None
     if config == "noop":
@@ -181,6 +184,9 @@ def measure(model, ids, steps, device, work, config, name):
         ),
     )
     try:
+        if warm:
+            generate_seconds(model, ids, steps + 1, device)
+            handle.flush()
         seconds = decode_seconds(model, ids, steps, device, settle=handle.flush)
     finally:
         handle.remove()
@@ -249,6 +255,12 @@ def main():
         help="decoder layers (default: the shape's); bytes per layer do not change with it",
     )
     parser.add_argument("--skip", default="", help="comma list of: all, index, noop, general")
+    parser.add_argument(
+        "--warm-dumper",
+        action="store_true",
+        help="each round's dumper dumps one untimed generate first, so that every timed decode step "
+        "follows a plan (the garbage collector's figure then counts that generate too)",
+    )
     parser.add_argument("--prefill", type=int, default=0, help="also time a dumped prefill of this many tokens")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -289,7 +301,14 @@ def main():
                     shutil.rmtree(folders[name], ignore_errors=True)
                 with GcClock() as clock:
                     seconds, folders[name] = measure(
-                        model, ids, args.steps, args.device, work, config, f"{name.replace('+', '-')}-{r}"
+                        model,
+                        ids,
+                        args.steps,
+                        args.device,
+                        work,
+                        config,
+                        f"{name.replace('+', '-')}-{r}",
+                        warm=args.warm_dumper,
                     )
                 times[name].append(seconds)
                 collected[name].append(clock.seconds)
