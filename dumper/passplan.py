@@ -2,9 +2,9 @@
 
 Decode steps of one batch shape run the same hooked calls on tensors of the same shapes, pass after
 pass, and what the general hooks work out for each tensor (its metadata, whether it is an alias,
-where its rows are staged for their prints) comes out the same every time. So the first
-fingerprint pass of a structure (filter, token layout) is traced as the general hooks handle it
-and becomes a plan. A later pass of that structure follows the plan: each hook checks that its
+where its rows are staged for their prints) comes out the same every time. So a fingerprint
+pass of a structure (filter, token layout) is traced as the general hooks handle it and becomes
+a plan. A later pass of that structure follows the plan: each hook checks that its
 call is the plan's next one and that every argument is what the trace saw (the same module,
 argument slots, tensor types, shapes, element types and devices, scalar values and aliases),
 copies each new tensor's rows to the place the trace fixed, and does nothing more. The pass's
@@ -19,7 +19,12 @@ and version) is an alias there, so where the trace stored it the pass leaves the
 At the first difference the pass leaves its plan: the calls so far, their staged rows and the
 captures an alias may name are rebuilt as the general hooks would have made them, and the general
 hooks go on from there. The plan is dropped and the structure traced again; one whose passes keep
-differing (experts chosen per token) is not planned again until its misses are forgotten.
+differing (experts chosen per token) is no longer planned after a few misses (a miss now and then
+is forgotten after a long run of followed passes).
+
+A tensor whose shape is not the trace's, all else alike (a padded batch's attention mask, one
+column longer each step), is described and staged as the general hooks do: its rows go after the
+plan's in the print table, and its call's metadata is copied and patched for the pass.
 
 Every plan stages into one pool of rows per (device, element type, row width), as large as the
 largest plan needs: a plan's copies go to fixed addresses, and one pass runs at a time.
@@ -38,8 +43,8 @@ from .passstate import Call
 
 PLANS = True  # False: every pass takes the general hooks (tests and benchmarks compare the two)
 MOST_PLANS = 32  # structures planned at once (one per batch shape seen lately)
-MOST_MISSES = 3  # a structure whose plan missed this often is no longer planned ...
-FORGIVEN_AFTER = 64  # ... until a plan of it has been followed this many passes in a row
+MOST_MISSES = 3  # a structure whose plans missed this often is no longer planned
+FORGIVEN_AFTER = 64  # passes in a row following a structure's plan that forget its misses
 MOST_KEYS = 1024  # structures whose sightings and misses are counted (then counting starts again)
 _PLAIN = capture.PLAIN_TENSORS
 
